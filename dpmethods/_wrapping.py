@@ -1,0 +1,148 @@
+"""What every dpmethods wrapper shares: parallel methods as real attributes, and
+attribute forwarding to the wrapped module.
+
+A wrapper instance belongs to a small subclass made for its module's class, whose
+class body holds one ``functools.wraps``-ed method per parallel method. That makes
+``dp.encode`` a real attribute: ``inspect.signature``, ``help``, ``dir`` and tab
+completion show the model's own method, and no ``__getattr__`` lookup runs per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .registry import MethodOptions, MethodsArg, resolve_methods
+
+__all__: list[str] = []
+
+_CLASS_CACHE: dict[tuple[type, type, tuple[str, ...]], type] = {}
+
+
+def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._run_method(name, args, kwargs)
+
+    return method
+
+
+def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
+    key = (base, module_cls, names)
+    cls = _CLASS_CACHE.get(key)
+    if cls is None:
+        namespace: dict[str, Any] = {
+            "__module__": base.__module__,
+            "__qualname__": base.__qualname__,
+            "_dpm_base": base,
+            "_dpm_names": names,
+        }
+        for name in names:
+            namespace[name] = _make_method(getattr(module_cls, name), name)
+        cls = type(base.__name__, (base,), namespace)
+        _CLASS_CACHE[key] = cls
+    return cls
+
+
+def _rebuild(base: type, module_cls: type, names: tuple[str, ...]) -> Any:
+    """Unpickling entry point: the per-module subclass is made again, not looked up by name."""
+    return object.__new__(_method_class(base, module_cls, names))
+
+
+class _MethodWrapper(nn.Module):
+    """Mixin base of the dpmethods wrappers.
+
+    Subclasses define ``_run_method(name, args, kwargs)`` and may override
+    ``_undecorated_warning(name)``. ``self._dpm_methods`` maps each parallel method
+    name to its :class:`MethodOptions`; ``self.module`` is the wrapped module.
+    """
+
+    _dpm_methods: dict[str, MethodOptions]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not args and "module" not in kwargs:  # copy/pickle protocols call __new__ bare
+            return super().__new__(cls)
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        module = bound.arguments.get("module")
+        methods = bound.arguments.get("methods")
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"{cls.__name__}: module: expected an nn.Module, got {type(module).__name__}"
+            )
+        base: type = getattr(cls, "_dpm_base", cls)
+        names = tuple(
+            name
+            for name in resolve_methods(module, methods)
+            if not hasattr(base, name)  # forward and the nn.Module API stay the wrapper's
+        )
+        return super().__new__(_method_class(base, type(module), names))
+
+    def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
+        self._dpm_methods = resolve_methods(module, methods)
+        self._dpm_warned: set[str] = set()
+        for name in self._dpm_methods:
+            if name != "forward" and name not in type(self).__dict__.get("_dpm_names", ()):
+                warnings.warn(
+                    f"{type(self).__name__}: parallel method {name!r} has the name of a "
+                    f"method of {type(self).__name__} itself, which keeps its meaning; "
+                    f"rename the model's method to run it in parallel",
+                    UserWarning,
+                    stacklevel=3,
+                )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        cls = type(self)
+        if "_dpm_base" not in cls.__dict__:
+            return super().__reduce_ex__(protocol)
+        module_cls = type(self.__dict__["_modules"]["module"])
+        return (_rebuild, (cls._dpm_base, module_cls, cls._dpm_names), self.__dict__)
+
+    def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _undecorated_warning(self, name: str) -> str | None:
+        """The warning shown the first time an undecorated method is called, or None."""
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        try:
+            attr = getattr(module, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__name__!r} object has no attribute {name!r}, and neither has "
+                f"the wrapped {type(module).__name__}"
+            ) from None
+        if inspect.ismethod(attr) and attr.__self__ is module:
+            return self._single_device(name, attr)
+        return attr
+
+    def _single_device(self, name: str, bound: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(bound)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if name not in self._dpm_warned:
+                self._dpm_warned.add(name)
+                message = self._undecorated_warning(name)
+                if message is not None:
+                    warnings.warn(message, UserWarning, stacklevel=2)
+            return bound(*args, **kwargs)
+
+        return call
+
+    def __dir__(self) -> list[str]:
+        names = set(super().__dir__())
+        module = self.__dict__.get("_modules", {}).get("module")
+        if module is not None:
+            names.update(dir(module))
+        return sorted(names)

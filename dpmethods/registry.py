@@ -1,0 +1,347 @@
+"""The ``@parallel_method`` decorator and the registry of parallel methods.
+
+A decorated method carries its :class:`MethodOptions` on the function object
+itself, so registration needs no metaclass and survives any metaclass. Lookup
+walks the class's MRO: the first class that defines the name decides, and a
+subclass that overrides a decorated method without decorating it again
+inherits the options of the closest decorated ancestor.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Literal, TypeVar, Union, overload
+
+from torch import nn
+
+__all__ = [
+    "GATHER_MODES",
+    "GatherMode",
+    "GatherOption",
+    "MethodOptions",
+    "get_options",
+    "parallel_method",
+    "parallel_methods",
+    "register",
+    "resolve_methods",
+]
+
+GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list"]
+GATHER_MODES: tuple[str, ...] = ("cat", "stack", "mean", "sum", "pad", "list")
+GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]
+
+_OPTIONS_ATTR = "__dpmethods_options__"
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+# Options given with ``register(cls, name, ...)`` for classes the user doesn't own.
+_REGISTERED: weakref.WeakKeyDictionary[type, dict[str, MethodOptions]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """How one method is scattered, run and gathered.
+
+    Args:
+        dim: the batch dimension that inputs are split along and outputs joined along.
+        broadcast: names of arguments that every replica gets whole.
+        gather: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"`` or ``"list"``;
+            a mapping from output key or field name to one of those; or a callable
+            ``fn(outputs, output_device)`` that receives the list of replica outputs.
+        pad_value: the fill value of ``"pad"``.
+
+    Example:
+        >>> MethodOptions(gather="pad", pad_value=-1).gather
+        'pad'
+    """
+
+    dim: int = 0
+    broadcast: tuple[str, ...] = ()
+    gather: GatherOption = "cat"
+    pad_value: float = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(f"dim: expected an int, got {type(self.dim).__name__} {self.dim!r}")
+        broadcast = self.broadcast
+        if isinstance(broadcast, str):
+            broadcast = (broadcast,)
+        broadcast = tuple(broadcast)
+        for name in broadcast:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"broadcast: expected argument names (str), got {type(name).__name__} {name!r}"
+                )
+        object.__setattr__(self, "broadcast", broadcast)
+        _check_gather(self.gather)
+        if isinstance(self.pad_value, bool) or not isinstance(self.pad_value, (int, float)):
+            raise TypeError(
+                f"pad_value: expected an int or float, got {type(self.pad_value).__name__} "
+                f"{self.pad_value!r}"
+            )
+
+    def with_updates(self, **changes: Any) -> MethodOptions:
+        """Return a copy with ``changes`` applied (validated again).
+
+        Args:
+            **changes: any of ``dim``, ``broadcast``, ``gather``, ``pad_value``.
+
+        Example:
+            >>> MethodOptions().with_updates(dim=1).dim
+            1
+        """
+        unknown = sorted(set(changes) - {"dim", "broadcast", "gather", "pad_value"})
+        if unknown:
+            raise TypeError(
+                f"unknown option(s) {unknown}; expected any of "
+                "['broadcast', 'dim', 'gather', 'pad_value']"
+            )
+        return replace(self, **changes)
+
+
+def _check_gather(gather: Any) -> None:
+    if isinstance(gather, str):
+        if gather not in GATHER_MODES:
+            raise ValueError(f"gather: expected one of {list(GATHER_MODES)}, got {gather!r}")
+    elif isinstance(gather, Mapping):
+        for key, mode in gather.items():
+            if not isinstance(mode, str) or mode not in GATHER_MODES:
+                raise ValueError(
+                    f"gather[{key!r}]: expected one of {list(GATHER_MODES)}, got {mode!r}"
+                )
+    elif not callable(gather):
+        raise TypeError(
+            f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys to those, "
+            f"or a callable, got {type(gather).__name__} {gather!r}"
+        )
+
+
+def _check_method(fn: Any, where: str) -> None:
+    """Reject what cannot be a per-replica method, saying what to do instead."""
+    if isinstance(fn, staticmethod):
+        raise TypeError(
+            f"{where}: @parallel_method cannot mark a staticmethod; a replica needs `self`. "
+            "Make it a regular method, or call it yourself inside a decorated method."
+        )
+    if isinstance(fn, classmethod):
+        raise TypeError(
+            f"{where}: @parallel_method cannot mark a classmethod; replicas are instances. "
+            "Make it a regular method that takes `self`."
+        )
+    if isinstance(fn, property):
+        raise TypeError(
+            f"{where}: @parallel_method cannot mark a property; attribute reads are not run "
+            "in parallel. Make it a regular method and call it."
+        )
+    if not inspect.isfunction(fn):
+        raise TypeError(
+            f"{where}: @parallel_method expects a function defined with `def` in an nn.Module "
+            f"subclass, got {type(fn).__name__} {fn!r}"
+        )
+
+
+class _Marker:
+    """Checks the owning class when the class body finishes, then steps aside.
+
+    ``__set_name__`` is called by ``type.__new__`` for any metaclass, which is why
+    no metaclass of ours is needed. The marker then puts the plain function back,
+    so an unwrapped module calls exactly the undecorated code.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if not (isinstance(owner, type) and issubclass(owner, nn.Module)):
+            raise TypeError(
+                f"@parallel_method on {owner.__qualname__}.{name}: expected a method of an "
+                f"nn.Module subclass, but {owner.__qualname__} is not an nn.Module. "
+                "Derive the class from torch.nn.Module."
+            )
+        setattr(owner, name, self.fn)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self.fn.__get__(obj, objtype)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def _unmarked(attr: Any) -> Any:
+    # A marker stays in place only when assigned to a class after its creation.
+    return attr.fn if isinstance(attr, _Marker) else attr
+
+
+@overload
+def parallel_method(fn: _F) -> _F: ...
+
+
+@overload
+def parallel_method(
+    fn: None = None,
+    *,
+    dim: int = 0,
+    broadcast: Iterable[str] = (),
+    gather: GatherOption = "cat",
+    pad_value: float = 0,
+) -> Callable[[_F], _F]: ...
+
+
+def parallel_method(
+    fn: Callable[..., Any] | None = None,
+    *,
+    dim: int = 0,
+    broadcast: Iterable[str] = (),
+    gather: GatherOption = "cat",
+    pad_value: float = 0,
+) -> Any:
+    """Mark a method of an ``nn.Module`` subclass to run data-parallel.
+
+    Used bare (``@parallel_method``) or with options (``@parallel_method(...)``).
+    On a module that is not wrapped the method behaves exactly as undecorated.
+
+    Args:
+        fn: the method, when used without parentheses.
+        dim: the batch dimension of inputs and outputs.
+        broadcast: names of arguments that every replica gets whole (masks, tables).
+        gather: how outputs are joined; see :class:`MethodOptions`.
+        pad_value: the fill value of ``gather="pad"``.
+
+    Example:
+        >>> import torch
+        >>> class Net(torch.nn.Module):
+        ...     @parallel_method(gather="pad", pad_value=-1)
+        ...     def generate(self, x):
+        ...         return x
+        >>> Net().generate(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    options = MethodOptions(dim=dim, broadcast=tuple(broadcast), gather=gather, pad_value=pad_value)
+
+    def mark(f: Any) -> Any:
+        _check_method(f, getattr(f, "__qualname__", repr(f)))
+        setattr(f, _OPTIONS_ATTR, options)
+        return _Marker(f)
+
+    if fn is not None:
+        if not callable(fn) and not isinstance(fn, (staticmethod, classmethod, property)):
+            raise TypeError(
+                f"@parallel_method: expected a method or keyword options, got "
+                f"{type(fn).__name__} {fn!r}; write @parallel_method(dim=...)"
+            )
+        return mark(fn)
+    return mark
+
+
+def register(cls: type, name: str, **options: Any) -> None:
+    """Make ``cls.name`` a parallel method for every instance of ``cls`` and its subclasses.
+
+    For classes you don't own (a library model's ``generate``).
+
+    Args:
+        cls: an ``nn.Module`` subclass.
+        name: the name of a method defined on ``cls``.
+        **options: ``dim``, ``broadcast``, ``gather``, ``pad_value`` as in :func:`parallel_method`.
+
+    Example:
+        >>> import torch
+        >>> register(torch.nn.Linear, "extra_repr", gather="list")
+        >>> get_options(torch.nn.Linear, "extra_repr").gather
+        'list'
+    """
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise TypeError(f"register: cls: expected an nn.Module subclass, got {cls!r}")
+    attr = inspect.getattr_static(cls, name, None)
+    if attr is None:
+        raise AttributeError(f"register: {cls.__qualname__} has no method {name!r}")
+    _check_method(attr, f"register({cls.__qualname__}, {name!r})")
+    _REGISTERED.setdefault(cls, {})[name] = MethodOptions().with_updates(**options)
+
+
+def get_options(cls: type, name: str) -> MethodOptions | None:
+    """The options of ``cls.name`` if it is a parallel method, else ``None``.
+
+    Args:
+        cls: the class to look the method up on (its MRO is searched).
+        name: the method name.
+
+    Example:
+        >>> import torch
+        >>> get_options(torch.nn.Linear, "forward") is None
+        True
+    """
+    for klass in cls.__mro__:
+        registered = _REGISTERED.get(klass)
+        if registered is not None and name in registered:
+            return registered[name]
+        options = getattr(_unmarked(klass.__dict__.get(name)), _OPTIONS_ATTR, None)
+        if options is not None:
+            return options
+    return None
+
+
+def parallel_methods(cls: type) -> dict[str, MethodOptions]:
+    """All parallel methods of ``cls``, by name.
+
+    Args:
+        cls: an ``nn.Module`` subclass.
+
+    Example:
+        >>> import torch
+        >>> parallel_methods(torch.nn.Linear)
+        {}
+    """
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        names.update(_REGISTERED.get(klass, ()))
+        names.update(
+            k for k, v in klass.__dict__.items() if hasattr(_unmarked(v), _OPTIONS_ATTR)
+        )
+    found = {name: get_options(cls, name) for name in sorted(names)}
+    return {name: opts for name, opts in found.items() if opts is not None}
+
+
+MethodsArg = Union[Iterable[str], Mapping[str, Mapping[str, Any]], None]
+
+
+def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, MethodOptions]:
+    """The parallel methods of ``module``: its class's, plus those given with ``methods=``.
+
+    Args:
+        module: the wrapped module.
+        methods: ``["generate"]`` or ``{"generate": {"gather": "pad"}}``; these override
+            the class's options.
+
+    Example:
+        >>> import torch
+        >>> sorted(resolve_methods(torch.nn.Linear(1, 1), ["forward"]))
+        ['forward']
+    """
+    found = parallel_methods(type(module))
+    if methods is None:
+        return found
+    if isinstance(methods, str):
+        raise TypeError(f"methods: expected a list of names or a dict, got the string {methods!r}")
+    items: Iterable[tuple[str, Mapping[str, Any]]]
+    if isinstance(methods, Mapping):
+        items = methods.items()
+    else:
+        items = ((name, {}) for name in methods)
+    for name, opts in items:
+        if not isinstance(name, str):
+            raise TypeError(f"methods: expected method names (str), got {name!r}")
+        if not isinstance(opts, Mapping):
+            raise TypeError(f"methods[{name!r}]: expected a dict of options, got {opts!r}")
+        attr = inspect.getattr_static(type(module), name, None)
+        if attr is None:
+            raise AttributeError(
+                f"methods: {type(module).__qualname__} has no method {name!r}"
+            )
+        _check_method(attr, f"methods[{name!r}]")
+        base = found.get(name) or MethodOptions()
+        found[name] = base.with_updates(**opts)
+    return found
