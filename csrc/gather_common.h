@@ -1,0 +1,38 @@
+// Host-side helpers shared by the CPU and CUDA kernels of gather_coalesced.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace dpmethods {
+
+// Validated geometry of one output leaf.
+struct LeafPlan {
+  int64_t dim;    // normalized (non-negative) concatenation dim
+  int64_t outer;  // product of sizes before dim
+  int64_t inner;  // product of sizes after dim
+  int64_t elsize;
+  std::vector<int64_t> sizes;      // size along dim of each replica's piece
+  std::vector<int64_t> out_shape;  // shape of the gathered leaf
+};
+
+// Checks counts, dtypes and shapes and returns one plan per leaf. Raises with
+// the argument name, leaf and replica index, expected and actual values.
+std::vector<LeafPlan> plan_gather(at::TensorList tensors, int64_t num_replicas, int64_t dim);
+
+// Returns `t` in a form whose bytes can be copied raw: contiguous, with any
+// lazy conjugate/negative bit materialized.
+at::Tensor as_raw_contiguous(const at::Tensor& t);
+
+// True when the environment variable `name` is set to a non-empty value other than "0".
+bool env_flag(const char* name);
+
+// The CPU implementation; the CUDA kernel calls it for a CPU target after
+// moving its CUDA inputs to the host.
+std::vector<at::Tensor> gather_coalesced_cpu(
+    at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device);
+
+}  // namespace dpmethods

@@ -1,0 +1,40 @@
+// The `dpmethods._C` Python module. Importing it loads this shared library,
+// whose static initializers register the dpmethods operators with torch; the
+// module itself only reports how it was built. Plain CPython API keeps this
+// translation unit cheap to compile.
+#include <Python.h>
+
+#include "dpmethods_build_info.h"
+
+namespace {
+
+PyObject* torch_version(PyObject*, PyObject*) {
+  return PyUnicode_FromString(DPMETHODS_TORCH_VERSION);
+}
+
+PyObject* cuda_arch_list(PyObject*, PyObject*) {
+  return PyUnicode_FromString(DPMETHODS_CUDA_ARCHS);
+}
+
+PyObject* with_cuda(PyObject*, PyObject*) {
+  return PyBool_FromLong(DPMETHODS_WITH_CUDA);
+}
+
+PyMethodDef kMethods[] = {
+    {"torch_version", torch_version, METH_NOARGS, "torch version the extension was built against."},
+    {"cuda_arch_list", cuda_arch_list, METH_NOARGS,
+     "Semicolon-separated CUDA targets compiled (sm_XX / compute_XX); empty without CUDA."},
+    {"with_cuda", with_cuda, METH_NOARGS, "True when the CUDA kernels were compiled in."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT, "_C", "Compiled kernels of dpmethods (ops under torch.ops.dpmethods).",
+    -1, kMethods,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) {
+  return PyModule_Create(&kModule);
+}
