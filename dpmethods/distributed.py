@@ -105,6 +105,8 @@ class _Router:
     """The object returned by :func:`route`; see there."""
 
     __slots__ = ("_module", "_wrapper")
+    _module: nn.Module
+    _wrapper: Callable[..., Any]
 
     def __init__(self, wrapper: Callable[..., Any], module: nn.Module) -> None:
         object.__setattr__(self, "_wrapper", wrapper)
@@ -200,7 +202,7 @@ def route(wrapper: Callable[..., Any], module: nn.Module | None = None) -> Any:
 # --------------------------------------------------------------------------- FSDP2
 
 
-def _fsdp_api() -> tuple[Callable[..., Any], Callable[[nn.Module, str], None], type]:
+def _fsdp_api() -> tuple[Callable[..., Any], Callable[[nn.Module, str], None], type[Any]]:
     """``fully_shard``, ``register_fsdp_forward_method`` and ``FSDPModule`` of this torch."""
     try:  # torch >= 2.6
         from torch.distributed.fsdp import (  # type: ignore[attr-defined]
