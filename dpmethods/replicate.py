@@ -1,0 +1,165 @@
+"""Replicate: one shallow copy of the module per device, sharing or broadcasting tensors.
+
+Replicas are made as torch makes them (``_replicate_for_data_parallel``), so
+gradients flow back to the module's own parameters. Three things differ:
+
+- Devices may repeat (``["cpu"] * 4``, ``[0, 0]``). Replicas on the source device
+  use the module's parameters themselves; nothing is copied.
+- Parameter copies stay in the replica's ``_parameters``, so ``replica.parameters()``
+  is not empty and code such as ``next(self.parameters()).device`` (Hugging Face's
+  ``model.device``) works inside a replica.
+- A second replica on the same device gets its own copy of the buffers of modules
+  in training mode, so in-place updates (BatchNorm's running stats) don't race; as
+  in torch, only the first replica's updates reach the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["fingerprint", "replicate"]
+
+
+def _source_device(module: nn.Module, default: torch.device) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return default
+
+
+def _copies(
+    tensors: list[Tensor], devices: list[torch.device], src: torch.device, detach: bool
+) -> dict[torch.device, list[Tensor]]:
+    """Per unique device, the tensors as seen there (autograd-connected unless ``detach``)."""
+    out: dict[torch.device, list[Tensor]] = {}
+    others = [d for d in dict.fromkeys(devices) if d != src]
+    if not tensors:
+        return {d: [] for d in [src, *others]}
+    if others:
+        if not (src.type == "cuda" and all(d.type == "cuda" for d in others)):
+            raise ValueError(
+                f"replicate: devices: expected all CUDA devices when the module is on {src}, "
+                f"got {[str(d) for d in others]}"
+            )
+        targets = [src.index, *(d.index for d in others)]
+        if detach:
+            from torch.nn.parallel import comm
+
+            per_device = comm.broadcast_coalesced(tensors, targets)
+            for d, copies in zip([src, *others], per_device):
+                out[d] = list(copies)
+        else:
+            from torch.nn.parallel._functions import Broadcast
+
+            flat = Broadcast.apply(targets, *tensors)
+            n = len(tensors)
+            for j, d in enumerate([src, *others]):
+                out[d] = list(flat[j * n : (j + 1) * n])
+        return out
+    out[src] = [t.detach() if detach and t.requires_grad else t for t in tensors]
+    return out
+
+
+def replicate(
+    module: nn.Module, devices: Sequence[torch.device | str | int], detach: bool = False
+) -> list[nn.Module]:
+    """Make one replica of ``module`` per entry of ``devices`` (entries may repeat).
+
+    Args:
+        module: the module, with all parameters and buffers on one device.
+        devices: where each replica runs; CPU devices or CUDA devices.
+        detach: make replicas whose tensors are cut from autograd (for ``no_grad``).
+
+    Example:
+        >>> import torch
+        >>> replicas = replicate(torch.nn.Linear(2, 2), ["cpu", "cpu"])
+        >>> replicas[1].weight is replicas[0].weight
+        True
+    """
+    targets = [
+        torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices
+    ]
+    if not targets:
+        raise ValueError("replicate: devices: expected at least one device, got none")
+    src = _source_device(module, targets[0])
+    modules = list(module.modules())
+    index = {id(m): i for i, m in enumerate(modules)}
+    params = list(module.parameters())
+    param_index = {id(p): i for i, p in enumerate(params)}
+    param_copies = _copies(params, targets, src, detach)
+
+    buffers = list(module.buffers())
+    buffer_index = {id(b): i for i, b in enumerate(buffers)}
+    buffer_copies: dict[torch.device, list[Tensor]] = {d: list(buffers) for d in param_copies}
+    # Buffers that need grad broadcast like parameters; the rest never carry autograd.
+    for wants_grad in (True, False):
+        group = [b for b in buffers if b.requires_grad == wants_grad]
+        for d, copies in _copies(group, targets, src, detach or not wants_grad).items():
+            for b, c in zip(group, copies):
+                buffer_copies[d][buffer_index[id(b)]] = c
+    training = {
+        id(b): m.training for m in modules for b in m._buffers.values() if b is not None
+    }
+
+    seen: set[torch.device] = set()
+    replicas: list[nn.Module] = []
+    for device in targets:
+        shared = device not in seen
+        seen.add(device)
+        copies = [m._replicate_for_data_parallel() for m in modules]
+        pc, bc = param_copies[device], buffer_copies[device]
+        for m, copy in zip(modules, copies):
+            for key, child in m._modules.items():
+                copy._modules[key] = None if child is None else copies[index[id(child)]]
+            for key, p in m._parameters.items():
+                copy._parameters[key] = None if p is None else pc[param_index[id(p)]]  # type: ignore[assignment]
+            for key, b in m._buffers.items():
+                if b is None:
+                    copy._buffers[key] = None
+                    continue
+                c = bc[buffer_index[id(b)]]
+                copy._buffers[key] = c if shared or not training[id(b)] else c.clone()
+        replicas.append(copies[0])
+    return replicas
+
+
+def fingerprint(module: nn.Module) -> tuple[object, ...]:
+    """A cheap value that changes when anything a replica copied from ``module`` changes.
+
+    It covers every module's attributes (by identity, so any assignment, ``train()``
+    and ``eval()`` show), and each parameter's and buffer's identity, storage,
+    device, dtype and version counter (so in-place updates, ``.to()`` and
+    ``load_state_dict`` show). Replicas keep the old attribute values alive, so an
+    identity cannot be reused while a cached replica exists.
+
+    Args:
+        module: the module whose replicas may be cached.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 2)
+        >>> before = fingerprint(m)
+        >>> _ = m.weight.data.mul_(2)
+        >>> fingerprint(m) == before
+        False
+    """
+    parts: list[object] = []
+    for m in module.modules():
+        for key, value in m.__dict__.items():
+            if key == "_parameters" or key == "_buffers":
+                for t in value.values():
+                    if t is None:
+                        parts.append(None)
+                    else:
+                        parts.append((id(t), t.data_ptr(), t.device, t.dtype, t._version))
+            elif key == "_modules":
+                parts.extend(id(c) for c in value.values())
+            else:
+                parts.append(id(value))
+                if isinstance(value, dict):  # hooks registered later
+                    parts.append(len(value))
+    return tuple(parts)

@@ -1,0 +1,264 @@
+"""Scatter: split the tensors of a call into balanced chunks, one per device.
+
+Unlike ``torch.nn.parallel.scatter``, chunks are balanced (sizes differ by at most
+one, so every device works when the batch has at least one item per device),
+dataclasses are walked, 0-dim tensors and arguments named in ``broadcast`` go
+whole to every replica, and tensors that disagree on the batch size are an error
+that names them instead of a silent mis-split.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Container, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _tree
+
+__all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
+
+DeviceLike = torch.device | str | int
+
+
+def chunk_sizes(batch: int, parts: int) -> list[int]:
+    """Balanced chunk sizes: ``min(batch, parts)`` chunks whose sizes differ by at most 1.
+
+    Args:
+        batch: the number of items.
+        parts: the number of devices.
+
+    Example:
+        >>> chunk_sizes(9, 4)
+        [3, 2, 2, 2]
+    """
+    if batch < 1:
+        raise ValueError(f"chunk_sizes: batch: expected at least 1 item, got {batch}")
+    if parts < 1:
+        raise ValueError(f"chunk_sizes: parts: expected at least 1, got {parts}")
+    n = min(batch, parts)
+    base, extra = divmod(batch, n)
+    return [base + 1 if i < extra else base for i in range(n)]
+
+
+def _as_device(device: DeviceLike) -> torch.device:
+    if isinstance(device, int):
+        return torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _split(t: Tensor, sizes: list[int], dim: int, devices: Sequence[torch.device]) -> list[Tensor]:
+    src = t.device
+    if all(d == src for d in devices):
+        return list(t.split(sizes, dim))  # views: no copy, gradients flow back as one
+    if t.is_cuda and all(d.type == "cuda" for d in devices):
+        from torch.nn.parallel._functions import Scatter
+
+        # torch's autograd-aware scatter copies on per-device streams.
+        return list(Scatter.apply([d.index for d in devices], sizes, dim, t))
+    return [c.to(d, non_blocking=True) for c, d in zip(t.split(sizes, dim), devices)]
+
+
+def _batch_size(
+    leaves: list[Any], whole: Container[int], dim: int, names: Callable[[], list[str]]
+) -> int | None:
+    batch: int | None = None
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor) or leaf.dim() == 0 or i in whole:
+            continue
+        if leaf.dim() <= dim:
+            raise ValueError(
+                f"scatter: {names()[i]} has shape {list(leaf.shape)}, which has no dim {dim} "
+                f"to split; expected at least {dim + 1} dims, or name it in broadcast= to "
+                "give it whole to every replica"
+            )
+        size = leaf.shape[dim]
+        if batch is None:
+            batch = size
+        elif size != batch:
+            paths = names()
+            sizes = {
+                paths[j]: t.shape[dim]
+                for j, t in enumerate(leaves)
+                if isinstance(t, Tensor) and t.dim() > dim and j not in whole
+            }
+            listing = ", ".join(f"{p} has {s}" for p, s in sizes.items())
+            raise ValueError(
+                f"scatter: tensors split along dim {dim} must agree on its size, but {listing}. "
+                "Pass broadcast=(name, ...) for arguments that every replica needs whole."
+            )
+    if batch == 0:
+        raise ValueError(
+            f"scatter: empty batch: the tensors to split have size 0 along dim {dim}; "
+            "expected at least 1 item"
+        )
+    return batch
+
+
+def _distribute(
+    spec: _tree.Spec,
+    leaves: list[Any],
+    whole: Container[int],
+    devices: Sequence[torch.device],
+    dim: int,
+    names: Callable[[], list[str]],
+) -> tuple[list[Any], list[int]]:
+    batch = _batch_size(leaves, whole, dim, names)
+    sizes = [batch] if batch is None else chunk_sizes(batch, len(devices))
+    targets = devices[: len(sizes)]
+    columns: list[list[Any]] = []
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, Tensor):
+            columns.append([leaf] * len(targets))
+        elif batch is None or leaf.dim() == 0 or i in whole:
+            columns.append([leaf.to(d, non_blocking=True) for d in targets])
+        else:
+            columns.append(_split(leaf, sizes, dim, targets))
+    per_replica = [_tree.unflatten(spec, list(row)) for row in zip(*columns)] if columns else [
+        _tree.unflatten(spec, []) for _ in targets
+    ]
+    return per_replica, sizes if batch is not None else [0]
+
+
+def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
+    """Split every tensor in a nested structure into balanced chunks, one per device.
+
+    Tuples, lists, dicts, namedtuples and dataclasses are walked and rebuilt with the
+    same type; 0-dim tensors and non-tensor values are given whole to every replica.
+    With B items over N devices, ``min(B, N)`` structures come back.
+
+    Args:
+        inputs: the structure to split.
+        devices: the target devices (ints are CUDA indices, or ``"cpu"``).
+        dim: the dimension to split along.
+
+    Example:
+        >>> import torch
+        >>> parts = scatter({"x": torch.arange(5)}, ["cpu", "cpu"])
+        >>> [p["x"].tolist() for p in parts]
+        [[0, 1, 2], [3, 4]]
+    """
+    if not devices:
+        raise ValueError("scatter: devices: expected at least one device, got none")
+    spec, leaves = _tree.flatten(inputs)
+    targets = [_as_device(d) for d in devices]
+    per_replica, _ = _distribute(
+        spec, leaves, (), targets, dim, lambda: _tree.leaf_paths(spec, "inputs")
+    )
+    return per_replica
+
+
+class ScatterResult(tuple):
+    """``(inputs, kwargs)`` per replica, as torch's ``DataParallel.scatter`` returns,
+    plus ``sizes``: the number of batch items each replica got (``[0]`` if nothing
+    was split)."""
+
+    sizes: list[int]
+
+    def __new__(
+        cls, inputs: tuple[tuple[Any, ...], ...], kwargs: tuple[dict[str, Any], ...], sizes: list[int]
+    ) -> ScatterResult:
+        self = super().__new__(cls, (inputs, kwargs))
+        self.sizes = sizes
+        return self
+
+
+@functools.lru_cache(maxsize=1024)
+def _parameters(func: Callable[..., Any]) -> tuple[tuple[str, ...], str | None]:
+    """Names of the positional parameters of ``func``, and the name of its ``*args``."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return (), None
+    positional = tuple(
+        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
+    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+    return positional, star
+
+
+def _argument_names(fn: Callable[..., Any] | None, n_args: int) -> tuple[list[str], int]:
+    """The parameter name of each positional argument (``args[i]`` past ``*args``), and
+    how many of them are named parameters rather than ``*args``."""
+    positional: tuple[str, ...] = ()
+    star = None
+    if fn is not None:
+        func = getattr(fn, "__func__", fn)
+        positional, star = _parameters(func)
+        if func is not fn:  # a bound method: `self` is not passed
+            positional = positional[1:]
+    named = min(len(positional), n_args)
+    names = list(positional[:named])
+    names.extend(f"{star or 'args'}[{i}]" for i in range(n_args - named))
+    return names, named
+
+
+def scatter_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    devices: Sequence[DeviceLike],
+    dim: int = 0,
+    broadcast: Sequence[str] = (),
+    fn: Callable[..., Any] | None = None,
+) -> ScatterResult:
+    """Scatter the arguments of one call, binding them by name through ``fn``'s signature.
+
+    Args:
+        args: positional arguments.
+        kwargs: keyword arguments.
+        devices: the target devices.
+        dim: the dimension to split along.
+        broadcast: argument names (of ``fn``'s parameters, ``*args`` or ``**kwargs`` keys)
+            that every replica gets whole.
+        fn: the function called on each replica; used for argument names.
+
+    Example:
+        >>> import torch
+        >>> r = scatter_call((torch.ones(3, 2),), {"scale": 2.0}, ["cpu", "cpu"])
+        >>> r.sizes, r[1][1]
+        ([2, 1], ({'scale': 2.0}, {'scale': 2.0}))
+    """
+    if not devices:
+        raise ValueError("scatter: devices: expected at least one device, got none")
+    targets = [_as_device(d) for d in devices]
+    spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
+
+    def names() -> list[str]:
+        positional = _argument_names(fn, len(args))[0]
+        return [_rename(p, positional) for p in _tree.leaf_paths(spec[3][0], "args")] + [
+            _kw(p) for p in _tree.leaf_paths(spec[3][1], "kwargs")
+        ]
+
+    whole: set[int] = set()
+    if broadcast:
+        wanted = set(broadcast)
+        positional, named = _argument_names(fn, len(args))
+        star = positional[named].split("[")[0] if named < len(args) else None
+        offset = 0
+        entries = [(n, a) for n, a in zip(positional, args)] + list(kwargs.items())
+        for i, (name, value) in enumerate(entries):
+            count = len(_tree.flatten(value)[1])
+            if name in wanted or (i >= named and i < len(args) and star in wanted):
+                whole.update(range(offset, offset + count))
+            offset += count
+    per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, names)
+    return ScatterResult(
+        tuple(r[0] for r in per_replica), tuple(r[1] for r in per_replica), sizes
+    )
+
+
+def _rename(path: str, positional: list[str]) -> str:
+    # "args[1]['ids']" -> "argument 'batch' at batch['ids']", named through the signature.
+    head, _, rest = path[len("args[") :].partition("]")
+    index = int(head)
+    name = positional[index]
+    return f"argument {name!r}" + (f" at {name}{rest}" if rest else "")
+
+
+def _kw(path: str) -> str:
+    # "kwargs['mask'][0]" -> "argument 'mask' at mask[0]"
+    head, _, rest = path[len("kwargs['") :].partition("']")
+    return f"argument {head!r}" + (f" at {head}{rest}" if rest else "")
