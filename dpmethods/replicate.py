@@ -127,14 +127,30 @@ def replicate(
     return replicas
 
 
+# Fused optimizer kernels (``Adam(fused=True)``) update parameters in place without
+# bumping their version counters, so fingerprint() also counts optimizer steps, through
+# a global post-step hook registered the first time a fingerprint is taken.
+_optimizer_steps = 0
+_step_hook: object = None
+
+
+def _count_step(*_: object) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
 def fingerprint(module: nn.Module) -> tuple[object, ...]:
     """A cheap value that changes when anything a replica copied from ``module`` changes.
 
-    It covers every module's attributes (by identity, so any assignment, ``train()``
-    and ``eval()`` show), and each parameter's and buffer's identity, storage,
+    It covers every module's class and attributes (by identity, so any assignment,
+    ``train()`` and ``eval()`` show), each parameter's and buffer's identity, storage,
     device, dtype and version counter (so in-place updates, ``.to()`` and
-    ``load_state_dict`` show). Replicas keep the old attribute values alive, so an
-    identity cannot be reused while a cached replica exists.
+    ``load_state_dict`` show), and the number of optimizer steps taken by any
+    optimizer (fused steps don't bump version counters). Replicas keep the old
+    attribute values alive, so an identity cannot be reused while a cached replica
+    exists. In-place writes through ``.data`` are not seen (``.data`` has a version
+    counter of its own); modules with inference tensors get a fingerprint equal to no
+    other, so their replicas are never reused.
 
     Args:
         module: the module whose replicas may be cached.
@@ -143,23 +159,36 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
         >>> import torch
         >>> m = torch.nn.Linear(2, 2)
         >>> before = fingerprint(m)
-        >>> _ = m.weight.data.mul_(2)
+        >>> with torch.no_grad():
+        ...     _ = m.weight.mul_(2)
         >>> fingerprint(m) == before
         False
     """
-    parts: list[object] = []
-    for m in module.modules():
-        for key, value in m.__dict__.items():
-            if key == "_parameters" or key == "_buffers":
-                for t in value.values():
-                    if t is None:
-                        parts.append(None)
-                    else:
-                        parts.append((id(t), t.data_ptr(), t.device, t.dtype, t._version))
-            elif key == "_modules":
-                parts.extend(id(c) for c in value.values())
-            else:
-                parts.append(id(value))
-                if isinstance(value, dict):  # hooks registered later
-                    parts.append(len(value))
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(_count_step)
+    parts: list[object] = [_optimizer_steps]
+    append = parts.append  # this runs on every cached call: keep the loop lean
+    try:
+        for m in module.modules():
+            append(type(m))
+            for key, value in m.__dict__.items():
+                if key == "_parameters" or key == "_buffers":
+                    for t in value.values():
+                        if t is None:
+                            append(None)
+                        else:
+                            append((id(t), t.data_ptr(), t.device, t.dtype, t._version))
+                elif key == "_modules":
+                    parts.extend(id(c) for c in value.values())
+                else:
+                    append(id(value))
+                    if isinstance(value, dict):  # hooks registered later
+                        append(len(value))
+    except RuntimeError:
+        # Inference tensors have no version counter, so their in-place updates can't be
+        # seen: a fresh object makes this fingerprint equal to no other.
+        return (object(),)
     return tuple(parts)
