@@ -108,9 +108,7 @@ CHANGES: dict[str, Callable[[Net, DataParallel], object]] = {
         m, torch.optim.SGD(m.parameters(), lr=0.5, foreach=True)
     ),
     # Fused kernels don't bump version counters; fingerprint counts optimizer steps.
-    "adam_fused_step": lambda m, dp: _step(
-        m, torch.optim.Adam(m.parameters(), lr=0.1, fused=True)
-    ),
+    "adam_fused_step": lambda m, dp: _step(m, torch.optim.Adam(m.parameters(), lr=0.1, fused=True)),
     "to_double": lambda m, dp: m.double(),
     "train_eval_toggle": lambda m, dp: m.train(not m.training),
     "submodule_train_eval_toggle": lambda m, dp: m.sub.train(not m.sub.training),
