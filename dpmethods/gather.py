@@ -177,6 +177,11 @@ def gather(
         if m == "list":
             result[i] = [t.to(device) for t in col]
         elif m in ("mean", "sum"):
+            if any(t.shape != col[0].shape for t in col):
+                raise ValueError(
+                    f"gather: {path(i)}: {m!r} needs the same shape on every replica, got "
+                    f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
+                )
             result[i] = _reduce(col, weights, device, m == "mean")
         else:
             parts: Sequence[Tensor] = col

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Container, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -166,34 +166,43 @@ class ScatterResult(tuple):
         return self
 
 
+class _Params(NamedTuple):
+    positional: tuple[str, ...]  # positional parameter names, in order
+    star: str | None  # the name of *args
+    names: frozenset[str]  # every named parameter
+    double_star: str | None  # the name of **kwargs
+
+
 @functools.lru_cache(maxsize=1024)
-def _parameters(func: Callable[..., Any]) -> tuple[tuple[str, ...], str | None]:
-    """Names of the positional parameters of ``func``, and the name of its ``*args``."""
+def _parameters(func: Callable[..., Any]) -> _Params:
     try:
-        params = inspect.signature(func).parameters.values()
+        params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
-        return (), None
-    positional = tuple(
-        p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        return _Params((), None, frozenset(), None)
+    return _Params(
+        tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)),
+        next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None),
+        frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)),
+        next((p.name for p in params if p.kind == p.VAR_KEYWORD), None),
     )
-    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
-    return positional, star
 
 
-def _argument_names(fn: Callable[..., Any] | None, n_args: int) -> tuple[list[str], int]:
-    """The parameter name of each positional argument (``args[i]`` past ``*args``), and
-    how many of them are named parameters rather than ``*args``."""
-    positional: tuple[str, ...] = ()
-    star = None
-    if fn is not None:
-        func = getattr(fn, "__func__", fn)
-        positional, star = _parameters(func)
-        if func is not fn:  # a bound method: `self` is not passed
-            positional = positional[1:]
-    named = min(len(positional), n_args)
-    names = list(positional[:named])
-    names.extend(f"{star or 'args'}[{i}]" for i in range(n_args - named))
-    return names, named
+def _signature_of(fn: Callable[..., Any] | None) -> _Params:
+    if fn is None:
+        return _Params((), None, frozenset(), None)
+    func = getattr(fn, "__func__", fn)
+    params = _parameters(func)
+    if func is not fn:  # a bound method: `self` is not passed
+        params = params._replace(positional=params.positional[1:])
+    return params
+
+
+def _argument_names(params: _Params, n_args: int) -> list[str]:
+    """The parameter name of each positional argument, ``args[i]`` past ``*args``."""
+    named = min(len(params.positional), n_args)
+    names = list(params.positional[:named])
+    names.extend(f"{params.star or 'args'}[{i}]" for i in range(n_args - named))
+    return names
 
 
 def scatter_call(
@@ -211,8 +220,8 @@ def scatter_call(
         kwargs: keyword arguments.
         devices: the target devices.
         dim: the dimension to split along.
-        broadcast: argument names (of ``fn``'s parameters, ``*args`` or ``**kwargs`` keys)
-            that every replica gets whole.
+        broadcast: names of ``fn``'s parameters (the name of ``*args`` or ``**kwargs``
+            covers all of them) or of extra keyword arguments, that every replica gets whole.
         fn: the function called on each replica; used for argument names.
 
     Example:
@@ -227,7 +236,7 @@ def scatter_call(
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
 
     def names() -> list[str]:
-        positional = _argument_names(fn, len(args))[0]
+        positional = _argument_names(_signature_of(fn), len(args))
         return [_rename(p, positional) for p in _tree.leaf_paths(spec[3][0], "args")] + [
             _kw(p) for p in _tree.leaf_paths(spec[3][1], "kwargs")
         ]
@@ -235,13 +244,20 @@ def scatter_call(
     whole: set[int] = set()
     if broadcast:
         wanted = set(broadcast)
-        positional, named = _argument_names(fn, len(args))
-        star = positional[named].split("[")[0] if named < len(args) else None
+        params = _signature_of(fn)
+        named = len(params.positional)
+        entries: list[tuple[bool, Any]] = [
+            (n in wanted or (i >= named and params.star in wanted), a)
+            for i, (n, a) in enumerate(zip(_argument_names(params, len(args)), args))
+        ]
+        entries += [
+            (k in wanted or (k not in params.names and params.double_star in wanted), v)
+            for k, v in kwargs.items()
+        ]
         offset = 0
-        entries = [(n, a) for n, a in zip(positional, args)] + list(kwargs.items())
-        for i, (name, value) in enumerate(entries):
+        for is_whole, value in entries:
             count = len(_tree.flatten(value)[1])
-            if name in wanted or (i >= named and i < len(args) and star in wanted):
+            if is_whole:
                 whole.update(range(offset, offset + count))
             offset += count
     per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, names)

@@ -1,0 +1,397 @@
+"""dpmethods.DataParallel on CPU devices, compared with a single-device reference."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+import pickle
+import threading
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpmethods
+from dpmethods import DataParallel, parallel_method
+
+CPU4 = ["cpu"] * 4
+
+
+@dataclass
+class Encoded:
+    mu: torch.Tensor
+    logvar: torch.Tensor
+    note: str = "vae"
+
+
+class VAE(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(8, 6)
+        self.dec = nn.Linear(3, 8)
+        self.config = {"latent": 3}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x).mu)
+
+    @parallel_method
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Encode x into a Gaussian."""
+        h = self.enc(x)
+        return Encoded(h[:, :3], h[:, 3:])
+
+    @parallel_method
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.dec(z))
+
+    @parallel_method(gather={"loss": "mean"})
+    def training_step(self, x: torch.Tensor, beta: float = 1.0) -> dict[str, Any]:
+        enc = self.encode(x)
+        recon = self.decode(enc.mu)
+        rec = F.mse_loss(recon, x, reduction="none").mean(1)
+        kl = -0.5 * (1 + enc.logvar - enc.mu**2 - enc.logvar.exp()).mean(1)
+        per_item = rec + beta * kl
+        return {"loss": per_item.mean(), "per_item": per_item}
+
+    @parallel_method(broadcast=("mask", "rest", "extra"))
+    def masked(self, x: torch.Tensor, mask: torch.Tensor, *rest: torch.Tensor, scale: float = 2.0,
+               **extra: torch.Tensor) -> torch.Tensor:
+        out = self.enc(x) * mask * scale
+        for r in rest:
+            out = out + r.sum()
+        for e in extra.values():
+            out = out + e.sum()
+        return out
+
+    def helper(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+def _ref_and_dp(devices: list[Any] = CPU4, **kwargs: Any) -> tuple[VAE, VAE, DataParallel]:
+    ref = VAE()
+    model = copy.deepcopy(ref)
+    return ref, model, DataParallel(model, device_ids=devices, **kwargs)
+
+
+# --- drop-in replacement ---------------------------------------------------------------
+
+
+def test_is_a_torch_dataparallel_with_its_attributes() -> None:
+    ref, model, dp = _ref_and_dp()
+    assert isinstance(dp, nn.DataParallel) and isinstance(dp, DataParallel)
+    assert dp.module is model
+    assert dp.device_ids == [torch.device("cpu")] * 4
+    assert list(dp.state_dict()) == ["module." + k for k in model.state_dict()]
+    x = torch.randn(9, 8)
+    assert torch.allclose(dp(x), ref(x), atol=1e-6)
+    assert "DataParallel" in repr(dp)
+
+
+def test_torch_dataparallel_lacks_the_method_ours_has_it() -> None:
+    with pytest.raises(AttributeError, match="'DataParallel' object has no attribute 'encode'"):
+        nn.DataParallel(VAE()).encode  # noqa: B018
+    dp = DataParallel(VAE(), device_ids=CPU4)
+    assert "encode" in type(dp).__dict__
+
+
+def test_method_signature_help_and_dir_show_the_models_method() -> None:
+    _, _, dp = _ref_and_dp()
+    assert inspect.signature(dp.encode) == inspect.signature(VAE().encode)
+    assert list(inspect.signature(dp.masked).parameters) == ["x", "mask", "rest", "scale", "extra"]
+    assert dp.encode.__doc__ == "Encode x into a Gaussian."
+    assert "Encode x into a Gaussian." in __import__("pydoc").render_doc(dp.encode)
+    names = dir(dp)
+    for name in ["encode", "decode", "training_step", "helper", "config", "module"]:
+        assert name in names
+
+
+def test_attributes_and_undecorated_methods_forward_with_one_warning() -> None:
+    _, model, dp = _ref_and_dp()
+    assert dp.config == {"latent": 3}
+    x = torch.randn(3, 8)
+    with pytest.warns(UserWarning, match=r"VAE.helper is not a parallel method, so it runs on cpu only.*methods=\['helper'\]"):
+        assert torch.equal(dp.helper(x), x + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp.helper(x)  # once only
+    with pytest.raises(AttributeError, match="'DataParallel' object has no attribute 'nope', and neither has the wrapped VAE"):
+        dp.nope  # noqa: B018
+
+
+def test_copy_and_pickle_keep_the_methods() -> None:
+    _, _, dp = _ref_and_dp()
+    x = torch.randn(5, 8)
+    for clone in (copy.deepcopy(dp), pickle.loads(pickle.dumps(dp))):
+        assert torch.allclose(clone.encode(x).mu, dp.encode(x).mu)
+
+
+# --- same results as one device ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 13])
+def test_outputs_equal_single_device(batch: int) -> None:
+    ref, _, dp = _ref_and_dp()
+    x = torch.randn(batch, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small batches warn; tested below
+        enc, enc_ref = dp.encode(x), ref.encode(x)
+        assert isinstance(enc, Encoded) and enc.note == "vae"
+        assert torch.allclose(enc.mu, enc_ref.mu, atol=1e-6)
+        assert torch.allclose(enc.logvar, enc_ref.logvar, atol=1e-6)
+        z = torch.randn(batch, 3)
+        assert torch.allclose(dp.decode(z), ref.decode(z), atol=1e-6)
+
+
+@pytest.mark.parametrize("batch", [4, 7, 10])
+def test_gradients_equal_single_device_with_uneven_chunks(batch: int) -> None:
+    ref, model, dp = _ref_and_dp()
+    x = torch.randn(batch, 8)
+    out, out_ref = dp.training_step(x, beta=0.5), ref.training_step(x, beta=0.5)
+    assert torch.allclose(out["loss"], out_ref["loss"], atol=1e-6)  # weighted mean
+    assert torch.allclose(out["per_item"], out_ref["per_item"], atol=1e-6)
+    out["loss"].backward()
+    out_ref["loss"].backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        assert torch.allclose(p.grad, p_ref.grad, atol=1e-6), name
+
+
+def test_binding_positional_keyword_defaults_star_args_and_kwargs() -> None:
+    ref, _, dp = _ref_and_dp()
+    x, mask = torch.randn(6, 8), torch.randn(6)
+    r1, r2, e = torch.randn(3), torch.randn(4), torch.randn(5)
+    assert torch.allclose(dp.masked(x, mask), ref.masked(x, mask))
+    assert torch.allclose(dp.masked(x, mask, r1, r2, scale=3.0, table=e),
+                          ref.masked(x, mask, r1, r2, scale=3.0, table=e), atol=1e-5)
+    assert torch.allclose(dp.masked(x=x, mask=mask, a=e, b=r1), ref.masked(x=x, mask=mask, a=e, b=r1), atol=1e-5)
+
+
+def test_broadcast_names_are_checked_against_the_signature() -> None:
+    class Net(nn.Module):
+        @parallel_method(broadcast=("maks",))
+        def f(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(ValueError, match=r"broadcast: \['maks'\] are not arguments of Net.f; its arguments are \['x', 'mask'\]"):
+        DataParallel(Net(), device_ids=CPU4)
+
+
+def test_small_batch_runs_fewer_replicas_and_warns_once() -> None:
+    calls: list[int] = []
+
+    class Count(nn.Module):
+        @parallel_method
+        def f(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[0])
+            return x
+
+    dp = DataParallel(Count(), device_ids=CPU4)
+    with pytest.warns(UserWarning, match="a batch of 2 items on 4 devices: only 2 replicas run"):
+        dp.f(torch.randn(2, 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dp.f(torch.randn(2, 1))
+        calls.clear()
+        dp.f(torch.randn(9, 1))
+    assert sorted(calls) == [2, 2, 2, 3]
+
+
+def test_empty_batch_is_a_clear_error() -> None:
+    _, _, dp = _ref_and_dp()
+    with pytest.raises(ValueError, match="empty batch"):
+        dp.encode(torch.randn(0, 8))
+
+
+# --- threads, modes, errors -------------------------------------------------------------
+
+
+def test_grad_mode_and_no_grad_replicas_are_detached() -> None:
+    seen: list[bool] = []
+
+    class Probe(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        @parallel_method
+        def f(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(torch.is_grad_enabled() or self.lin.weight.requires_grad)
+            return self.lin(x)
+
+    dp = DataParallel(Probe(), device_ids=CPU4)
+    with torch.no_grad():
+        out = dp.f(torch.randn(8, 2))
+    assert seen == [False] * 4 and not out.requires_grad
+    seen.clear()
+    assert dp.f(torch.randn(8, 2)).requires_grad and seen == [True] * 4
+    with torch.inference_mode():
+        assert dp.f(torch.randn(8, 2)).is_inference()
+
+
+def test_autocast_is_carried_into_replica_threads() -> None:
+    _, _, dp = _ref_and_dp()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = dp.decode(torch.randn(8, 3))
+    assert out.dtype == torch.bfloat16
+
+
+class Boom(nn.Module):
+    @parallel_method
+    def f(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0, 0] > 100:
+            raise KeyError(f"bad item {int(x[0, 0])}")
+        return x
+
+
+def test_replica_exception_keeps_type_index_device_and_traceback() -> None:
+    dp = DataParallel(Boom(), device_ids=CPU4)
+    x = torch.zeros(8, 1)
+    x[6] = 101  # replica 3 gets items 6 and 7
+    before = threading.active_count()
+    with pytest.raises(KeyError, match="bad item 101") as info:
+        dp.f(x)
+    assert "dpmethods: raised in replica 3 on device cpu" in info.value.__notes__
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert "f" in frames  # the original frame inside the replica
+    assert threading.active_count() == before
+
+
+def test_no_reference_cycles_and_no_threads_after_calls() -> None:
+    _, _, dp = _ref_and_dp()
+    x = torch.randn(9, 8)
+    dp.training_step(x)["loss"].backward()
+    gc.collect()
+    threads = threading.active_count()
+    gc.disable()
+    try:
+        for _ in range(3):
+            dp.training_step(x)["loss"].backward()
+            with torch.no_grad():
+                dp.encode(x)
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
+    assert threading.active_count() == threads
+
+
+# --- devices ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without GPUs")
+def test_no_device_ids_without_gpus_is_a_plain_call() -> None:
+    ref, _, dp = _ref_and_dp(devices=None)  # type: ignore[arg-type]
+    assert dp.device_ids == []
+    x = torch.randn(4, 8)
+    assert torch.allclose(dp.encode(x).mu, ref.encode(x).mu)
+    assert torch.allclose(dp(x), ref(x))
+
+
+def test_device_id_errors() -> None:
+    with pytest.raises(ValueError, match=r"device_ids: expected at least one device, got \[\]"):
+        DataParallel(VAE(), device_ids=[])
+    with pytest.raises(TypeError, match=r"device_ids\[1\]: expected an int, str or torch.device, got float"):
+        DataParallel(VAE(), device_ids=["cpu", 1.5])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="device_ids: expected a list of devices, got str 'cpu'"):
+        DataParallel(VAE(), device_ids="cpu")  # type: ignore[arg-type]
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"device_ids\[0\]: expected a CUDA device index below {count}"):
+        DataParallel(VAE(), device_ids=[count + 3])
+    with pytest.raises(TypeError, match="module: expected an nn.Module, got int"):
+        DataParallel(3)  # type: ignore[arg-type]
+
+
+def test_single_cpu_device() -> None:
+    ref, _, dp = _ref_and_dp(devices=["cpu"])
+    x = torch.randn(5, 8)
+    assert torch.allclose(dp.encode(x).mu, ref.encode(x).mu)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def test_unwrap_ours_and_torchs() -> None:
+    m = VAE()
+    assert dpmethods.unwrap(DataParallel(m, device_ids=CPU4)) is m
+    assert dpmethods.unwrap(nn.DataParallel(m)) is m
+    assert dpmethods.unwrap(m) is m
+
+
+def test_state_dicts_move_between_wrapped_and_bare(tmp_path: Any) -> None:
+    src = VAE()
+    dp = DataParallel(VAE(), device_ids=CPU4)
+    dp.load_state_dict(src.state_dict())  # bare into wrapped
+    assert torch.equal(dp.module.enc.weight, src.enc.weight)
+    bare = VAE()
+    dpmethods.load_state_dict(bare, dp.state_dict())  # wrapped into bare
+    assert torch.equal(bare.dec.weight, src.dec.weight)
+    path = tmp_path / "ckpt.pt"
+    torch.save(dp.state_dict(), path)
+    other = DataParallel(VAE(), device_ids=CPU4)
+    dpmethods.load_state_dict(other, path)
+    assert torch.equal(other.module.dec.bias, src.dec.bias)
+    torch.save({"w": object()}, tmp_path / "unsafe.pt")
+    with pytest.raises(Exception, match="Weights only load failed"):
+        dpmethods.load_state_dict(bare, tmp_path / "unsafe.pt")
+
+
+def test_replicas_have_parameters_so_model_device_works() -> None:
+    class UsesDevice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        @parallel_method
+        def f(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(next(self.parameters()).device) + 0
+
+    dp = DataParallel(UsesDevice(), device_ids=CPU4)
+    assert dp.f(torch.ones(4, 2)).shape == (4, 2)
+
+
+# --- a real-size model ------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm(self.conv1(x)))
+        h = F.max_pool2d(h, 2)
+        h = F.relu(self.conv2(h)).mean((2, 3))
+        return self.head(h)
+
+    @parallel_method(gather={"loss": "mean", "correct": "sum"})
+    def training_step(self, images: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self(images)
+        return {"loss": F.cross_entropy(logits, labels), "correct": (logits.argmax(1) == labels).sum()}
+
+
+def test_cnn_trained_through_training_step_matches_single_device() -> None:
+    ref = SmallCNN().double()
+    model = copy.deepcopy(ref)
+    dp = DataParallel(model, device_ids=["cpu"] * 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        images = torch.randn(10 + step, 3, 8, 8, dtype=torch.float64)
+        labels = torch.randint(0, 10, (10 + step,))
+        for net, optim in ((dp, opt), (ref, opt_ref)):
+            optim.zero_grad()
+            out = net.training_step(images, labels)
+            out["loss"].backward()
+            optim.step()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, p_ref, atol=1e-10), name
+    assert not torch.equal(model.head.weight, SmallCNN().double().head.weight)

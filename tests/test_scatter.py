@@ -1,0 +1,115 @@
+"""Scatter: balanced chunks, nested structures, broadcast, and its errors."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from dpmethods import chunk_sizes, scatter, scatter_call
+
+
+@pytest.mark.parametrize("batch", range(1, 20))
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+def test_chunk_sizes_are_balanced(batch: int, parts: int) -> None:
+    sizes = chunk_sizes(batch, parts)
+    assert sum(sizes) == batch
+    assert len(sizes) == min(batch, parts)  # every device works when batch >= parts
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_torch_chunk_would_idle_devices_but_we_do_not() -> None:
+    assert len(torch.arange(9).chunk(8)) == 5
+    assert chunk_sizes(9, 8) == [2, 1, 1, 1, 1, 1, 1, 1]
+
+
+class Pair(NamedTuple):
+    a: torch.Tensor
+    b: list[torch.Tensor]
+
+
+@dataclass
+class Batch:
+    images: torch.Tensor
+    meta: dict[str, torch.Tensor]
+    name: str = "batch"
+
+
+def test_nested_structures_split_with_types_kept() -> None:
+    x = torch.randn(7, 3)
+    inputs = (
+        Pair(x, [x * 2, {"k": x + 1}]),
+        Batch(x, OrderedDict(ids=torch.arange(7))),
+        torch.tensor(5.0),
+        "text",
+    )
+    parts = scatter(inputs, ["cpu"] * 3)
+    assert [p[0].a.shape[0] for p in parts] == [3, 2, 2]
+    for p in parts:
+        assert isinstance(p[0], Pair) and isinstance(p[1], Batch)
+        assert isinstance(p[1].meta, OrderedDict) and p[1].name == "batch"
+        assert p[2].item() == 5.0 and p[3] == "text"  # 0-dim and non-tensors whole
+    assert torch.equal(torch.cat([p[0].b[1]["k"] for p in parts]), x + 1)
+    assert torch.equal(torch.cat([p[1].meta["ids"] for p in parts]), torch.arange(7))
+
+
+def test_other_dim() -> None:
+    x = torch.randn(2, 5, 3)
+    parts = scatter(x, ["cpu"] * 2, dim=1)
+    assert [p.shape for p in parts] == [(2, 3, 3), (2, 2, 3)]
+
+
+def test_split_chunks_are_views_with_gradients() -> None:
+    x = torch.randn(4, 2, requires_grad=True)
+    parts = scatter(x, ["cpu"] * 2)
+    (parts[0].sum() * 2 + parts[1].sum()).backward()
+    assert torch.equal(x.grad, torch.tensor([[2.0] * 2] * 2 + [[1.0] * 2] * 2))
+
+
+def _f(x: torch.Tensor, mask: torch.Tensor, *rest: torch.Tensor, scale: float = 1.0, **kw: torch.Tensor) -> None: ...
+
+
+def test_broadcast_by_name_positional_keyword_star_and_kwargs() -> None:
+    x, mask = torch.randn(6, 2), torch.randn(3)
+    r = scatter_call((x, mask), {}, ["cpu"] * 2, broadcast=("mask",), fn=_f)
+    assert r.sizes == [3, 3]
+    assert all(torch.equal(a[1], mask) for a in r[0])
+    r = scatter_call((x,), {"mask": mask, "table": torch.randn(9)}, ["cpu"] * 2,
+                     broadcast=("mask", "table"), fn=_f)
+    assert all(k["table"].shape == (9,) for k in r[1])
+    r = scatter_call((x, mask, torch.randn(5)), {}, ["cpu"] * 2, broadcast=("mask", "rest"), fn=_f)
+    assert all(a[2].shape == (5,) for a in r[0])
+
+
+def test_size_mismatch_names_arguments_and_suggests_broadcast() -> None:
+    with pytest.raises(ValueError) as info:
+        scatter_call((torch.randn(6, 2), torch.randn(4)), {"kw": {"ids": torch.ones(5)}},
+                     ["cpu"] * 2, fn=_f)
+    text = str(info.value)
+    assert "argument 'x' has 6" in text
+    assert "argument 'mask' has 4" in text
+    assert "argument 'kw' at kw['ids'] has 5" in text
+    assert "broadcast=" in text
+
+
+def test_empty_batch_is_an_error() -> None:
+    with pytest.raises(ValueError, match="empty batch: .*size 0 along dim 0; expected at least 1"):
+        scatter(torch.randn(0, 3), ["cpu"] * 2)
+
+
+def test_tensor_without_the_split_dim_is_an_error() -> None:
+    with pytest.raises(ValueError, match=r"has shape \[4\], which has no dim 1 to split"):
+        scatter(torch.randn(4), ["cpu"] * 2, dim=1)
+
+
+def test_no_tensor_to_split_runs_one_replica() -> None:
+    r = scatter_call((3, torch.tensor(1.0)), {}, ["cpu"] * 4)
+    assert len(r[0]) == 1 and r.sizes == [0]
+
+
+def test_devices_required() -> None:
+    with pytest.raises(ValueError, match="devices: expected at least one device, got none"):
+        scatter(torch.ones(2), [])
