@@ -122,7 +122,7 @@ std::vector<LeafPlan> plan_gather(at::TensorList tensors, int64_t num_replicas, 
       p.sizes.push_back(t.size(p.dim));
       total += t.size(p.dim);
     }
-    p.out_shape = ref.vec();
+    p.out_shape.assign(ref.begin(), ref.end());
     p.out_shape[p.dim] = total;
     plans.push_back(std::move(p));
   }
@@ -133,4 +133,11 @@ std::vector<LeafPlan> plan_gather(at::TensorList tensors, int64_t num_replicas, 
 
 TORCH_LIBRARY(dpmethods, m) {
   m.def("gather_coalesced(Tensor[] tensors, int num_replicas, int dim, Device device) -> Tensor[]");
+  // Same computation with autograd done in C++ (csrc/autograd.cpp): the eager
+  // fast path of dpmethods.ops.gather_coalesced. gather_coalesced itself gets
+  // its autograd formula from Python (torch.library.register_autograd), which
+  // is what torch.compile and direct torch.ops callers use.
+  m.def(
+      "_gather_coalesced_autograd(Tensor[] tensors, int num_replicas, int dim, Device device) "
+      "-> Tensor[]");
 }

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/util/SmallVector.h>
 
 #include <cstdint>
 #include <vector>
@@ -15,8 +16,10 @@ struct LeafPlan {
   int64_t outer;  // product of sizes before dim
   int64_t inner;  // product of sizes after dim
   int64_t elsize;
-  std::vector<int64_t> sizes;      // size along dim of each replica's piece
-  std::vector<int64_t> out_shape;  // shape of the gathered leaf
+  // Inline storage: a gather usually has few replicas and low-rank leaves, and
+  // heap allocations per leaf would dominate small gathers.
+  c10::SmallVector<int64_t, 8> sizes;      // size along dim of each replica's piece
+  c10::SmallVector<int64_t, 6> out_shape;  // shape of the gathered leaf
 };
 
 // Checks counts, dtypes and shapes and returns one plan per leaf. Raises with
