@@ -1,20 +1,175 @@
-"""TEMPORARY STUB (replaced by the compiled-gather work): pure-PyTorch gather_coalesced."""
+"""Coalesced gather: every gathered output of a DataParallel step in one op call.
+
+``torch.ops.dpmethods.gather_coalesced`` (compiled in ``dpmethods._C``, CPU and
+CUDA kernels) concatenates the pieces of every leaf in one pass instead of one
+``torch.cat`` and one autograd node per leaf. Without the extension the same
+function runs a per-leaf ``torch.cat`` of ``.to(device)`` pieces.
+
+Dispatch: the dispatcher picks a kernel from the *inputs* (CUDA wins over CPU);
+each kernel then acts on the *target*: the CPU kernel gathers on the host and
+moves finished leaves to a non-CPU target, the CUDA kernel moves its inputs to
+the host first when the target is the CPU.
+
+Environment variables (read at call time):
+    DPMETHODS_DISABLE_EXTENSION=1  use the pure-PyTorch path (read once, at import)
+    DPMETHODS_FORCE_STAGED=1       CUDA: always use the pack / peer copy / unpack path
+    DPMETHODS_POISON=1             fill outputs with 0xFF bytes before copying (tests)
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["gather_coalesced"]
+from dpmethods import _extension
+
+__all__ = ["extension_info", "gather_coalesced"]
+
+_OP_NAME = "dpmethods::gather_coalesced"
+
+_op: Any = None  # torch.ops.dpmethods.gather_coalesced.default when compiled
+_op_autograd: Any = None  # its C++-autograd twin, the eager fast path
+
+# Skips the Python autograd kernel when no graph is needed; private, so guarded.
+_below_autograd: Any = getattr(torch._C, "_AutoDispatchBelowAutograd", torch.no_grad)
+_any_requires_grad: Any = getattr(
+    torch._C, "_any_requires_grad", lambda *ts: any(t.requires_grad for t in ts)
+)
 
 
-def gather_coalesced(
+def extension_info() -> dict[str, Any]:
+    """Describe the compiled extension and whether the gather uses it.
+
+    Returns:
+        A dict with ``available`` (``dpmethods._C`` imported), ``cuda`` (built with
+        CUDA kernels), ``cuda_archs`` (targets compiled, e.g. ``["sm_80", "sm_90",
+        "compute_90"]``), ``torch_built_against``, ``torch_runtime``, ``in_use``
+        (``"compiled"`` or ``"pytorch fallback"``), ``reason`` (why the fallback,
+        else None) and ``path`` (the loaded library).
+
+    Example:
+        >>> extension_info()["in_use"] in ("compiled", "pytorch fallback")
+        True
+    """
+    return _extension.info()
+
+
+def _normalize_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def _check_counts(n: int, num_replicas: int) -> None:
+    if num_replicas < 1:
+        raise ValueError(f"gather_coalesced(): num_replicas must be >= 1, got {num_replicas}")
+    if n % num_replicas:
+        raise ValueError(
+            "gather_coalesced(): len(tensors) must be a multiple of num_replicas "
+            f"({num_replicas}), got {n} tensors"
+        )
+
+
+def _fallback(
     tensors: Sequence[torch.Tensor], num_replicas: int, dim: int, device: torch.device
 ) -> list[torch.Tensor]:
-    """Concatenate leaf-major ``tensors`` (``tensors[l * num_replicas + r]``) per leaf."""
     out = []
     for i in range(0, len(tensors), num_replicas):
         parts = [t.to(device) for t in tensors[i : i + num_replicas]]
         out.append(torch.cat(parts, dim))
     return out
+
+
+def _fake(
+    tensors: list[torch.Tensor], num_replicas: int, dim: int, device: torch.device
+) -> list[torch.Tensor]:
+    _check_counts(len(tensors), num_replicas)
+    out = []
+    for i in range(0, len(tensors), num_replicas):
+        pieces = tensors[i : i + num_replicas]
+        d = _normalize_dim(dim, pieces[0].dim())
+        shape = list(pieces[0].shape)
+        shape[d] = sum(p.shape[d] for p in pieces)
+        out.append(pieces[0].new_empty(shape, device=device))
+    return out
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    tensors, num_replicas, dim, _ = inputs
+    ctx.num_replicas = num_replicas
+    ctx.dims = [_normalize_dim(dim, tensors[i].dim()) for i in range(0, len(tensors), num_replicas)]
+    ctx.sizes = [t.shape[ctx.dims[i // num_replicas]] for i, t in enumerate(tensors)]
+    ctx.devices = [t.device for t in tensors]
+
+
+def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
+    """Split each leaf's gradient along dim and send every slice to its piece's device.
+
+    Slices that are already on their piece's device are views of the gradient.
+    """
+    r_count = ctx.num_replicas
+    out: list[torch.Tensor | None] = []
+    for leaf, g in enumerate(grads):
+        first = leaf * r_count
+        if g is None:
+            out.extend([None] * r_count)
+            continue
+        parts = torch.split(g, ctx.sizes[first : first + r_count], dim=ctx.dims[leaf])
+        for r, part in enumerate(parts):
+            dev = ctx.devices[first + r]
+            out.append(part if part.device == dev else part.to(dev))
+    return out, None, None, None
+
+
+def _register() -> None:
+    """Bind the compiled ops and give gather_coalesced its fake and autograd kernels."""
+    global _op, _op_autograd
+    if _extension.module() is None:
+        return
+    torch.library.register_fake(_OP_NAME)(_fake)
+    torch.library.register_autograd(_OP_NAME, _backward, setup_context=_setup_context)
+    _op = torch.ops.dpmethods.gather_coalesced.default
+    _op_autograd = torch.ops.dpmethods._gather_coalesced_autograd.default
+
+
+_register()
+
+
+def gather_coalesced(
+    tensors: Sequence[torch.Tensor], num_replicas: int, dim: int, device: torch.device
+) -> list[torch.Tensor]:
+    """Concatenate the pieces of every leaf along ``dim`` onto ``device`` in one call.
+
+    Args:
+        tensors: leaf-major pieces, ``tensors[l * num_replicas + r]`` is leaf ``l`` of
+            replica ``r``. Pieces of a leaf share dtype and shape except along ``dim``;
+            they may live on any devices and need not be contiguous.
+        num_replicas: number of replicas (pieces per leaf), >= 1.
+        dim: concatenation dim; negative values count from the end of each leaf.
+        device: where the gathered leaves go.
+
+    Returns:
+        One tensor per leaf, ``torch.cat(pieces, dim)`` on ``device``. Gradients flow
+        back to every piece.
+
+    Example:
+        >>> a, b = torch.ones(2, 3), torch.zeros(1, 3)
+        >>> [t.shape for t in gather_coalesced([a, b], 2, 0, torch.device("cpu"))]
+        [torch.Size([3, 3])]
+    """
+    device = torch.device(device)
+    if not isinstance(tensors, (list, tuple)):
+        tensors = list(tensors)
+    if not tensors:
+        _check_counts(0, num_replicas)
+        return []
+    if _op is None or _extension.unsupported_reason(device) is not None:
+        _check_counts(len(tensors), num_replicas)
+        return _fallback(tensors, num_replicas, dim, device)
+    if torch.compiler.is_compiling():
+        # Traced through the fake kernel and the Python autograd formula.
+        return _op(tensors, num_replicas, dim, device)
+    if torch.is_grad_enabled() and _any_requires_grad(*tensors):
+        return _op_autograd(tensors, num_replicas, dim, device)
+    with _below_autograd():
+        return _op(tensors, num_replicas, dim, device)
