@@ -100,7 +100,8 @@ class _MethodWrapper(nn.Module):
         if "_dpm_base" not in cls.__dict__:
             return super().__reduce_ex__(protocol)
         module_cls = type(self.__dict__["_modules"]["module"])
-        return (_rebuild, (cls._dpm_base, module_cls, cls._dpm_names), self.__dict__)
+        base, names = cls.__dict__["_dpm_base"], cls.__dict__["_dpm_names"]
+        return (_rebuild, (base, module_cls, names), self.__dict__)
 
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError

@@ -20,7 +20,8 @@ from ._wrapping import _MethodWrapper
 from .gather import gather as _gather
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
-from .replicate import fingerprint, replicate as _replicate
+from .replicate import fingerprint
+from .replicate import replicate as _replicate
 from .scatter import ScatterResult, _as_device, scatter_call
 from .utils import add_prefix
 
@@ -124,13 +125,15 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         self._check_broadcast_names()
         self._replica_cache: tuple[tuple[Any, ...], list[nn.Module]] | None = None
         self._warned_small: set[tuple[int, int]] = set()
+        # As torch: CUDA devices as indices; CPU devices (ours only) as torch.device.
+        self.device_ids: list[int | torch.device] = [  # type: ignore[assignment]
+            d.index if d.type == "cuda" else d for d in self._devices
+        ]
         if not self._devices:
-            self.device_ids = []
             return
-        self.device_ids = [d.index if d.type == "cuda" else d for d in self._devices]
         out = self._devices[0] if output_device is None else _as_device(output_device)
         self._output_device = out
-        self.output_device = out.index if out.type == "cuda" else out
+        self.output_device: int | torch.device = out.index if out.type == "cuda" else out  # type: ignore[assignment]
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
             self.module.to(self.src_device_obj)

@@ -136,7 +136,7 @@ def parallel_apply(
     streams = _streams(devices)
     callers = [torch.cuda.current_stream(d) if s is not None else None for d, s in zip(devices, streams)]
     for i, (s, c) in enumerate(zip(streams, callers)):
-        if s is not None and s != c:
+        if s is not None and c is not None and s != c:
             s.wait_stream(c)
             _record((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
     state = _ThreadState.capture()
@@ -164,7 +164,7 @@ def parallel_apply(
         for t in threads:
             t.join()
     for s, c in zip(streams, callers):
-        if s is not None and s != c:
+        if s is not None and c is not None and s != c:
             c.wait_stream(s)
     failed = next((i for i, e in enumerate(errors) if e is not None), None)
     if failed is not None:

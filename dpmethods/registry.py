@@ -31,7 +31,7 @@ __all__ = [
 
 GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list"]
 GATHER_MODES: tuple[str, ...] = ("cat", "stack", "mean", "sum", "pad", "list")
-GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]
+GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]  # noqa: UP007 (runtime alias on 3.10)
 
 _OPTIONS_ATTR = "__dpmethods_options__"
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -305,7 +305,7 @@ def parallel_methods(cls: type) -> dict[str, MethodOptions]:
     return {name: opts for name, opts in found.items() if opts is not None}
 
 
-MethodsArg = Union[Iterable[str], Mapping[str, Mapping[str, Any]], None]
+MethodsArg = Union[Iterable[str], Mapping[str, Mapping[str, Any]], None]  # noqa: UP007
 
 
 def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, MethodOptions]:

@@ -24,15 +24,15 @@ __all__ = ["fingerprint", "replicate"]
 
 
 def _source_device(module: nn.Module, default: torch.device) -> torch.device:
-    for t in module.parameters():
-        return t.device
-    for t in module.buffers():
-        return t.device
+    for p in module.parameters():
+        return p.device
+    for b in module.buffers():
+        return b.device
     return default
 
 
 def _copies(
-    tensors: list[Tensor], devices: list[torch.device], src: torch.device, detach: bool
+    tensors: Sequence[Tensor], devices: list[torch.device], src: torch.device, detach: bool
 ) -> dict[torch.device, list[Tensor]]:
     """Per unique device, the tensors as seen there (autograd-connected unless ``detach``)."""
     out: dict[torch.device, list[Tensor]] = {}
@@ -110,20 +110,21 @@ def replicate(
     for device in targets:
         shared = device not in seen
         seen.add(device)
-        copies = [m._replicate_for_data_parallel() for m in modules]
+        clones = [m._replicate_for_data_parallel() for m in modules]
         pc, bc = param_copies[device], buffer_copies[device]
-        for m, copy in zip(modules, copies):
+        for m, clone in zip(modules, clones):
             for key, child in m._modules.items():
-                copy._modules[key] = None if child is None else copies[index[id(child)]]
+                clone._modules[key] = None if child is None else clones[index[id(child)]]
             for key, p in m._parameters.items():
-                copy._parameters[key] = None if p is None else pc[param_index[id(p)]]  # type: ignore[assignment]
-            for key, b in m._buffers.items():
-                if b is None:
-                    copy._buffers[key] = None
+                # Plain tensors in _parameters keep replica.parameters() non-empty.
+                clone._parameters[key] = None if p is None else pc[param_index[id(p)]]  # type: ignore[assignment]
+            for key, buf in m._buffers.items():
+                if buf is None:
+                    clone._buffers[key] = None
                     continue
-                c = bc[buffer_index[id(b)]]
-                copy._buffers[key] = c if shared or not training[id(b)] else c.clone()
-        replicas.append(copies[0])
+                c = bc[buffer_index[id(buf)]]
+                clone._buffers[key] = c if shared or not training[id(buf)] else c.clone()
+        replicas.append(clones[0])
     return replicas
 
 

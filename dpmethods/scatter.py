@@ -107,7 +107,7 @@ def _distribute(
     names: Callable[[], list[str]],
 ) -> tuple[list[Any], list[int]]:
     batch = _batch_size(leaves, whole, dim, names)
-    sizes = [batch] if batch is None else chunk_sizes(batch, len(devices))
+    sizes = [0] if batch is None else chunk_sizes(batch, len(devices))
     targets = devices[: len(sizes)]
     columns: list[list[Any]] = []
     for i, leaf in enumerate(leaves):
@@ -120,7 +120,7 @@ def _distribute(
     per_replica = [_tree.unflatten(spec, list(row)) for row in zip(*columns)] if columns else [
         _tree.unflatten(spec, []) for _ in targets
     ]
-    return per_replica, sizes if batch is not None else [0]
+    return per_replica, sizes
 
 
 def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:

@@ -112,7 +112,7 @@ def test_method_signature_help_and_dir_show_the_models_method() -> None:
 
 
 def test_attributes_and_undecorated_methods_forward_with_one_warning() -> None:
-    _, model, dp = _ref_and_dp()
+    _, _, dp = _ref_and_dp()
     assert dp.config == {"latent": 3}
     x = torch.randn(3, 8)
     with pytest.warns(UserWarning, match=r"VAE.helper is not a parallel method, so it runs on cpu only.*methods=\['helper'\]"):
