@@ -41,9 +41,11 @@ def _find_cuda_home() -> str | None:
         candidates.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     candidates += ["/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
     for c in candidates:
-        if c and (Path(c) / "include" / "cuda_runtime.h").exists() and (
-            Path(c) / "bin" / "nvcc"
-        ).exists():
+        if (
+            c
+            and (Path(c) / "include" / "cuda_runtime.h").exists()
+            and (Path(c) / "bin" / "nvcc").exists()
+        ):
             return c
     return None
 

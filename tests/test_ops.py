@@ -1,0 +1,321 @@
+"""CPU tests of dpmethods.ops.gather_coalesced (compiled op and fallback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpmethods import ops
+
+CPU = torch.device("cpu")
+COMPILED = ops.extension_info()["in_use"] == "compiled"
+needs_ext = pytest.mark.skipif(not COMPILED, reason="dpmethods._C not built")
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.complex128,
+]
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Outputs start as 0xFF bytes, so any byte the kernel forgets shows up
+    # (random inputs essentially never equal a whole run of 0xFF).
+    monkeypatch.setenv("DPMETHODS_POISON", "1")
+
+
+def _rand(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    info = torch.iinfo(dtype)
+    lo, hi = max(info.min, -1000), min(info.max, 1000)
+    return torch.randint(lo, hi, shape, generator=gen, dtype=dtype)
+
+
+def _pieces(
+    shape: list[int], dim: int, sizes: list[int], dtype: torch.dtype, gen: torch.Generator
+) -> list[torch.Tensor]:
+    d = dim % len(shape)
+    out = []
+    for s in sizes:
+        sh = list(shape)
+        sh[d] = s
+        out.append(_rand(sh, dtype, gen))
+    return out
+
+
+def _reference(tensors: list[torch.Tensor], r: int, dim: int) -> list[torch.Tensor]:
+    return [
+        torch.cat([t.to(CPU) for t in tensors[i : i + r]], dim) for i in range(0, len(tensors), r)
+    ]
+
+
+def _check(tensors: list[torch.Tensor], r: int, dim: int) -> list[torch.Tensor]:
+    out = ops.gather_coalesced(tensors, r, dim, CPU)
+    ref = _reference(tensors, r, dim)
+    assert len(out) == len(ref)
+    for o, e in zip(out, ref, strict=True):
+        assert o.dtype == e.dtype and o.device == CPU
+        assert o.shape == e.shape
+        assert torch.equal(o, e)
+        assert o.is_contiguous()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [0, 1, 2, 3, -1, -4])
+def test_every_dtype_and_dim(dtype: torch.dtype, dim: int) -> None:
+    gen = torch.Generator().manual_seed(hash((str(dtype), dim)) % 2**31)
+    leaves = _pieces([3, 2, 5, 4], dim, [2, 1, 3], dtype, gen)
+    leaves += _pieces([1, 3, 2, 7], dim, [1, 4, 2], dtype, gen)
+    # leaf-major: 2 leaves x 3 replicas
+    _check(leaves, 3, dim)
+
+
+def test_mixed_dtypes_and_ranks_in_one_call() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors: list[torch.Tensor] = []
+    for i, dtype in enumerate(DTYPES):
+        shape = [2 + i % 3, 3, 1 + i % 2][: 1 + i % 3]
+        tensors += _pieces(shape, 0, [1 + i % 2, 2], dtype, gen)
+    _check(tensors, 2, 0)
+
+
+def test_non_contiguous_and_lazy_conj_inputs() -> None:
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(6, 4, generator=gen).t()  # transposed
+    b = torch.randn(4, 12, generator=gen)[:, ::2]  # strided
+    c = torch.randn(4, 3, dtype=torch.complex64, generator=gen).conj()
+    d = torch.randn(3, 4, dtype=torch.complex64, generator=gen).t()
+    e = torch.randn(4, 2, dtype=torch.complex64, generator=gen)._neg_view()
+    assert not a.is_contiguous() and not b.is_contiguous() and c.is_conj() and e.is_neg()
+    _check([a, b, c, d], 2, 1)
+    _check([c, e], 2, 1)
+    _check([a.expand(2, 4, 6)[1], b], 2, 1)  # stride-0 source
+
+
+def test_empty_pieces_and_empty_leaves() -> None:
+    gen = torch.Generator().manual_seed(2)
+    tensors = _pieces([3, 4], 1, [0, 2, 0], torch.float32, gen)
+    tensors += _pieces([3, 4], 1, [0, 0, 0], torch.float32, gen)
+    tensors += _pieces([0, 4], 1, [1, 2, 3], torch.int32, gen)
+    out = _check(tensors, 3, 1)
+    assert out[1].shape == (3, 0) and out[2].shape == (0, 6)
+
+
+def test_single_replica_and_no_tensors() -> None:
+    gen = torch.Generator().manual_seed(3)
+    tensors = [_rand([4, 5], torch.float32, gen), _rand([2], torch.int64, gen)]
+    out = _check(tensors, 1, 0)
+    assert out[0].data_ptr() != tensors[0].data_ptr()  # a copy, never an alias
+    assert ops.gather_coalesced([], 2, 0, CPU) == []
+
+
+def test_many_leaves() -> None:
+    gen = torch.Generator().manual_seed(4)
+    tensors = [_rand([2, 3], torch.float32, gen) for _ in range(1100 * 2)]
+    _check(tensors, 2, 1)
+
+
+def test_large_leaf_uses_parallel_path() -> None:
+    # Several MiB, above the single-thread grain, with rows that do not align to 16 bytes.
+    gen = torch.Generator().manual_seed(5)
+    tensors = _pieces([1024, 3, 333], 1, [2, 5, 1], torch.float32, gen)
+    tensors += _pieces([777, 1001], 0, [300, 1, 500], torch.int8, gen)
+    _check(tensors[:3], 3, 1)
+    _check(tensors[3:], 3, 0)
+
+
+def test_gradients_flow_to_every_piece_as_views() -> None:
+    gen = torch.Generator().manual_seed(6)
+    tensors = [t.requires_grad_() for t in _pieces([3, 4], 1, [1, 2, 3], torch.float64, gen)]
+    ints = _pieces([2, 1], 1, [1, 2, 1], torch.int64, gen)
+    out = ops.gather_coalesced(tensors + ints, 3, 1, CPU)
+    assert out[0].requires_grad and not out[1].requires_grad
+    weight = torch.randn(out[0].shape, dtype=torch.float64, generator=gen)
+    (out[0] * weight).sum().backward()
+    for t, w in zip(tensors, torch.split(weight, [1, 2, 3], 1), strict=True):
+        assert t.grad is not None and torch.equal(t.grad, w)
+
+
+@needs_ext
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops"])
+def test_gradcheck(entry: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    tensors = _pieces([2, 3, 2], -2, [1, 3], torch.float64, gen)
+    tensors += _pieces([2, 2], -2, [2, 1], torch.float64, gen)
+    inputs = tuple(t.requires_grad_() for t in tensors)
+
+    def fn(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if entry == "wrapper":
+            return tuple(ops.gather_coalesced(list(ts), 2, -2, CPU))
+        return tuple(torch.ops.dpmethods.gather_coalesced(list(ts), 2, -2, CPU))
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+@needs_ext
+@pytest.mark.parametrize("entry", ["wrapper", "torch.ops"])
+def test_same_device_gradients_are_views(entry: str) -> None:
+    t = [torch.randn(2, 3, requires_grad=True) for _ in range(2)]
+    fn = ops.gather_coalesced if entry == "wrapper" else torch.ops.dpmethods.gather_coalesced
+    out = fn(t, 2, 0, CPU)
+    g = torch.randn(4, 3)
+    grads = torch.autograd.grad(out[0], t, g)
+    base = g.untyped_storage().data_ptr()
+    assert [x.untyped_storage().data_ptr() for x in grads] == [base, base]
+    assert torch.equal(grads[1], g[2:])
+
+
+@needs_ext
+def test_opcheck() -> None:
+    gen = torch.Generator().manual_seed(8)
+    tensors = [t.requires_grad_() for t in _pieces([2, 3], 1, [1, 2], torch.float32, gen)]
+    tensors += _pieces([4, 2], 1, [2, 3], torch.int32, gen)
+    torch.library.opcheck(torch.ops.dpmethods.gather_coalesced.default, (tensors, 2, 1, CPU))
+
+
+@needs_ext
+def test_torch_compile_traces_the_op() -> None:
+    gen = torch.Generator().manual_seed(9)
+    tensors = _pieces([2, 3], 0, [1, 2], torch.float32, gen)
+    fn = torch.compile(
+        lambda ts: ops.gather_coalesced(ts, 2, 0, CPU), backend="eager", fullgraph=True
+    )
+    assert torch.equal(fn(tensors)[0], torch.cat(tensors))
+
+
+@needs_ext
+def test_compiled_op_is_used() -> None:
+    info = ops.extension_info()
+    assert info["available"] and info["in_use"] == "compiled" and info["reason"] is None
+    assert info["torch_built_against"] == torch.__version__
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("dpmethods::gather_coalesced", "CPU")
+    tensors = [torch.randn(2, 2), torch.randn(2, 2)]
+    grads = [t.clone().requires_grad_() for t in tensors]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.gather_coalesced(tensors, 2, 0, CPU)
+        ops.gather_coalesced(grads, 2, 0, CPU)
+    names = {e.name for e in prof.events()}
+    assert "dpmethods::gather_coalesced" in names
+    assert "dpmethods::_gather_coalesced_autograd" in names
+    assert "aten::cat" not in names
+
+
+@needs_ext
+@pytest.mark.parametrize(
+    ("tensors", "r", "dim", "exc", "match"),
+    [
+        ([torch.ones(2)], 0, 0, ValueError, r"num_replicas must be >= 1, got 0"),
+        (
+            [torch.ones(2)] * 3,
+            2,
+            0,
+            ValueError,
+            r"len\(tensors\) must be a multiple of num_replicas \(2\), got 3 tensors",
+        ),
+        (
+            [torch.ones(2, 3), torch.ones(2, 3, dtype=torch.float64)],
+            2,
+            0,
+            TypeError,
+            r"tensors\[1\] \(leaf 0, replica 1\) has dtype Double but expected Float",
+        ),
+        (
+            [torch.ones(2, 3), torch.ones(2, 3), torch.ones(2, 3), torch.ones(3, 4)],
+            2,
+            1,
+            ValueError,
+            r"tensors\[3\] \(leaf 1, replica 1\) has shape \[3, 4\] but expected \[2, \*\]",
+        ),
+        (
+            [torch.ones(2, 3), torch.ones(2, 3, 1)],
+            2,
+            0,
+            ValueError,
+            r"tensors\[1\] \(leaf 0, replica 1\) has shape \[2, 3, 1\] but expected \[\*, 3\]",
+        ),
+        (
+            [torch.ones(2, 3), torch.ones(2, 3)],
+            2,
+            2,
+            IndexError,
+            r"dim 2 is out of range for leaf 0 with 2 dimensions \(expected -2 <= dim < 2\)",
+        ),
+        (
+            [torch.tensor(1.0), torch.tensor(2.0)],
+            2,
+            0,
+            ValueError,
+            r"tensors\[0\] \(leaf 0, replica 0\) is 0-dimensional",
+        ),
+    ],
+)
+def test_error_messages(
+    tensors: list[torch.Tensor], r: int, dim: int, exc: type[Exception], match: str
+) -> None:
+    with pytest.raises(exc, match=match):
+        ops.gather_coalesced(tensors, r, dim, CPU)
+
+
+def test_count_errors_without_extension_path() -> None:
+    with pytest.raises(ValueError, match=r"num_replicas must be >= 1, got 0"):
+        ops.gather_coalesced([], 0, 0, CPU)
+
+
+_FALLBACK_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, sys
+    import torch
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    from dpmethods import ops
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(2, 3, generator=g), torch.randn(2, 1, generator=g),
+          torch.randint(0, 9, (1, 4), generator=g), torch.randint(0, 9, (1, 2), generator=g)]
+    outs = ops.gather_coalesced([ts[0], ts[1]], 2, 1, torch.device("cpu"))
+    outs += ops.gather_coalesced([ts[2], ts[3]], 2, -1, torch.device("cpu"))
+    ok = torch.equal(outs[0], torch.cat(ts[:2], 1)) and torch.equal(outs[1], torch.cat(ts[2:], 1))
+    print(json.dumps({"info": ops.extension_info(), "ok": ok}))
+    """
+)
+
+
+def test_fallback_when_disabled() -> None:
+    env = dict(os.environ, DPMETHODS_DISABLE_EXTENSION="1")
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"]
+    info = result["info"]
+    assert info["in_use"] == "pytorch fallback" and not info["available"]
+    assert "DPMETHODS_DISABLE_EXTENSION=1" in info["reason"]
+    # Logged once, at info level.
+    assert proc.stderr.count("using the pure-PyTorch gather") == 1
