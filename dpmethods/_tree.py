@@ -10,6 +10,8 @@ runs per call on every replica and its cost matters as much as the copy.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,52 +19,63 @@ from torch import Tensor
 
 __all__: list[str] = []
 
-LEAF = "*"
+# Leaf markers. Tensors, None and other values are told apart in the spec, so equal
+# specs mean the replicas agree on which positions hold tensors.
+LEAF, NONE, OTHER = "*", "-", "="
+_LEAVES = (LEAF, NONE, OTHER)
+_LEAF_SET = frozenset(_LEAVES)
 _TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS = range(5)
+_TENSORS = itertools.repeat(Tensor)
 Spec = Any
 
 
-def _flatten(obj: Any, leaves: list[Any]) -> Spec:
+@functools.lru_cache(maxsize=256)
+def _all_leaves(n: int) -> tuple[str, ...]:
+    # One shared tuple per length, so comparing the specs of replicas is an identity check.
+    return (LEAF,) * n
+
+
+def _children(values: list[Any], leaves: list[Any]) -> tuple[Spec, ...]:
+    # A container of tensors only (the common output) is handled without a Python-level
+    # step per leaf; `map(isinstance, ...)` runs in C.
+    if all(map(isinstance, values, _TENSORS)):
+        leaves.extend(values)
+        return _all_leaves(len(values))
     append = leaves.append
+    # `not append(v)` is always True: it appends and yields LEAF without a call frame.
+    return tuple(
+        [LEAF if isinstance(v, Tensor) and not append(v) else _flatten(v, leaves) for v in values]  # type: ignore[func-returns-value]
+    )
+
+
+def _flatten(obj: Any, leaves: list[Any]) -> Spec:
     kind = type(obj)
-    if kind is tuple or kind is list:
-        values = obj
-    elif kind is dict:
-        values = obj.values()
-    elif isinstance(obj, Tensor) or obj is None:
-        append(obj)
+    if kind is tuple:
+        return (_TUPLE, None, None, _children(list(obj), leaves))
+    if kind is list:
+        return (_LIST, None, None, _children(obj, leaves))
+    if kind is dict:
+        return (_DICT, dict, tuple(obj), _children(list(obj.values()), leaves))
+    if isinstance(obj, Tensor):
+        leaves.append(obj)
         return LEAF
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+    if obj is None:
+        leaves.append(obj)
+        return NONE
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = dataclasses.fields(obj)
         names = tuple(f.name for f in fields)
         init = tuple(f.init for f in fields)
         values = [getattr(obj, name) for name in names]
-        children = tuple(
-            [LEAF if isinstance(v, Tensor) and not append(v) else _flatten(v, leaves) for v in values]  # type: ignore[func-returns-value]
-        )
-        return (_DATACLASS, kind, (names, init), children)
-    elif isinstance(obj, tuple) and hasattr(kind, "_fields"):
-        values = obj
-    elif isinstance(obj, Mapping):
-        values = obj.values()
-    elif isinstance(obj, (tuple, list)):
-        values = obj
-    else:
-        append(obj)
-        return LEAF
-    # `not append(v)` is always True: it appends and yields LEAF without a call frame.
-    children = tuple(
-        [LEAF if isinstance(v, Tensor) and not append(v) else _flatten(v, leaves) for v in values]  # type: ignore[func-returns-value]
-    )
-    if kind is tuple:
-        return (_TUPLE, None, None, children)
-    if kind is list:
-        return (_LIST, None, None, children)
-    if isinstance(obj, Mapping):
-        return (_DICT, kind, tuple(obj.keys()), children)
+        return (_DATACLASS, kind, (names, init), _children(values, leaves))
     if isinstance(obj, tuple) and hasattr(kind, "_fields"):
-        return (_NAMEDTUPLE, kind, None, children)
-    return (_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, children)
+        return (_NAMEDTUPLE, kind, None, _children(list(obj), leaves))
+    if isinstance(obj, Mapping):
+        return (_DICT, kind, tuple(obj.keys()), _children(list(obj.values()), leaves))
+    if isinstance(obj, (tuple, list)):
+        return (_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, _children(list(obj), leaves))
+    leaves.append(obj)
+    return OTHER
 
 
 def flatten(obj: Any) -> tuple[Spec, list[Any]]:
@@ -72,10 +85,13 @@ def flatten(obj: Any) -> tuple[Spec, list[Any]]:
 
 
 def _build(spec: Spec, it: Iterator[Any]) -> Any:
-    if spec is LEAF:
+    if spec in _LEAVES:
         return next(it)
     kind, cls, meta, children = spec
-    values = [next(it) if c is LEAF else _build(c, it) for c in children]
+    if set(children) <= _LEAF_SET:
+        values = list(itertools.islice(it, len(children)))
+    else:
+        values = [next(it) if c in _LEAVES else _build(c, it) for c in children]
     if kind == _TUPLE:
         return tuple(values) if cls is None else cls(values)
     if kind == _LIST:
@@ -110,7 +126,7 @@ def _children_labels(spec: Spec) -> list[str]:
 
 def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
     """The key path of every leaf, in leaf order (for error messages)."""
-    if spec is LEAF:
+    if spec in _LEAVES:
         return [root]
     paths: list[str] = []
     for label, child in zip(_children_labels(spec), spec[3]):
@@ -120,7 +136,7 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
 
 def top_level_leaf_counts(spec: Spec) -> list[tuple[str, int]] | None:
     """``(key, number of leaves)`` per top-level key or field, or None if not keyed."""
-    if spec is LEAF or spec[0] not in (_DICT, _DATACLASS, _NAMEDTUPLE):
+    if spec in _LEAVES or spec[0] not in (_DICT, _DATACLASS, _NAMEDTUPLE):
         return None
     kind, cls, meta, children = spec
     keys = meta if kind == _DICT else meta[0] if kind == _DATACLASS else cls._fields
@@ -128,8 +144,8 @@ def top_level_leaf_counts(spec: Spec) -> list[tuple[str, int]] | None:
 
 
 def _describe(spec: Spec) -> str:
-    if spec is LEAF:
-        return "a leaf"
+    if spec in _LEAVES:
+        return {LEAF: "a tensor", NONE: "None"}.get(spec, "a non-tensor value")
     kind, cls, meta, children = spec
     name = {_TUPLE: "tuple", _LIST: "list"}.get(kind) if cls is None else cls.__name__
     if kind == _DICT:
@@ -141,7 +157,7 @@ def _describe(spec: Spec) -> str:
 
 def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
     """Where two specs first differ, as 'path: X in one, Y in the other'."""
-    if a is LEAF or b is LEAF or a[:3] != b[:3] or len(a[3]) != len(b[3]):
+    if a in _LEAVES or b in _LEAVES or a[:3] != b[:3] or len(a[3]) != len(b[3]):
         return f"{root}: {_describe(a)} vs {_describe(b)}"
     for label, ca, cb in zip(_children_labels(a), a[3], b[3]):
         if ca != cb:

@@ -8,6 +8,7 @@ call, which is where the compiled kernel replaces L x N copies and autograd node
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from .registry import GATHER_MODES, GatherOption
 from .scatter import DeviceLike, _as_device
 
 __all__ = ["gather"]
+
+_TENSORS = itertools.repeat(Tensor)
 
 
 def _pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Tensor]:
@@ -139,13 +142,12 @@ def gather(
                 + _tree.describe_mismatch(spec, flat[r][0])
             )
     columns = list(zip(*[leaves for _, leaves in flat]))
-
-    if mode == "cat":  # the common case: every leaf a tensor with a batch dim, one call
-        leaves0 = flat[0][1]
-        if all(isinstance(x, Tensor) and x.dim() for x in leaves0):
-            tensors = [t for col in columns for t in col]
-            if all(isinstance(t, Tensor) for t in tensors):
-                return _tree.unflatten(spec, ops.gather_coalesced(tensors, n, dim, device))
+    leaves0 = flat[0][1]
+    # The common case, every leaf a tensor with a batch dim, in one call. Equal specs
+    # already say the other replicas have tensors in the same places.
+    if mode == "cat" and all(map(isinstance, leaves0, _TENSORS)) and all(map(Tensor.dim, leaves0)):
+        tensors = list(itertools.chain.from_iterable(columns))
+        return _tree.unflatten(spec, ops.gather_coalesced(tensors, n, dim, device))
 
     modes = _leaf_modes(spec, mode, len(columns))
     paths: list[str] | None = None
@@ -160,13 +162,7 @@ def gather(
     joined: list[int] = []
     pieces: list[Tensor] = []
     for i, (col, m) in enumerate(zip(columns, modes)):
-        tensors_here = [isinstance(v, Tensor) for v in col]
-        if any(tensors_here) and not all(tensors_here):
-            raise ValueError(
-                f"gather: {path(i)} is a tensor on some replicas and not on others: "
-                f"{[type(v).__name__ for v in col]}"
-            )
-        if not tensors_here[0]:
+        if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
             if m == "list":
                 result[i] = list(col)
             elif m in ("mean", "sum") and all(isinstance(v, (int, float, complex)) for v in col):

@@ -140,12 +140,18 @@ def test_zero_dim_under_cat_warns_and_stacks() -> None:
     assert torch.equal(g["loss"], torch.tensor([1.0, 2.0]))
 
 
+class P(NamedTuple):
+    x: Any
+
+
 def test_structure_mismatch_names_the_key_path() -> None:
     t = torch.ones(1)
     with pytest.raises(ValueError, match=r"between replica 0 and replica 1: output\['m'\]: dict with keys \['a', 'b'\] vs dict with keys \['a'\]"):
         gather([{"m": {"a": t, "b": t}}, {"m": {"a": t}}], "cpu")
-    with pytest.raises(ValueError, match=r"output\[1\] is a tensor on some replicas and not on others"):
-        gather([(t, t), (t, None)], "cpu")
+    with pytest.raises(ValueError, match=r"replica 0 and replica 2: output\[1\]\.x: a tensor vs None"):
+        gather([(t, P(t)), (t, P(t)), (t, P(None))], "cpu")
+    with pytest.raises(ValueError, match=r"output\[0\]: a non-tensor value vs a tensor"):
+        gather([[3], [t]], "cpu")
 
 
 def test_argument_errors() -> None:
