@@ -171,23 +171,22 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
 
         _step_hook = register_optimizer_step_post_hook(_count_step)
     parts: list[object] = [_optimizer_steps]
-    append = parts.append  # this runs on every cached call: keep the loop lean
+    append, extend = parts.append, parts.extend  # this runs on every cached call: keep it lean
     try:
         for m in module.modules():
+            d = m.__dict__
             append(type(m))
-            for key, value in m.__dict__.items():
-                if key == "_parameters" or key == "_buffers":
-                    for t in value.values():
-                        if t is None:
-                            append(None)
-                        else:
-                            append((id(t), t.data_ptr(), t.device, t.dtype, t._version))
-                elif key == "_modules":
-                    parts.extend(id(c) for c in value.values())
-                else:
-                    append(id(value))
-                    if isinstance(value, dict):  # hooks registered later
-                        append(len(value))
+            # Names and value identities of every attribute: any assignment, train()/eval().
+            # Dicts (hooks) are shared with the replicas, so their contents need no entry.
+            extend(d)
+            extend(map(id, d.values()))
+            for group in (d["_parameters"], d["_buffers"]):
+                for t in group.values():
+                    if t is None:
+                        append(None)
+                    else:
+                        extend((id(t), t.data_ptr(), t.device, t.dtype, t._version))
+            extend(map(id, d["_modules"].values()))
     except RuntimeError:
         # Inference tensors have no version counter, so their in-place updates can't be
         # seen: a fresh object makes this fingerprint equal to no other.

@@ -270,8 +270,8 @@ def test_fingerprint_sees_each_kind_of_change() -> None:
     model = Net()
     seen = {fingerprint(model)}
     for name, change in CHANGES.items():
-        if name == "dp_load_state_dict":
-            continue
+        if name in ("dp_load_state_dict", "forward_hook"):
+            continue  # hook dicts are shared with the replicas, so hooks need no rebuild
         change(model, DataParallel(model, device_ids=DEVICES))
         fp = fingerprint(model)
         assert fp not in seen, name
