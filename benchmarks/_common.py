@@ -1,0 +1,239 @@
+"""Shared helpers for the dpmethods benchmarks: timing, machine facts, JSON, plots.
+
+Example:
+    >>> import torch
+    >>> from benchmarks._common import time_fn
+    >>> stats = time_fn(lambda: torch.ones(8).sum(), warmup=2, repeat=5)
+    >>> sorted(stats) == sorted(["median", "p10", "p90", "q1", "q3", "iqr", "mean", "min", "n"])
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "copy_bandwidth",
+    "cuda_sync",
+    "machine_info",
+    "plot_ratios",
+    "summarize",
+    "time_fn",
+    "write_json",
+]
+
+
+def _quantile(sorted_xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile of an already sorted sequence."""
+    if len(sorted_xs) == 1:
+        return sorted_xs[0]
+    pos = q * (len(sorted_xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_xs) - 1)
+    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def summarize(samples: Sequence[float]) -> dict[str, float]:
+    """Median, p10/p90, quartiles/IQR, mean, min and count of ``samples`` (seconds).
+
+    Args:
+        samples: one timing per repeat, in seconds.
+
+    Example:
+        >>> summarize([1.0, 2.0, 3.0])["median"]
+        2.0
+    """
+    xs = sorted(samples)
+    q1, q3 = _quantile(xs, 0.25), _quantile(xs, 0.75)
+    return {
+        "median": _quantile(xs, 0.5),
+        "p10": _quantile(xs, 0.1),
+        "p90": _quantile(xs, 0.9),
+        "q1": q1,
+        "q3": q3,
+        "iqr": q3 - q1,
+        "mean": statistics.fmean(xs),
+        "min": xs[0],
+        "n": float(len(xs)),
+    }
+
+
+def cuda_sync() -> None:
+    """Synchronize every visible CUDA device (no-op without CUDA)."""
+    if torch.cuda.is_available():
+        for d in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(d)
+
+
+def time_fn(
+    fn: Callable[[], Any],
+    warmup: int,
+    repeat: int,
+    sync: Callable[[], None] | None = None,
+    *,
+    cuda_events: bool = False,
+    setup: Callable[[int], Any] | None = None,
+) -> dict[str, float]:
+    """Time ``fn`` ``repeat`` times after ``warmup`` untimed calls.
+
+    Args:
+        fn: the work to time; its result is dropped after each call.
+        warmup: untimed calls first (allocator, caches, lazy init).
+        repeat: timed calls.
+        sync: called before starting and after each call on the host clock, e.g.
+            ``torch.cuda.synchronize`` so asynchronous work is counted.
+        cuda_events: time on the current CUDA stream with events instead of the
+            host clock (the events are synchronized after each call).
+        setup: called untimed with the repeat index before each call, e.g. to
+            rotate inputs so caches do not flatter the result.
+
+    Returns:
+        :func:`summarize` of the per-call times in seconds.
+
+    Example:
+        >>> time_fn(lambda: None, warmup=1, repeat=3)["n"]
+        3.0
+    """
+    for i in range(warmup):
+        if setup is not None:
+            setup(i)
+        fn()
+    if sync is not None:
+        sync()
+    samples: list[float] = []
+    for i in range(repeat):
+        if setup is not None:
+            setup(warmup + i)
+        if cuda_events:
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            if sync is not None:
+                sync()
+            samples.append(time.perf_counter() - t0)
+    return summarize(samples)
+
+
+def copy_bandwidth(
+    device: torch.device, nbytes: int = 256 << 20, repeat: int = 5
+) -> dict[str, float]:
+    """Measured clone bandwidth on ``device`` in GB/s (read + write counted once each).
+
+    Args:
+        device: where to clone a ``nbytes`` tensor.
+        nbytes: size of the tensor.
+        repeat: timed clones.
+
+    Returns:
+        ``{"gbps": median GB/s, "p10": ..., "p90": ..., "nbytes": ...}`` where GB/s is
+        the bytes *written* per second (the convention used for gathers too).
+    """
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    is_cuda = device.type == "cuda"
+    stats = time_fn(
+        lambda: src.clone(),
+        warmup=2,
+        repeat=repeat,
+        sync=torch.cuda.synchronize if is_cuda else None,
+        cuda_events=is_cuda,
+    )
+    return {
+        "gbps": nbytes / stats["median"] / 1e9,
+        "p10": nbytes / stats["p90"] / 1e9,
+        "p90": nbytes / stats["p10"] / 1e9,
+        "nbytes": float(nbytes),
+    }
+
+
+def machine_info() -> dict[str, Any]:
+    """Platform, CPU count, torch version and GPU names, for benchmark JSON."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_num_threads": torch.get_num_threads(),
+        "gpus": [],
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())]
+    return info
+
+
+def write_json(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as indented JSON, creating parent directories; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+    return p
+
+
+def plot_ratios(
+    path: str | os.PathLike[str],
+    labels: Sequence[str],
+    ratios: Sequence[float],
+    *,
+    lows: Sequence[float] | None = None,
+    highs: Sequence[float] | None = None,
+    title: str = "",
+    ylabel: str = "speedup (baseline time / ours)",
+) -> Path | None:
+    """Bar chart of speedups (log scale) with optional spread whiskers; None without matplotlib.
+
+    Args:
+        path: PNG file to write.
+        labels: one label per bar.
+        ratios: one speedup per bar (> 1 means faster than the baseline).
+        lows: optional lower ends of the spread (same length as ratios).
+        highs: optional upper ends of the spread.
+        title: figure title.
+        ylabel: y axis label.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    width = max(6.0, 0.28 * len(labels) + 2)
+    fig, ax = plt.subplots(figsize=(width, 4.8))
+    xs = list(range(len(labels)))
+    yerr = None
+    if lows is not None and highs is not None:
+        yerr = [
+            [max(r - lo, 0.0) for r, lo in zip(ratios, lows, strict=True)],
+            [max(hi - r, 0.0) for r, hi in zip(ratios, highs, strict=True)],
+        ]
+    colors = ["tab:green" if r >= 1 else "tab:red" for r in ratios]
+    ax.bar(xs, ratios, color=colors, yerr=yerr, capsize=2)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(p, dpi=130)
+    plt.close(fig)
+    return p

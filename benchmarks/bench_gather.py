@@ -1,0 +1,273 @@
+"""Benchmark the fused gather (dpmethods.ops.gather_coalesced) against the baselines.
+
+CPU: per-leaf ``torch.cat`` of ``.to(device)`` pieces (what the gather did before),
+with inputs requiring grad. CUDA: ``torch.nn.parallel.gather`` with every replica
+on one GPU. Each case reports medians and p10/p90 of both, their ratio, and the
+fused gather's GB/s (output bytes written per second) against the clone
+bandwidth measured in the same run.
+
+Usage:
+    python benchmarks/bench_gather.py                  # full CPU grid
+    python benchmarks/bench_gather.py --quick          # reduced grid
+    python benchmarks/bench_gather.py --device cuda --quick --out out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import (
+    copy_bandwidth,
+    machine_info,
+    plot_ratios,
+    summarize,
+    time_fn,
+    write_json,
+)
+
+from dpmethods import ops
+
+__all__ = ["Case", "main", "run_case"]
+
+# Leaf shapes per size class; "large" pieces are sized so a case moves 64 MiB.
+_SHAPES = {"tiny": (8, 16), "medium": (32, 128)}
+_LARGE_BYTES = 64 << 20
+_MIXED = [torch.float32, torch.float16, torch.int64, torch.bool, torch.bfloat16, torch.float64]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark configuration."""
+
+    leaves: int
+    replicas: int
+    size: str  # tiny | medium | large
+    dim: int
+    mode: str  # nograd | fwd | fwd+bwd
+    mixed: bool = False
+
+    @property
+    def name(self) -> str:
+        mixed = "-mixed" if self.mixed else ""
+        return f"L{self.leaves}-N{self.replicas}-{self.size}-d{self.dim}-{self.mode}{mixed}"
+
+
+def _piece_shape(case: Case) -> tuple[int, int]:
+    if case.size != "large":
+        return _SHAPES[case.size]
+    cols = 1024
+    rows = max(1, _LARGE_BYTES // (4 * cols * case.leaves * case.replicas))
+    return rows, cols
+
+
+def _make_inputs(case: Case, device: torch.device, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    rows, cols = _piece_shape(case)
+    out = []
+    for leaf in range(case.leaves):
+        dtype = _MIXED[leaf % len(_MIXED)] if case.mixed else torch.float32
+        for _ in range(case.replicas):
+            if dtype == torch.bool:
+                t = torch.randint(0, 2, (rows, cols), generator=gen).bool()
+            elif dtype == torch.int64:
+                t = torch.randint(0, 1000, (rows, cols), generator=gen)
+            else:
+                t = torch.randn(rows, cols, generator=gen).to(dtype)
+            t = t.to(device)
+            if case.mode != "nograd" and t.is_floating_point():
+                t.requires_grad_()
+            out.append(t)
+    return out
+
+
+def _per_leaf_cat(tensors: list[torch.Tensor], n: int, dim: int, device: torch.device) -> list:
+    return [
+        torch.cat([t.to(device) for t in tensors[i : i + n]], dim)
+        for i in range(0, len(tensors), n)
+    ]
+
+
+def _nn_parallel_gather(
+    tensors: list[torch.Tensor], n: int, dim: int, device: torch.device
+) -> list:
+    per_replica = [[tensors[i + r] for i in range(0, len(tensors), n)] for r in range(n)]
+    return list(torch.nn.parallel.gather(per_replica, device, dim))
+
+
+def _fused(tensors: list[torch.Tensor], n: int, dim: int, device: torch.device) -> list:
+    return ops.gather_coalesced(tensors, n, dim, device)
+
+
+def _runner(
+    gather: Callable[..., list], sets: list[list[torch.Tensor]], case: Case, device: torch.device
+) -> tuple[Callable[[], Any], Callable[[int], None]]:
+    state: dict[str, Any] = {"inputs": sets[0], "grads": None}
+
+    def setup(i: int) -> None:
+        state["inputs"] = sets[i % len(sets)]
+
+    def run() -> Any:
+        outs = gather(state["inputs"], case.replicas, case.dim, device)
+        if case.mode == "fwd+bwd":
+            diff = [o for o in outs if o.requires_grad]
+            if state["grads"] is None:
+                state["grads"] = [torch.ones_like(o) for o in diff]
+            torch.autograd.backward(diff, state["grads"])
+        return outs
+
+    return run, setup
+
+
+def run_case(case: Case, device: torch.device, budget_s: float) -> dict[str, Any]:
+    """Time the fused gather and the baseline for ``case``; returns a JSON-able dict."""
+    is_cuda = device.type == "cuda"
+    nsets = 2 if case.size == "large" else 3
+    sets = [_make_inputs(case, device, seed) for seed in range(nsets)]
+    nbytes = sum(t.numel() * t.element_size() for t in sets[0])
+    baseline_fn = _nn_parallel_gather if is_cuda else _per_leaf_cat
+    sync = torch.cuda.synchronize if is_cuda else None
+    results: dict[str, dict[str, float]] = {}
+    for label, gather in (("fused", _fused), ("baseline", baseline_fn)):
+        run, setup = _runner(gather, sets, case, device)
+        # Calibrate the repeat count to the time budget, then measure.
+        t0 = time.perf_counter()
+        run()
+        if sync is not None:
+            sync()
+        est = max(time.perf_counter() - t0, 1e-6)
+        repeat = int(min(200, max(5, budget_s / 2 / est)))
+        warmup = min(10, max(1, repeat // 5))
+        results[label] = time_fn(run, warmup, repeat, sync, cuda_events=is_cuda, setup=setup)
+        for s in sets:
+            for t in s:
+                t.grad = None
+    fused, base = results["fused"], results["baseline"]
+    return {
+        "case": case.name,
+        "leaves": case.leaves,
+        "replicas": case.replicas,
+        "size": case.size,
+        "piece_shape": list(_piece_shape(case)),
+        "dim": case.dim,
+        "mode": case.mode,
+        "mixed_dtypes": case.mixed,
+        "bytes": nbytes,
+        "fused": fused,
+        "baseline": base,
+        "ratio": base["median"] / fused["median"],
+        "ratio_p10": base["p10"] / fused["p90"],
+        "ratio_p90": base["p90"] / fused["p10"],
+        "fused_gbps": nbytes / fused["median"] / 1e9,
+        "baseline_gbps": nbytes / base["median"] / 1e9,
+    }
+
+
+def _grid(quick: bool) -> list[Case]:
+    leaves = [1, 8, 256, 1024] if quick else [1, 8, 64, 256, 1024]
+    replicas = [4] if quick else [2, 4, 8]
+    cases: list[Case] = []
+    for n in replicas:
+        for size in ("tiny", "medium", "large"):
+            for L in leaves:
+                if size == "large" and L > 64:
+                    continue  # "large" means few big leaves
+                if size == "medium" and L * n > 2048 and quick:
+                    continue
+                for dim in (0, 1):
+                    for mode in ("nograd", "fwd", "fwd+bwd"):
+                        if quick and mode == "nograd" and size != "large":
+                            continue
+                        cases.append(Case(L, n, size, dim, mode))
+    for mode in ("fwd", "fwd+bwd"):
+        cases.append(Case(64 if quick else 256, 4, "tiny", 0, mode, mixed=True))
+    return cases
+
+
+def _fmt_us(s: float) -> str:
+    return f"{s * 1e6:10.1f}"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark grid, print a table, write JSON and PNG; returns the JSON dict."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--quick", action="store_true", help="reduced grid")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--budget", type=float, default=None, help="seconds per measurement")
+    ap.add_argument("--tag", default=None, help="file stem (default gather_<device>[_quick])")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_gather: CUDA requested but not available", file=sys.stderr)
+        raise SystemExit(2)
+    budget = args.budget if args.budget is not None else (0.15 if args.quick else 0.25)
+    copy_bytes = (256 << 20) if device.type == "cuda" else (64 << 20)
+    bw = copy_bandwidth(device, copy_bytes)
+    print(f"copy bandwidth ({device}): {bw['gbps']:.2f} GB/s (clone of {copy_bytes >> 20} MiB)")
+    print(f"extension: {ops.extension_info()}")
+    header = (
+        f"{'case':36s} {'fused us':>10s} {'base us':>10s} {'ratio':>7s} "
+        f"{'[p10,p90]':>15s} {'GB/s':>7s} {'%copy':>6s}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    t_start = time.perf_counter()
+    for case in _grid(args.quick):
+        b = budget * (0.5 if case.size == "large" else 1.0)
+        r = run_case(case, device, b)
+        r["fused_frac_of_copy"] = r["fused_gbps"] / bw["gbps"]
+        rows.append(r)
+        print(
+            f"{case.name:36s} {_fmt_us(r['fused']['median'])} {_fmt_us(r['baseline']['median'])} "
+            f"{r['ratio']:7.2f} [{r['ratio_p10']:6.2f},{r['ratio_p90']:6.2f}] "
+            f"{r['fused_gbps']:7.2f} {100 * r['fused_frac_of_copy']:5.1f}%",
+            flush=True,
+        )
+    elapsed = time.perf_counter() - t_start
+    baseline = "torch.nn.parallel.gather" if device.type == "cuda" else "per-leaf torch.cat"
+    data = {
+        "benchmark": "gather_coalesced",
+        "device": str(device),
+        "baseline": baseline,
+        "quick": args.quick,
+        "machine": machine_info(),
+        "extension_info": ops.extension_info(),
+        "copy_bandwidth": bw,
+        "elapsed_s": elapsed,
+        "units": {"time": "seconds", "bandwidth": "GB/s of output bytes written"},
+        "cases": rows,
+        "ratio_summary": summarize([r["ratio"] for r in rows]),
+    }
+    stem = args.tag or f"gather_{device.type}" + ("_quick" if args.quick else "")
+    out = Path(args.out)
+    write_json(out / f"{stem}.json", data)
+    png = plot_ratios(
+        out / f"{stem}.png",
+        [r["case"] for r in rows],
+        [r["ratio"] for r in rows],
+        lows=[r["ratio_p10"] for r in rows],
+        highs=[r["ratio_p90"] for r in rows],
+        title=f"gather_coalesced vs {baseline} on {device} (median, p10-p90)",
+        ylabel=f"speedup ({baseline} time / fused time)",
+    )
+    print(
+        f"wrote {out / (stem + '.json')}" + (f" and {png}" if png else " (no matplotlib: no PNG)")
+    )
+    print(f"elapsed {elapsed:.0f} s")
+    return data
+
+
+if __name__ == "__main__":
+    main()

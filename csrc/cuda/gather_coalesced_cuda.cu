@@ -1,0 +1,295 @@
+// CUDA kernel of dpmethods::gather_coalesced.
+//
+// Direct path (sources on the target device, or readable over peer access):
+// one launch copies every (leaf, replica) piece. The launch reads a table of
+// Piece records from device memory (uploaded from a pinned buffer), so the
+// number of pieces is not bounded by the kernel-argument limit. Each block
+// copies one tile of kTileBytes of one piece with the widest access (up to
+// 16 bytes) that the piece's addresses and row lengths allow.
+//
+// Staged path (no peer access, or DPMETHODS_FORCE_STAGED=1): per source
+// device, one pack launch concatenates its pieces into a staging buffer, one
+// peer copy moves the buffer to the target, and the unpack pieces join the
+// direct table, so the target still runs a single launch.
+#include "../gather_common.h"
+#include "../gather_index.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/PeerToPeerAccess.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+#include <map>
+#include <vector>
+
+namespace dpmethods {
+namespace {
+
+constexpr int kThreads = 256;
+// 16 KiB per block: 4 16-byte accesses per thread, enough work to hide the
+// table lookup while keeping many blocks in flight for small gathers.
+constexpr int64_t kTileBytes = 16384;
+
+template <typename V>
+__device__ __forceinline__ void copy_tile(const Piece& p, int64_t lo, int64_t hi) {
+  constexpr int64_t w = sizeof(V);
+  if (p.row_bytes == p.dst_row_bytes) {
+    // The piece spans whole output rows: a flat copy, no division.
+    char* dst = p.dst + p.col_offset;
+    for (int64_t b = lo + threadIdx.x * w; b < hi; b += kThreads * w) {
+      *reinterpret_cast<V*>(dst + b) = *reinterpret_cast<const V*>(p.src + b);
+    }
+    return;
+  }
+  for (int64_t b = lo + threadIdx.x * w; b < hi; b += kThreads * w) {
+    *reinterpret_cast<V*>(p.dst + dst_offset(p, b)) = *reinterpret_cast<const V*>(p.src + b);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    gather_pieces_kernel(const Piece* __restrict__ pieces, int64_t n, int64_t tile_base) {
+  const int64_t tile = tile_base + blockIdx.x;
+  const Piece p = pieces[find_piece(pieces, n, tile)];
+  const int64_t lo = (tile - p.begin) * kTileBytes;
+  const int64_t hi = std::min(lo + kTileBytes, piece_bytes(p));
+  switch (p.vec_shift) {
+    case 4:
+      copy_tile<uint4>(p, lo, hi);
+      break;
+    case 3:
+      copy_tile<uint2>(p, lo, hi);
+      break;
+    case 2:
+      copy_tile<uint32_t>(p, lo, hi);
+      break;
+    case 1:
+      copy_tile<uint16_t>(p, lo, hi);
+      break;
+    default:
+      copy_tile<uint8_t>(p, lo, hi);
+  }
+}
+
+Piece make_piece(
+    const char* src, char* dst, int64_t rows, int64_t row_bytes, int64_t dst_row_bytes,
+    int64_t col_offset) {
+  Piece p{};
+  p.src = src;
+  p.dst = dst;
+  p.rows = rows;
+  p.row_bytes = row_bytes;
+  p.dst_row_bytes = dst_row_bytes;
+  p.col_offset = col_offset;
+  p.vec_shift = common_vec_shift(
+      reinterpret_cast<uint64_t>(src) | reinterpret_cast<uint64_t>(dst) |
+      static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(dst_row_bytes) |
+      static_cast<uint64_t>(col_offset));
+  return p;
+}
+
+// Uploads `pieces` to `device` and runs the copy on the current stream there.
+void launch_pieces(std::vector<Piece>& pieces, c10::Device device) {
+  if (pieces.empty()) {
+    return;
+  }
+  int64_t tiles = 0;
+  for (Piece& p : pieces) {
+    p.begin = tiles;
+    tiles += (piece_bytes(p) + kTileBytes - 1) / kTileBytes;
+  }
+  const int64_t table_bytes = static_cast<int64_t>(pieces.size() * sizeof(Piece));
+  // Pinned staging lets the upload run asynchronously; copy_ records an event
+  // on the pinned block so the host allocator does not reuse it too early.
+  at::Tensor host = at::empty(
+      {table_bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  std::memcpy(host.data_ptr(), pieces.data(), static_cast<size_t>(table_bytes));
+  at::Tensor table = at::empty({table_bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  table.copy_(host, /*non_blocking=*/true);
+  const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
+  const auto* dev_pieces = reinterpret_cast<const Piece*>(table.const_data_ptr());
+  const int64_t n = static_cast<int64_t>(pieces.size());
+  // gridDim.x is limited to 2^31 - 1 blocks; launch in chunks beyond that.
+  for (int64_t base = 0; base < tiles; base += INT_MAX) {
+    const auto blocks = static_cast<unsigned int>(std::min<int64_t>(tiles - base, INT_MAX));
+    gather_pieces_kernel<<<blocks, kThreads, 0, stream.stream()>>>(dev_pieces, n, base);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+struct StagedPiece {
+  at::Tensor src;  // contiguous, on the source device
+  char* dst;
+  int64_t rows;
+  int64_t row_bytes;
+  int64_t dst_row_bytes;
+  int64_t col_offset;
+};
+
+}  // namespace
+
+std::vector<at::Tensor> gather_coalesced_cuda(
+    at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
+  if (!device.is_cuda()) {
+    // A host (or other) target: bring CUDA inputs to the host, gather there.
+    std::vector<at::Tensor> host;
+    host.reserve(tensors.size());
+    for (const at::Tensor& t : tensors) {
+      host.push_back(t.is_cuda() ? t.to(at::kCPU) : t);
+    }
+    return gather_coalesced_cpu(host, num_replicas, dim, device);
+  }
+  if (!device.has_index()) {
+    device = c10::Device(c10::kCUDA, c10::cuda::current_device());
+  }
+  const std::vector<LeafPlan> plans = plan_gather(tensors, num_replicas, dim);
+  const c10::DeviceIndex target = device.index();
+  c10::cuda::CUDAGuard guard(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream(target);
+  const bool force_staged = env_flag("DPMETHODS_FORCE_STAGED");
+  const bool poison = env_flag("DPMETHODS_POISON");
+
+  std::vector<at::Tensor> outs;
+  outs.reserve(plans.size());
+  std::vector<at::Tensor> keep;  // sources the target stream reads
+  std::vector<Piece> direct;
+  std::map<c10::DeviceIndex, std::vector<StagedPiece>> staged;
+  std::vector<c10::DeviceIndex> remote;  // other devices the target stream reads from
+
+  for (size_t l = 0; l < plans.size(); ++l) {
+    const LeafPlan& p = plans[l];
+    const at::Tensor& first = tensors[l * num_replicas];
+    at::Tensor out =
+        at::empty(p.out_shape, at::TensorOptions().dtype(first.scalar_type()).device(device));
+    char* base = static_cast<char*>(out.data_ptr());
+    if (poison && out.numel() > 0) {
+      C10_CUDA_CHECK(cudaMemsetAsync(base, 0xFF, out.nbytes(), stream.stream()));
+    }
+    const int64_t dst_row_bytes = p.out_shape[p.dim] * p.inner * p.elsize;
+    int64_t offset = 0;
+    for (int64_t r = 0; r < num_replicas; ++r) {
+      const int64_t size_r = p.sizes[r];
+      const int64_t row_bytes = size_r * p.inner * p.elsize;
+      const int64_t col = col_offset_bytes(offset, p.inner, p.elsize);
+      offset += size_r;
+      if (row_bytes * p.outer == 0) {
+        continue;
+      }
+      at::Tensor t = tensors[l * num_replicas + r];
+      if (!t.is_cuda()) {
+        // Host (or other) sources are uploaded first; then they are local.
+        t = as_raw_contiguous(t).to(device);
+      } else if (!t.is_contiguous() || t.is_conj() || t.is_neg()) {
+        t = as_raw_contiguous(t);  // on the source's device and current stream
+      }
+      const c10::DeviceIndex src_dev = t.device().index();
+      const bool local = src_dev == target;
+      if (!force_staged && (local || at::cuda::get_p2p_access(target, src_dev))) {
+        direct.push_back(make_piece(
+            static_cast<const char*>(t.const_data_ptr()), base, p.outer, row_bytes,
+            dst_row_bytes, col));
+        if (!local && std::find(remote.begin(), remote.end(), src_dev) == remote.end()) {
+          remote.push_back(src_dev);
+        }
+        keep.push_back(std::move(t));
+      } else {
+        staged[src_dev].push_back(
+            StagedPiece{std::move(t), base, p.outer, row_bytes, dst_row_bytes, col});
+      }
+    }
+    outs.push_back(std::move(out));
+  }
+
+  // Staging buffers must live until the unpack launch is queued; the caching
+  // allocator then keeps them for the stream they were allocated on.
+  std::vector<at::Tensor> staging;
+  for (auto& [src_dev, items] : staged) {
+    const c10::Device sdev(c10::kCUDA, src_dev);
+    int64_t total = 0;
+    std::vector<int64_t> offsets;
+    offsets.reserve(items.size());
+    for (const StagedPiece& s : items) {
+      offsets.push_back(total);
+      // 16-byte aligned slots keep vectorized access possible on both sides.
+      total += (s.rows * s.row_bytes + 15) / 16 * 16;
+    }
+    at::Tensor packed_dst = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
+    {
+      c10::cuda::CUDAGuard src_guard(sdev);
+      const auto src_stream = c10::cuda::getCurrentCUDAStream(src_dev);
+      if (src_stream != stream) {
+        // packed_dst may be a block the target stream used until just now;
+        // the peer copy on the source stream must not overtake that work.
+        at::cuda::CUDAEvent allocated;
+        allocated.record(stream);
+        allocated.block(src_stream);
+      }
+      at::Tensor packed_src =
+          at::empty({total}, at::TensorOptions().dtype(at::kByte).device(sdev));
+      char* ps = static_cast<char*>(packed_src.data_ptr());
+      std::vector<Piece> pack;
+      pack.reserve(items.size());
+      for (size_t i = 0; i < items.size(); ++i) {
+        const int64_t bytes = items[i].rows * items[i].row_bytes;
+        pack.push_back(make_piece(
+            static_cast<const char*>(items[i].src.const_data_ptr()), ps + offsets[i], 1, bytes,
+            bytes, 0));
+      }
+      launch_pieces(pack, sdev);
+      // packed_dst belongs to the target's stream; the copy runs on the
+      // source's stream and the target stream waits for it below, so any
+      // later reuse of packed_dst on the target stream is ordered after it.
+      if (src_dev == target) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(
+            packed_dst.data_ptr(), ps, static_cast<size_t>(total), cudaMemcpyDeviceToDevice,
+            src_stream.stream()));
+      } else {
+        C10_CUDA_CHECK(cudaMemcpyPeerAsync(
+            packed_dst.data_ptr(), target, ps, src_dev, static_cast<size_t>(total),
+            src_stream.stream()));
+      }
+      at::cuda::CUDAEvent copied;
+      copied.record(src_stream);
+      copied.block(stream);
+      staging.push_back(std::move(packed_src));
+    }
+    const char* pd = static_cast<const char*>(packed_dst.const_data_ptr());
+    for (size_t i = 0; i < items.size(); ++i) {
+      const StagedPiece& s = items[i];
+      direct.push_back(
+          make_piece(pd + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
+    }
+    staging.push_back(std::move(packed_dst));
+  }
+
+  // Remote sources are written on their own devices' current streams.
+  for (const c10::DeviceIndex d : remote) {
+    at::cuda::CUDAEvent ready;
+    ready.record(c10::cuda::getCurrentCUDAStream(d));
+    ready.block(stream);
+  }
+  launch_pieces(direct, device);
+  if (!remote.empty()) {
+    // The target stream reads memory owned by other devices' streams: make
+    // those streams wait, so the memory is not reused before the read ends.
+    at::cuda::CUDAEvent done;
+    done.record(stream);
+    for (const c10::DeviceIndex d : remote) {
+      done.block(c10::cuda::getCurrentCUDAStream(d));
+    }
+  }
+  return outs;
+}
+
+}  // namespace dpmethods
+
+TORCH_LIBRARY_IMPL(dpmethods, CUDA, m) {
+  m.impl("gather_coalesced", &dpmethods::gather_coalesced_cuda);
+}
