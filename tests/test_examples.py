@@ -1,0 +1,120 @@
+"""The examples run on CPU replicas and match the single-device model."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+_EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    # examples/ is not a package; load the file so the test needs no sys.path setup.
+    spec = importlib.util.spec_from_file_location(f"_dpm_example_{name}", _EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def vae() -> ModuleType:
+    return _load("vae")
+
+
+@pytest.fixture(scope="module")
+def hf() -> ModuleType:
+    pytest.importorskip(
+        "transformers", reason="examples/hf_generate.py needs Hugging Face transformers"
+    )
+    return _load("hf_generate")
+
+
+@pytest.fixture(scope="module")
+def hf_summary(hf: ModuleType) -> dict[str, object]:
+    # 7 prompts on 3 replicas: uneven chunks (3, 2, 2) as well as ragged lengths.
+    return hf.main(["--devices", "cpu", "--replicas", "3", "--batch", "7", "--max-new-tokens",
+                    "6", "--quiet"])
+
+
+def test_vae_matches_one_device(vae: ModuleType) -> None:
+    # 10 items on 4 replicas: chunks of 3, 3, 2, 2, so "mean" must weight by share.
+    s = vae.main(["--devices", "cpu", "--replicas", "4", "--steps", "3", "--batch", "10",
+                  "--features", "8", "--quiet"])
+    assert s["replicas"] == 4
+    assert s["posterior_type"] == "Posterior"  # the dataclass came back as itself
+    assert s["encode_max_diff"] < 1e-5
+    assert s["decode_max_diff"] < 1e-5
+    assert s["loss_diff"] < 1e-4
+    assert s["grad_max_diff"] < 1e-4
+    assert len(s["losses"]) == 3
+    assert all(torch.isfinite(torch.tensor(s["losses"])))
+
+
+def test_vae_encode_direct(vae: ModuleType) -> None:
+    import dpmethods
+
+    model = vae.VAE(features=6, hidden=8, latent=3)
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
+    x = torch.randn(7, 6)
+    with torch.no_grad():
+        got, ref = dp.encode(x), model.encode(x)
+    assert isinstance(got, vae.Posterior)
+    torch.testing.assert_close(got.mu, ref.mu)
+    torch.testing.assert_close(got.logvar, ref.logvar)
+
+
+def test_hf_generate_tokens_equal(hf_summary: dict[str, object]) -> None:
+    tokens, reference = hf_summary["tokens"], hf_summary["reference"]
+    assert isinstance(tokens, torch.Tensor) and isinstance(reference, torch.Tensor)
+    assert tokens.shape == reference.shape
+    assert torch.equal(tokens, reference)
+    assert hf_summary["tokens_equal"] is True
+
+
+def test_hf_generate_is_ragged_and_padded(hf_summary: dict[str, object]) -> None:
+    lengths = hf_summary["lengths"]
+    widths = hf_summary["replica_widths"]
+    assert isinstance(lengths, list) and isinstance(widths, list)
+    assert len(set(lengths)) > 1, f"sequences should finish at different lengths: {lengths}"
+    assert len(set(widths)) > 1, f"replicas should return different widths: {widths}"
+    tokens = hf_summary["tokens"]
+    assert isinstance(tokens, torch.Tensor)
+    pad = hf_summary["pad_token_id"]
+    eos = hf_summary["eos_token_id"]
+    prompt_len = tokens.shape[1] - max(widths)
+    for row, n in zip(tokens[:, prompt_len:].tolist(), lengths, strict=True):
+        if n < len(row):  # finished early: eos, then pad to the end
+            assert row[n - 1] == eos
+            assert row[n:] == [pad] * (len(row) - n)
+
+
+def test_hf_forward_keeps_model_output_type(hf_summary: dict[str, object]) -> None:
+    assert hf_summary["output_type"] == hf_summary["reference_type"]
+    assert str(hf_summary["output_type"]).startswith("CausalLMOutput")
+    assert hf_summary["logits_equal_per_chunk"] is True
+    assert isinstance(hf_summary["logits_max_diff"], float)
+    assert hf_summary["logits_max_diff"] < 1e-5
+    loss = hf_summary["loss"]
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0
+    loss_diff = hf_summary["loss_diff"]
+    assert isinstance(loss_diff, float) and loss_diff < 1e-5
+
+
+def test_hf_cache_is_not_merged(hf_summary: dict[str, object]) -> None:
+    # A transformers Cache is an opaque object to gather: one per replica, in a list.
+    assert str(hf_summary["cache_type"]).startswith("list of 3 ")
+
+
+def test_hf_llama_generate(hf: ModuleType) -> None:
+    s = hf.main(["--arch", "llama", "--devices", "cpu", "--replicas", "2", "--batch", "4",
+                 "--max-new-tokens", "4", "--quiet"])
+    assert s["tokens_equal"] is True
+    assert len(set(s["replica_widths"])) > 1
+    assert s["output_type"] == s["reference_type"] == "CausalLMOutputWithPast"
