@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU check of the compiled gather: build in place for sm_90, run the CUDA
+# tests and a quick GPU benchmark, and collect everything under $OUT.
+#
+# Expects torch (CUDA build), nvcc, ninja and pytest to be installed already
+# (no network). Budget: about 8 minutes; every step has its own timeout and a
+# failing step does not stop the later ones. Without a GPU the build and the
+# CPU tests still run, and the GPU steps are reported as skipped.
+#
+# Usage: OUT=out bash benchmarks/gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./out}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+STATUS="$OUT/status.txt"
+: > "$STATUS"
+
+step() {  # step NAME TIMEOUT_S CMD...
+  local name="$1" limit="$2"
+  shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc ${SECONDS}s-total $((SECONDS - t0))s" | tee -a "$STATUS"
+  return $rc
+}
+
+{
+  date -u
+  uname -a
+  python --version
+  python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+  nvcc --version || echo "no nvcc"
+  ninja --version || echo "no ninja"
+} > "$OUT/versions.txt" 2>&1
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi unavailable" > "$OUT/nvidia-smi.txt"
+
+HAS_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+
+step build 300 env FORCE_CUDA=1 python setup.py build_ext --inplace
+step info 60 python -c "import json, dpmethods._C; from dpmethods import ops; print(json.dumps(ops.extension_info(), indent=2))"
+cp "$OUT/info.log" "$OUT/extension_info.json" 2>/dev/null
+
+if [ "$HAS_GPU" = "1" ]; then
+  step pytest_cuda 150 python -m pytest -m cuda tests/test_ops_cuda.py -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
+  step pytest_cpu 90 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
+  step bench_gpu 150 python benchmarks/bench_gather.py --device cuda --quick --budget 0.05 --out "$OUT"
+else
+  echo "no GPU: skipping CUDA tests and GPU benchmark" | tee -a "$STATUS"
+  step pytest_cuda_skip 60 python -m pytest -m cuda tests/test_ops_cuda.py -q -p no:cacheprovider
+  step pytest_cpu 120 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
+fi
+echo "done in ${SECONDS}s; results in $OUT" | tee -a "$STATUS"
