@@ -113,6 +113,9 @@ class _Router:
         object.__setattr__(self, "_module", module)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name in _Router.__slots__ or name.startswith("__"):
+            # Unset slots (copy, pickle) and protocol lookups must not recurse here.
+            raise AttributeError(name)
         module = self._module
         try:
             attr = getattr(module, name)
@@ -140,7 +143,12 @@ class _Router:
         raise AttributeError(f"route(...) objects are read-only; cannot set {name!r}")
 
     def __dir__(self) -> list[str]:
-        return sorted(n for n in dir(self._module) if not n.startswith("_"))
+        cls = type(self._module)
+        return sorted(
+            n
+            for n in dir(cls)
+            if not n.startswith("_") and inspect.isfunction(inspect.getattr_static(cls, n, None))
+        )
 
     def __repr__(self) -> str:
         return f"route({type(self._wrapper).__name__} -> {type(self._module).__name__})"

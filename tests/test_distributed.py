@@ -656,6 +656,8 @@ def test_route_errors() -> None:
         _ = route(_Toy(net)).width
     with pytest.raises(AttributeError, match=r"_Net has no attribute 'nope'"):
         _ = route(_Toy(net)).nope
+    with pytest.raises(AttributeError, match=r"route\(\.\.\.\) objects are read-only"):
+        route(_Toy(net)).training_step = None
     assert route(_Ignores(net), module=net.trunk).forward(torch.ones(1, 4)).shape == ()
 
 
