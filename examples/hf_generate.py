@@ -119,6 +119,7 @@ def ragged_batch(
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     pool = torch.randint(1, vocab, (max(4 * batch, 32), prompt_len), generator=g)
+    pool = pool.to(next(model.parameters()).device)
     with torch.no_grad():
         probe = model.generate(
             input_ids=pool, attention_mask=torch.ones_like(pool), max_new_tokens=max_new_tokens,
@@ -126,6 +127,8 @@ def ragged_batch(
         )
     new = _generated(probe, prompt_len)
     firsts = [t for t in new[:, 0].tolist() if t != PAD_TOKEN_ID]
+    if not firsts:
+        raise RuntimeError("ragged_batch: greedy decoding only emitted the pad token; try another --seed")
     eos = Counter(firsts).most_common(1)[0][0]
     lengths = _lengths(new, eos)
     early = [i for i, n in enumerate(lengths) if n == 1]
