@@ -48,6 +48,8 @@ class DistributedDataParallel(_MethodWrapper, torch.nn.parallel.DistributedDataP
     Forward hooks registered on the wrapped module run around the method too, since
     the method is called where DDP calls the module. With ``static_graph=True`` every
     call must use the same set of parameters in the same order, whichever method runs.
+    As for ``forward``, a call may run collectives (the buffer broadcast), so every
+    rank must make the same calls; call the module itself for rank-local work.
 
     Args:
         module: the module to wrap.
