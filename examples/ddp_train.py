@@ -38,7 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -54,7 +54,7 @@ def main() -> None:
     ddp = dpmethods.DistributedDataParallel(model, device_ids=[local_rank] if use_cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
 
-    true_w = torch.randn(16, 1)
+    true_w = torch.randn(16, 1) / 4
     for step in range(args.steps):
         # A different, reproducible slice of the global batch on every rank.
         g = torch.Generator().manual_seed(step * world + rank)
