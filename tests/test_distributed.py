@@ -297,7 +297,11 @@ def _suite_fsdp(rank: int, world: int) -> dict[str, Any]:
         fully_shard(net, mesh=mesh)
     except Exception as e:
         return {"fsdp_skip": f"FSDP2 on CPU with gloo fails in torch {torch.__version__}: {e!r}"}
+    # fully_shard registered the method (an instance attribute); registering again
+    # must not wrap it a second time.
+    first = net.__dict__.get("training_step")
     out: dict[str, Any] = {"fsdp_skip": None, "registered": register_fsdp_methods(net)}
+    out["registered_once"] = first is not None and net.__dict__.get("training_step") is first
     opt = torch.optim.SGD(net.parameters(), lr=_LR)
     for step in range(_STEPS):
         opt.zero_grad()
@@ -567,6 +571,7 @@ def test_fsdp2_methods_match_single_process(features: list[dict[str, Any]]) -> N
     ref = _fsdp_reference()
     for r in features:
         assert r["fsdp"]["registered"] == ["training_step", "layer.linear"]
+        assert r["fsdp"]["registered_once"]
         _assert_same(r["fsdp"]["params"], ref)
 
 
