@@ -8,8 +8,9 @@ Mark methods with :func:`parallel_method`, wrap the model in :class:`DataParalle
 from __future__ import annotations
 
 from .data_parallel import DataParallel
+from .distributed import DistributedDataParallel, fully_shard, register_fsdp_methods, route
 from .gather import gather
-from . import ops as _ops
+from .ops import extension_info
 from .parallel_apply import parallel_apply
 from .registry import MethodOptions, get_options, parallel_method, parallel_methods, register
 from .replicate import replicate
@@ -17,14 +18,15 @@ from .scatter import chunk_sizes, scatter, scatter_call
 from .utils import load_state_dict, strip_prefix, unwrap
 
 __version__ = "0.1.0"
-extension_info = getattr(_ops, "extension_info", None)  # TEMP until ops lands
 
 __all__ = [
     "DataParallel",
+    "DistributedDataParallel",
     "MethodOptions",
     "__version__",
     "chunk_sizes",
     "extension_info",
+    "fully_shard",
     "gather",
     "get_options",
     "load_state_dict",
@@ -32,17 +34,11 @@ __all__ = [
     "parallel_method",
     "parallel_methods",
     "register",
+    "register_fsdp_methods",
     "replicate",
+    "route",
     "scatter",
     "scatter_call",
     "strip_prefix",
     "unwrap",
 ]
-
-try:  # the distributed wrappers are optional until their module lands
-    from .distributed import *  # noqa: F403
-    from .distributed import __all__ as _distributed_all
-
-    __all__ += list(_distributed_all)
-except ImportError:  # pragma: no cover
-    pass
