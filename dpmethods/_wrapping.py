@@ -101,7 +101,8 @@ class _MethodWrapper(nn.Module):
             return super().__reduce_ex__(protocol)
         module_cls = type(self.__dict__["_modules"]["module"])
         base, names = cls.__dict__["_dpm_base"], cls.__dict__["_dpm_names"]
-        return (_rebuild, (base, module_cls, names), self.__dict__)
+        # __getstate__ lets torch's wrappers drop what can't be pickled (DDP's logger).
+        return (_rebuild, (base, module_cls, names), self.__getstate__())
 
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
