@@ -100,7 +100,7 @@ def _extensions() -> tuple[list, dict]:
     archs: list[str] = []
     if with_cuda:
         flags = cpp_extension._get_cuda_arch_flags()
-        archs = list(dict.fromkeys(re.findall(r"code=\[?([a-z_0-9,]+)", " ".join(flags))))
+        archs = list(dict.fromkeys(re.findall(r",code=\[?([a-z_0-9,]+)", " ".join(flags))))
         archs = [a for item in archs for a in item.split(",")]
 
     gen_dir = _ROOT / "build" / "dpmethods_generated"
