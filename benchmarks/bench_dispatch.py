@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,14 +35,17 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
+import _common
+
 import dpmethods
 import dpmethods.data_parallel as dp_module
 from dpmethods import DataParallel, parallel_method
 
 __all__ = ["Figure", "main", "run"]
 
-# benchmarks/_common.py (time_fn, machine_info, ...) did not exist when this was
-# written, so the few helpers needed live here.
+# machine_info and write_json come from benchmarks/_common.py; its time_fn times one
+# callable at a time, so the interleaved round-robin below is this file's own.
 
 
 class Model(nn.Module):
@@ -105,20 +107,10 @@ def _summary(times: list[float]) -> dict[str, float]:
 
 
 def machine_info() -> dict[str, Any]:
-    """What the figures depend on: host, Python, torch, threads, GPUs, the extension."""
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
-        "dpmethods": dpmethods.__version__,
-        "loadavg": os.getloadavg(),  # other work on the host inflates every figure
-    }
-    if torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    """``_common.machine_info()`` plus what these figures also depend on."""
+    info = _common.machine_info()
+    info["dpmethods"] = dpmethods.__version__
+    info["loadavg"] = os.getloadavg()  # other work on the host inflates every figure
     ext = getattr(dpmethods, "extension_info", None)
     info["extension_info"] = ext() if callable(ext) else None
     return info
@@ -450,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         "breakdown_us": breakdowns,
     }
     json_path = args.out / f"dispatch_{tag}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    _common.write_json(json_path, result)
     plot(figures, args.out / f"dispatch_{tag}.png")
     print(f"\nwrote {json_path} and {json_path.with_suffix('.png')}")
     return 0
