@@ -18,6 +18,7 @@ from torch import nn
 
 from ._wrapping import _MethodWrapper
 from .gather import gather as _gather
+from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
 from .replicate import fingerprint
@@ -88,6 +89,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             ``{"generate": {"gather": "pad", "pad_value": 0}}``.
         cache_replicas: keep replicas between calls under ``torch.no_grad()``; they are
             rebuilt whenever a parameter, buffer, attribute or mode of the module changes.
+            The replicas' worker threads are kept too (daemon threads, stopped when the
+            wrapper is garbage-collected).
 
     Example:
         >>> import torch, dpmethods
@@ -182,8 +185,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         if not self._devices:
             return call(*args, **kwargs)
         opts = self._dpm_methods.get(name, self._forward_options)
-        self._check_source_device()
-        scattered = self.scatter(args, kwargs, self.device_ids, options=opts, fn=fn)
+        key = fingerprint(self.module) if self._caching() else None
+        cached = self._replica_cache
+        if key is None or cached is None or cached[0] != key:
+            self._check_source_device()  # a cache hit means the devices were checked
+        scattered = self.scatter(args, kwargs, self._devices, options=opts, fn=fn)
         inputs, kwargs_tup = scattered
         n = len(inputs)
         if n < len(self._devices) and scattered.sizes != [0]:
@@ -199,7 +205,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         if len(self._devices) == 1:
             outputs = [call(*inputs[0], **kwargs_tup[0])]
         else:
-            replicas = self.replicate(self.module, self.device_ids[:n])
+            replicas = self.replicate(self.module, self._devices[:n], key=key)
             outputs = self.parallel_apply(replicas, inputs, kwargs_tup, method=name)
         total = sum(scattered.sizes)
         weights = [s / total for s in scattered.sizes] if total else None
@@ -223,21 +229,35 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         """
         opts = options or self._forward_options
         return scatter_call(
-            tuple(inputs), dict(kwargs or {}), [_as_device(d) for d in device_ids],
-            opts.dim, opts.broadcast, fn,
+            tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast, fn
         )
 
-    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceId]) -> list[nn.Module]:  # type: ignore[override]
-        """Replicas of ``module`` on ``device_ids``; cached under no_grad if ``cache_replicas``."""
+    def _caching(self) -> bool:
+        return self.cache_replicas and not torch.is_grad_enabled()
+
+    def replicate(  # type: ignore[override]
+        self, module: nn.Module, device_ids: Sequence[DeviceId], *, key: Any = None
+    ) -> list[nn.Module]:
+        """Replicas of ``module`` on ``device_ids``; cached under no_grad if ``cache_replicas``.
+
+        ``key`` is ``fingerprint(module)`` when the caller has it already.
+        """
         devices = [_as_device(d) for d in device_ids]
-        detach = not torch.is_grad_enabled()
-        if not (self.cache_replicas and detach and module is self.module):
-            return _replicate(module, devices, detach)
-        key = (tuple(devices), fingerprint(module))
+        prefix = devices == self._devices[: len(devices)]
+        if not (self._caching() and module is self.module and prefix):
+            return _replicate(module, devices, not torch.is_grad_enabled())
+        key = fingerprint(module) if key is None else key
         cached = self._replica_cache
         if cached is None or cached[0] != key:
-            self._replica_cache = cached = (key, _replicate(module, devices, True))
-        return list(cached[1])
+            # Replicas for every device, so calls with smaller batches share them.
+            self._replica_cache = cached = (key, _replicate(module, self._devices, True))
+        return cached[1][: len(devices)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_replica_cache"] = None  # rebuilt on demand; threads can't be copied
+        state.pop("_workers", None)
+        return state
 
     def parallel_apply(  # type: ignore[override]
         self,
@@ -247,8 +267,18 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         *,
         method: str = "forward",
     ) -> list[Any]:
-        """Run ``method`` on every replica in parallel; see :func:`dpmethods.parallel_apply`."""
-        return _parallel_apply(replicas, method, inputs, kwargs, self._devices[: len(replicas)])
+        """Run ``method`` on every replica in parallel; see :func:`dpmethods.parallel_apply`.
+
+        With ``cache_replicas`` the worker threads are kept between calls too.
+        """
+        workers = None
+        if self.cache_replicas and len(self._devices) > 1:
+            workers = self.__dict__.get("_workers")
+            if workers is None:
+                workers = self.__dict__["_workers"] = WorkerPool(len(self._devices) - 1)
+        return _parallel_apply(
+            replicas, method, inputs, kwargs, self._devices[: len(replicas)], workers
+        )
 
     def gather(  # type: ignore[override]
         self,

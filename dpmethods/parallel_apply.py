@@ -1,17 +1,21 @@
 """Parallel apply: run one named method on every replica, one thread per replica.
 
-Each thread gets the caller's grad mode, inference mode and autocast state, and on
-CUDA the caller's current stream for that device. A second replica on the same
-GPU runs on a side stream of its own, ordered after the caller's stream on entry
-and before it on exit. A failure in a replica is re-raised in the caller as the
-same exception object, with its original traceback and a note naming the replica
-and device; every thread is joined first, so none is left behind.
+Replica 0 runs in the caller's thread; the others run in threads started for the
+call and joined before it returns, or, for cached replicas, in a :class:`WorkerPool`
+kept with them. Each thread gets the caller's grad mode, inference mode and autocast
+state, and on CUDA the caller's current stream for that device. A second replica on
+the same GPU runs on a side stream of its own, ordered after the caller's stream on
+entry and before it on exit. A failure in a replica is re-raised in the caller as
+the same exception object, with its original traceback and a note naming the
+replica and device, after every replica has finished.
 """
 
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +25,7 @@ from torch import nn
 
 from . import _tree
 
-__all__ = ["ReplicaError", "parallel_apply"]
+__all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 
 _SIDE_STREAMS: dict[tuple[int, int], Any] = {}
 _SIDE_STREAMS_LOCK = threading.Lock()
@@ -55,6 +59,75 @@ class _ThreadState:
             for kind, dtype in self.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype))
             yield
+
+
+def _serve(tasks: queue.SimpleQueue[Any], done: queue.SimpleQueue[int]) -> None:
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        fn, i = task
+        del task
+        fn(i)
+        del fn  # drop the call's replicas, inputs and outputs before waiting again
+        done.put(i)
+
+
+def _stop(tasks: list[queue.SimpleQueue[Any]]) -> None:
+    for q in tasks:
+        q.put(None)
+
+
+class WorkerPool:
+    """Threads kept between calls, for replicas that are kept too (``cache_replicas``).
+
+    Starting and joining a thread per replica costs more than a tiny model's whole
+    call; a pool hands work to idle threads instead. The threads stop when the pool
+    is garbage-collected or :meth:`close` is called. A call that finds the pool busy
+    (re-entered from a replica, or from another thread) uses fresh threads.
+
+    Args:
+        size: the number of worker threads (replicas beyond the caller's own).
+
+    Example:
+        >>> pool = WorkerPool(1)
+        >>> pool.close()
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._tasks: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(size)]
+        self._threads = [
+            threading.Thread(
+                target=_serve, args=(q, self._done), name=f"dpmethods-worker-{i + 1}", daemon=True
+            )
+            for i, q in enumerate(self._tasks)
+        ]
+        for t in self._threads:
+            t.start()
+        self._finalizer = weakref.finalize(self, _stop, self._tasks)
+
+    def close(self) -> None:
+        """Stop the worker threads and wait for them."""
+        self._finalizer()
+        for t in self._threads:
+            t.join()
+
+    def run(self, fn: Any, n: int) -> bool:
+        """Run ``fn(0)`` here and ``fn(1..n-1)`` on the workers; False if busy or too small."""
+        if n - 1 > self.size or not self._finalizer.alive or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            for i in range(1, n):
+                self._tasks[i - 1].put((fn, i))
+            fn(0)
+            for _ in range(n - 1):
+                self._done.get()
+        finally:
+            self._lock.release()
+        return True
 
 
 def _side_stream(device: torch.device, k: int) -> Any:
@@ -111,6 +184,7 @@ def parallel_apply(
     inputs: Sequence[tuple[Any, ...]],
     kwargs: Sequence[dict[str, Any]],
     devices: Sequence[torch.device],
+    workers: WorkerPool | None = None,
 ) -> list[Any]:
     """Call ``getattr(replica, method)(*inputs[i], **kwargs[i])`` on every replica in parallel.
 
@@ -120,6 +194,7 @@ def parallel_apply(
         inputs: positional arguments per replica.
         kwargs: keyword arguments per replica.
         devices: the device of each replica.
+        workers: threads to reuse; by default threads are started for this call.
 
     Example:
         >>> import torch
@@ -154,13 +229,14 @@ def parallel_apply(
 
     if n == 1:
         work(0)
-    else:
+    elif workers is None or not workers.run(work, n):
         threads = [
             threading.Thread(target=work, args=(i,), name=f"dpmethods-replica-{i}", daemon=True)
-            for i in range(n)
+            for i in range(1, n)
         ]
         for t in threads:
             t.start()
+        work(0)  # the caller's thread is one of the workers
         for t in threads:
             t.join()
     for s, c in zip(streams, callers):

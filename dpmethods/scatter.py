@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable, Container, Sequence
 from typing import Any, NamedTuple
 
@@ -22,6 +23,7 @@ from . import _tree
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
 DeviceLike = torch.device | str | int
+_TENSORS = itertools.repeat(Tensor)
 
 
 def chunk_sizes(batch: int, parts: int) -> list[int]:
@@ -233,6 +235,14 @@ def scatter_call(
     if not devices:
         raise ValueError("scatter: devices: expected at least one device, got none")
     targets = [_as_device(d) for d in devices]
+    if not kwargs and not broadcast and args and all(map(isinstance, args, _TENSORS)):
+        # Positional batch tensors only, the most common call: no structure to walk.
+        first = args[0]
+        batch = first.shape[dim] if first.dim() > dim else 0
+        if batch and all(a.dim() > dim and a.shape[dim] == batch for a in args):
+            sizes = chunk_sizes(batch, len(targets))
+            columns = [_split(a, sizes, dim, targets[: len(sizes)]) for a in args]
+            return ScatterResult(tuple(zip(*columns)), ({},) * len(sizes), sizes)
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
 
     def names() -> list[str]:
