@@ -395,3 +395,54 @@ def test_cnn_trained_through_training_step_matches_single_device() -> None:
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p, p_ref, atol=1e-10), name
     assert not torch.equal(model.head.weight, SmallCNN().double().head.weight)
+
+
+# --- worker threads kept with cached replicas --------------------------------------------
+
+
+def _worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dpmethods-worker-")]
+
+
+def test_cached_replicas_keep_workers_until_the_wrapper_goes() -> None:
+    ref, _, dp = _ref_and_dp(cache_replicas=True)
+    x = torch.randn(9, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.allclose(dp.encode(x).mu, ref.encode(x).mu, atol=1e-6)
+    workers = _worker_threads()
+    assert len(workers) == 3  # replica 0 runs in the caller
+    x[5] = float("nan")
+    with torch.no_grad():
+        assert torch.isnan(dp.encode(x).mu[5]).all()  # workers still serve after many calls
+    del dp
+    gc.collect()
+    for t in workers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in workers)
+
+
+def test_worker_pool_errors_and_reentry() -> None:
+    dp = DataParallel(Boom(), device_ids=CPU4, cache_replicas=True)
+    x = torch.zeros(8, 1)
+    x[2] = 101
+    with torch.no_grad(), pytest.raises(KeyError, match="bad item 101") as info:
+        dp.f(x)
+    assert "dpmethods: raised in replica 1 on device cpu" in info.value.__notes__
+    with torch.no_grad():
+        assert torch.equal(dp.f(torch.ones(8, 1)), torch.ones(8, 1))  # the pool survived
+
+    class Outer(nn.Module):
+        def __init__(self, inner: DataParallel) -> None:
+            super().__init__()
+            self.inner = [inner]  # not a submodule: a second wrapper used from replicas
+
+        @parallel_method
+        def f(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner[0].f(x)
+
+    outer = DataParallel(Outer(dp), device_ids=["cpu"] * 2, cache_replicas=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the inner batches are smaller than 4
+        y = torch.randn(6, 1)
+        assert torch.equal(outer.f(y), y)  # the busy inner pool falls back to fresh threads
