@@ -122,6 +122,13 @@ def _extensions() -> tuple[list, dict]:
     cxx = ["-O3"]
     if sys.platform == "win32":
         cxx = ["/O2"]
+    extra_link: list[str] = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is a header template that only fans out when the
+        # including file is compiled with OpenMP; without it the CPU kernel
+        # runs on one thread. libgomp.so.1 resolves to the copy torch loaded.
+        cxx.append("-fopenmp")
+        extra_link.append("-fopenmp")
     extra: dict[str, list[str]] = {"cxx": cxx}
     library_dirs: list[str] = []
     if with_cuda:
@@ -140,6 +147,7 @@ def _extensions() -> tuple[list, dict]:
         include_dirs=include_dirs,
         library_dirs=library_dirs,
         extra_compile_args=extra,
+        extra_link_args=extra_link,
         py_limited_api=False,
     )
     build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)

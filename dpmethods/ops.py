@@ -10,6 +10,16 @@ each kernel then acts on the *target*: the CPU kernel gathers on the host and
 moves finished leaves to a non-CPU target, the CUDA kernel moves its inputs to
 the host first when the target is the CPU.
 
+Autograd: ``gather_coalesced`` has a Python formula (``torch.library.register_autograd``;
+its backward splits each leaf's gradient and sends every slice to its piece's device,
+as a view when it is already there) and a fake kernel (``register_fake``), which is
+what ``torch.compile``, ``opcheck`` and direct ``torch.ops`` callers get. In eager mode
+:func:`gather_coalesced` takes a faster route with the same backward:
+``torch.ops.dpmethods._gather_coalesced_autograd`` builds the graph node in C++, because
+a Python ``autograd.Function`` costs about a microsecond per input tensor, more than
+the gather itself with hundreds of leaves. Without any input requiring grad (or with
+grad mode off) the op runs below the autograd key, with no node at all.
+
 Environment variables (read at call time):
     DPMETHODS_DISABLE_EXTENSION=1  use the pure-PyTorch path (read once, at import)
     DPMETHODS_FORCE_STAGED=1       CUDA: always use the pack / peer copy / unpack path
