@@ -194,6 +194,63 @@ def _grid(quick: bool) -> list[Case]:
     return cases
 
 
+def _interleaved(
+    a: Callable[[], Any], b: Callable[[], Any], rounds: int, inner: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Alternate batches of ``a`` and ``b`` so machine-load drift hits both alike."""
+    for _ in range(2):
+        a()
+        b()
+    sa: list[float] = []
+    sb: list[float] = []
+    for _ in range(rounds):
+        for fn, acc in ((a, sa), (b, sb)):
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            acc.append((time.perf_counter() - t0) / inner)
+    return summarize(sa), summarize(sb)
+
+
+def cpu_targets(quick: bool = False) -> dict[str, Any]:
+    """The two CPU acceptance figures, measured with interleaved rounds.
+
+    ``small``: 256 leaves of float32 [8, 16] per replica over 4 replicas (1024 inputs
+    requiring grad), forward, fused vs per-leaf torch.cat. ``large``: 64 MiB in all
+    (4 pieces of [4096, 1024] float32), fused vs one torch.cat into new memory.
+    """
+    cpu = torch.device("cpu")
+    rounds = 8 if quick else 25
+    small = [torch.randn(8, 16, requires_grad=True) for _ in range(256 * 4)]
+    fused_s, base_s = _interleaved(
+        lambda: ops.gather_coalesced(small, 4, 0, cpu),
+        lambda: _per_leaf_cat(small, 4, 0, cpu),
+        rounds,
+        20,
+    )
+    big = [torch.randn(4096, 1024) for _ in range(4)]
+    out: dict[str, Any] = {
+        "small_256x4_fwd_requires_grad": {
+            "fused": fused_s,
+            "per_leaf_cat": base_s,
+            "speedup": base_s["median"] / fused_s["median"],
+        }
+    }
+    for dim in (0, 1):
+        fused_l, cat_l = _interleaved(
+            lambda d=dim: ops.gather_coalesced(big, 4, d, cpu),  # type: ignore[misc]
+            lambda d=dim: torch.cat(big, d),  # type: ignore[misc]
+            max(4, rounds // 3),
+            3,
+        )
+        out[f"large_64MiB_dim{dim}"] = {
+            "fused": fused_l,
+            "torch_cat": cat_l,
+            "speed_vs_cat": cat_l["median"] / fused_l["median"],
+        }
+    return out
+
+
 def _fmt_us(s: float) -> str:
     return f"{s * 1e6:10.1f}"
 
@@ -214,7 +271,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     budget = args.budget if args.budget is not None else (0.15 if args.quick else 0.25)
     copy_bytes = (256 << 20) if device.type == "cuda" else (64 << 20)
     bw = copy_bandwidth(device, copy_bytes)
-    print(f"copy bandwidth ({device}): {bw['gbps']:.2f} GB/s (clone of {copy_bytes >> 20} MiB)")
+    print(
+        f"copy bandwidth ({device}, {copy_bytes >> 20} MiB): copy_ {bw['gbps']:.2f} GB/s, "
+        f"clone {bw['clone_gbps']:.2f} GB/s"
+    )
     print(f"extension: {ops.extension_info()}")
     header = (
         f"{'case':36s} {'fused us':>10s} {'base us':>10s} {'ratio':>7s} "
@@ -235,6 +295,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['fused_gbps']:7.2f} {100 * r['fused_frac_of_copy']:5.1f}%",
             flush=True,
         )
+    targets = None
+    if device.type == "cpu":
+        targets = cpu_targets(args.quick)
+        for name, t in targets.items():
+            ratio = t.get("speedup", t.get("speed_vs_cat"))
+            print(
+                f"target {name}: {ratio:.2f}x  "
+                + "  ".join(
+                    f"{k} median {v['median'] * 1e6:.1f} us [p10 {v['p10'] * 1e6:.1f}, p90 {v['p90'] * 1e6:.1f}]"
+                    for k, v in t.items()
+                    if isinstance(v, dict)
+                )
+            )
     elapsed = time.perf_counter() - t_start
     baseline = "torch.nn.parallel.gather" if device.type == "cuda" else "per-leaf torch.cat"
     data = {
@@ -247,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "copy_bandwidth": bw,
         "elapsed_s": elapsed,
         "units": {"time": "seconds", "bandwidth": "GB/s of output bytes written"},
+        "targets": targets,
         "cases": rows,
         "ratio_summary": summarize([r["ratio"] for r in rows]),
     }
