@@ -215,23 +215,30 @@ def plot_ratios(
         return None
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    width = max(6.0, 0.28 * len(labels) + 2)
-    fig, ax = plt.subplots(figsize=(width, 4.8))
-    xs = list(range(len(labels)))
-    yerr = None
-    if lows is not None and highs is not None:
-        yerr = [
-            [max(r - lo, 0.0) for r, lo in zip(ratios, lows, strict=True)],
-            [max(hi - r, 0.0) for r, hi in zip(ratios, highs, strict=True)],
-        ]
-    colors = ["tab:green" if r >= 1 else "tab:red" for r in ratios]
-    ax.bar(xs, ratios, color=colors, yerr=yerr, capsize=2)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_xticks(xs)
-    ax.set_xticklabels(labels, rotation=90, fontsize=6)
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    # Long grids wrap onto several rows so labels stay readable.
+    per_row = 60
+    nrows = max(1, -(-len(labels) // per_row))
+    width = max(6.0, 0.22 * min(len(labels), per_row) + 2)
+    fig, axes = plt.subplots(nrows, 1, figsize=(width, 3.6 * nrows), squeeze=False)
+    for row in range(nrows):
+        ax = axes[row][0]
+        sl = slice(row * per_row, (row + 1) * per_row)
+        rs = list(ratios[sl])
+        xs = list(range(len(rs)))
+        yerr = None
+        if lows is not None and highs is not None:
+            yerr = [
+                [max(r - lo, 0.0) for r, lo in zip(rs, lows[sl], strict=True)],
+                [max(hi - r, 0.0) for r, hi in zip(rs, highs[sl], strict=True)],
+            ]
+        colors = ["tab:green" if r >= 1 else "tab:red" for r in rs]
+        ax.bar(xs, rs, color=colors, yerr=yerr, capsize=1.5)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_yscale("log")
+        ax.set_xticks(xs)
+        ax.set_xticklabels(list(labels[sl]), rotation=90, fontsize=6)
+        ax.set_ylabel(ylabel, fontsize=7)
+    axes[0][0].set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(p, dpi=130)
     plt.close(fig)
