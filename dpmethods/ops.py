@@ -167,13 +167,16 @@ def gather_coalesced(
         >>> [t.shape for t in gather_coalesced([a, b], 2, 0, torch.device("cpu"))]
         [torch.Size([3, 3])]
     """
-    device = torch.device(device)
-    if not isinstance(tensors, (list, tuple)):
+    # Cheap checks first: this runs once per gather and small gathers are
+    # dominated by per-call overhead.
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    if type(tensors) is not list and type(tensors) is not tuple:
         tensors = list(tensors)
     if not tensors:
         _check_counts(0, num_replicas)
         return []
-    if _op is None or _extension.unsupported_reason(device) is not None:
+    if _op is None or (device.type != "cpu" and _extension.unsupported_reason(device) is not None):
         _check_counts(len(tensors), num_replicas)
         return _fallback(tensors, num_replicas, dim, device)
     if torch.compiler.is_compiling():
