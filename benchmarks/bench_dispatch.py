@@ -204,14 +204,24 @@ def run(quick: bool = False) -> tuple[list[Figure], dict[str, Any]]:
                     path, cached, _ = name.partition("+cache")
                     ts = [t for r in per_round for t in r]
                     rounds_us = [statistics.median(r) * 1e6 for r in per_round]
-                    for m in [mode + "+cache"] if cached else (
-                        [mode, mode + "+cache"] if mode == "no_grad" and path == "module"
-                        else [mode]
+                    for m in (
+                        [mode + "+cache"]
+                        if cached
+                        else (
+                            [mode, mode + "+cache"]
+                            if mode == "no_grad" and path == "module"
+                            else [mode]
+                        )
                     ):
                         figures.append(
                             Figure(
-                                model_name, devices_name, len(ids), m, path,
-                                samples=len(ts), **_summary(ts),
+                                model_name,
+                                devices_name,
+                                len(ids),
+                                m,
+                                path,
+                                samples=len(ts),
+                                **_summary(ts),
                                 extra={"round_medians_us": rounds_us},
                             )
                         )
@@ -314,8 +324,11 @@ def targets(figures: list[Figure]) -> dict[str, Any]:
             )
             sp = statistics.median(per_round)
             speedup[f"{f.devices} {f.path}"] = {
-                "speedup": sp, "p10": _quantile(per_round, 0.1), "p90": _quantile(per_round, 0.9),
-                "speedup_of_medians": ref.median_us / f.median_us, "met": sp >= 2.0,
+                "speedup": sp,
+                "p10": _quantile(per_round, 0.1),
+                "p90": _quantile(per_round, 0.9),
+                "speedup_of_medians": ref.median_us / f.median_us,
+                "met": sp >= 2.0,
             }
     return {
         "method_over_forward<=1.05": ratio,
@@ -400,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds, for a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads (default 1: the replica threads are the parallelism; "
         "with 2 OpenMP threads on a busy 2-core host the medium model alone ran 88 ms "
         "instead of 7 ms); 0 keeps torch's default",
