@@ -45,12 +45,13 @@ step info 60 python -c "import json, dpmethods._C; from dpmethods import ops; pr
 cp "$OUT/info.log" "$OUT/extension_info.json" 2>/dev/null
 
 if [ "$HAS_GPU" = "1" ]; then
-  step pytest_cuda 150 python -m pytest -m cuda tests/test_ops_cuda.py -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
+  step pytest_cuda 150 python -m pytest -m cuda tests/test_ops_cuda.py tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
   step pytest_cpu 90 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
   step bench_gpu 150 python benchmarks/bench_gather.py --device cuda --quick --budget 0.05 --out "$OUT"
+  step bench_dispatch 120 python benchmarks/bench_dispatch.py --quick --out "$OUT"
 else
   echo "no GPU: skipping CUDA tests and GPU benchmark" | tee -a "$STATUS"
-  step pytest_cuda_skip 60 python -m pytest -m cuda tests/test_ops_cuda.py -q -p no:cacheprovider
+  step pytest_cuda_skip 60 python -m pytest -m cuda tests/test_ops_cuda.py tests/test_cuda.py -q -p no:cacheprovider
   step pytest_cpu 120 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
 fi
 echo "done in ${SECONDS}s; results in $OUT" | tee -a "$STATUS"
