@@ -1,10 +1,6 @@
-"""Shared fixtures: CPU test devices, seeded randomness and a CUDA marker."""
+"""Shared test setup: CUDA-marked tests skip without a GPU, and every test is seeded."""
 
 from __future__ import annotations
-
-import gc
-import threading
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -22,19 +18,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def no_leaks() -> Iterator[None]:
-    """Fail if the test leaves threads behind or reference cycles for gc to find."""
-    gc.collect()
-    before = {t.ident for t in threading.enumerate()}
-    gc.disable()
-    try:
-        yield
-        found = gc.collect()
-    finally:
-        gc.enable()
-    after = [t for t in threading.enumerate() if t.ident not in before]
-    assert after == [], f"threads left behind: {after}"
-    assert found == 0, f"gc found {found} objects in reference cycles"
