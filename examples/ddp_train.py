@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,13 @@ class Regressor(nn.Module):
     @dpmethods.parallel_method
     def training_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.mse_loss(self(x), y)
+
+
+def _say(line: str) -> None:
+    # One write per line: the ranks share one stdout, and print() writes the text and
+    # the newline separately, so lines of different ranks could run together.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -64,10 +72,10 @@ def main() -> None:
         loss = ddp.training_step(x.to(device), y.to(device))
         loss.backward()
         opt.step()
-        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        _say(f"rank {rank} step {step} loss {loss.item():.6f}")
 
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    print(f"rank {rank} world {world} checksum {checksum:.10f}", flush=True)
+    _say(f"rank {rank} world {world} checksum {checksum:.10f}")
     dist.destroy_process_group()
 
 

@@ -253,13 +253,13 @@ def test_replica_exception_keeps_type_index_device_and_traceback() -> None:
     dp = DataParallel(Boom(), device_ids=CPU4)
     x = torch.zeros(8, 1)
     x[6] = 101  # replica 3 gets items 6 and 7
-    before = threading.active_count()
+    before = set(threading.enumerate())
     with pytest.raises(KeyError, match="bad item 101") as info:
         dp.f(x)
     assert "dpmethods: raised in replica 3 on device cpu" in info.value.__notes__
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
     assert "f" in frames  # the original frame inside the replica
-    assert threading.active_count() == before
+    assert set(threading.enumerate()) - before == set()  # every replica thread was joined
 
 
 def test_no_reference_cycles_and_no_threads_after_calls() -> None:
@@ -267,7 +267,7 @@ def test_no_reference_cycles_and_no_threads_after_calls() -> None:
     x = torch.randn(9, 8)
     dp.training_step(x)["loss"].backward()
     gc.collect()
-    threads = threading.active_count()
+    threads = set(threading.enumerate())
     gc.disable()
     try:
         for _ in range(3):
@@ -278,7 +278,7 @@ def test_no_reference_cycles_and_no_threads_after_calls() -> None:
     finally:
         gc.enable()
     assert found == 0
-    assert threading.active_count() == threads
+    assert set(threading.enumerate()) - threads == set()
 
 
 # --- devices ----------------------------------------------------------------------------

@@ -691,7 +691,7 @@ def test_example_ddp_train_under_torchrun() -> None:
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    sums = re.findall(r"rank (\d) .*checksum (\S+)", proc.stdout)
+    sums = re.findall(r"rank (\d) world \d+ checksum (-?\d+\.\d{10})", proc.stdout)
     assert sorted(rank for rank, _ in sums) == ["0", "1"], proc.stdout
     assert len({value for _, value in sums}) == 1, proc.stdout
     assert proc.stdout.count("step ") >= 3, proc.stdout
