@@ -16,7 +16,7 @@ import contextlib
 import queue
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from . import _tree
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 
 _SIDE_STREAMS: dict[tuple[int, int], Any] = {}
+_NOTHING = contextlib.nullcontext()
 _SIDE_STREAMS_LOCK = threading.Lock()
 
 
@@ -50,15 +51,21 @@ class _ThreadState:
         )
         return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
 
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if self.inference:
-                stack.enter_context(torch.inference_mode())
-            stack.enter_context(torch.set_grad_enabled(self.grad))
-            for kind, dtype in self.autocast:
-                stack.enter_context(torch.autocast(kind, dtype=dtype))
-            yield
+    def applied(self) -> contextlib.AbstractContextManager[Any]:
+        """This state in the current thread (a no-op where it holds already)."""
+        if (
+            not self.autocast
+            and self.inference == torch.is_inference_mode_enabled()
+            and self.grad == torch.is_grad_enabled()
+        ):
+            return _NOTHING  # the caller's own thread, or a pool worker from the last call
+        stack = contextlib.ExitStack()
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        for kind, dtype in self.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        return stack
 
 
 def _serve(tasks: queue.SimpleQueue[Any], done: queue.SimpleQueue[int]) -> None:
