@@ -133,6 +133,8 @@ def gather(
     elif len(weights) != n:
         raise ValueError(f"gather: weights: expected {n} values (one per output), got {len(weights)}")
 
+    if mode == "cat" and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
+        return ops.gather_coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
     for r in range(1, n):
