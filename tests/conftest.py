@@ -1,4 +1,5 @@
-"""Shared test setup: CUDA-marked tests skip without a GPU, and every test is seeded."""
+"""Shared test setup: CUDA-marked tests skip without a GPU; every test is seeded and
+runs with poisoned gather outputs."""
 
 from __future__ import annotations
 
@@ -18,3 +19,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled gather fills its outputs with 0xFF bytes before copying, in every
+    # test: a byte it forgets to write shows (random data never is a run of 0xFF).
+    monkeypatch.setenv("DPMETHODS_POISON", "1")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dtypes import DTYPES
 
 from dpmethods import ops
 
@@ -18,27 +19,6 @@ CPU = torch.device("cpu")
 COMPILED = ops.extension_info()["in_use"] == "compiled"
 needs_ext = pytest.mark.skipif(not COMPILED, reason="dpmethods._C not built")
 
-DTYPES = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-]
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Outputs start as 0xFF bytes, so any byte the kernel forgets shows up
-    # (random inputs essentially never equal a whole run of 0xFF).
-    monkeypatch.setenv("DPMETHODS_POISON", "1")
 
 
 def _rand(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

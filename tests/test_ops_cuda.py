@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _dtypes import DTYPES
 
 from dpmethods import ops
 
@@ -14,26 +15,6 @@ pytestmark = [
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda", 0)
-DTYPES = [
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-    torch.complex64,
-    torch.complex128,
-]
-
-
-@pytest.fixture(autouse=True)
-def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 0xFF-filled outputs make bytes the kernel forgot visible.
-    monkeypatch.setenv("DPMETHODS_POISON", "1")
 
 
 @pytest.fixture(params=["direct", "staged"])
