@@ -117,7 +117,9 @@ class _MethodWrapper(nn.Module):
         except AttributeError:
             pass
         module = self.__dict__.get("_modules", {}).get("module")
-        if module is None:
+        # Protocol probes (copy's __deepcopy__, pickle's __reduce__...) must see the
+        # wrapper, never the module: a forwarded one would copy the module instead.
+        if module is None or (name.startswith("__") and name.endswith("__")):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         try:
             attr = getattr(module, name)

@@ -124,6 +124,16 @@ def test_attributes_and_undecorated_methods_forward_with_one_warning() -> None:
         dp.nope  # noqa: B018
 
 
+def test_protocol_methods_of_the_module_are_not_forwarded() -> None:
+    class Copyable(VAE):
+        def __deepcopy__(self, memo: dict[int, Any]) -> VAE:
+            return VAE()
+
+    dp = DataParallel(Copyable(), device_ids=CPU4)
+    assert isinstance(copy.deepcopy(dp), DataParallel)
+    assert not hasattr(dp, "__deepcopy__")
+
+
 def test_copy_and_pickle_keep_the_methods() -> None:
     _, _, dp = _ref_and_dp()
     x = torch.randn(5, 8)
