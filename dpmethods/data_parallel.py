@@ -135,7 +135,6 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         if not self._devices:
             return
         out = self._devices[0] if output_device is None else _as_device(output_device)
-        self._output_device = out
         self.output_device: int | torch.device = out.index if out.type == "cuda" else out  # type: ignore[assignment]
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
@@ -193,11 +192,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         inputs, kwargs_tup = scattered
         n = len(inputs)
         if n < len(self._devices) and scattered.sizes != [0]:
-            key = (sum(scattered.sizes), len(self._devices))
-            if key not in self._warned_small:
-                self._warned_small.add(key)
+            small = (sum(scattered.sizes), len(self._devices))
+            if small not in self._warned_small:
+                self._warned_small.add(small)
                 warnings.warn(
-                    f"DataParallel: a batch of {key[0]} items on {key[1]} devices: only "
+                    f"DataParallel: a batch of {small[0]} items on {small[1]} devices: only "
                     f"{n} replicas run, the other devices stay idle",
                     UserWarning,
                     stacklevel=3,
