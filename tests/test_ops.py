@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from _dtypes import DTYPES
+from _gather_data import DTYPES
+from _gather_data import pieces as _pieces
+from _gather_data import rand as _rand
 
 from dpmethods import ops
 
@@ -19,28 +21,6 @@ CPU = torch.device("cpu")
 COMPILED = ops.extension_info()["in_use"] == "compiled"
 needs_ext = pytest.mark.skipif(not COMPILED, reason="dpmethods._C not built")
 
-
-
-def _rand(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=gen, dtype=dtype)
-    info = torch.iinfo(dtype)
-    lo, hi = max(info.min, -1000), min(info.max, 1000)
-    return torch.randint(lo, hi, shape, generator=gen, dtype=dtype)
-
-
-def _pieces(
-    shape: list[int], dim: int, sizes: list[int], dtype: torch.dtype, gen: torch.Generator
-) -> list[torch.Tensor]:
-    d = dim % len(shape)
-    out = []
-    for s in sizes:
-        sh = list(shape)
-        sh[d] = s
-        out.append(_rand(sh, dtype, gen))
-    return out
 
 
 def _reference(tensors: list[torch.Tensor], r: int, dim: int) -> list[torch.Tensor]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dtypes import DTYPES
+from _gather_data import DTYPES, pieces
 
 from dpmethods import ops
 
@@ -26,23 +26,8 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return str(request.param)
 
 
-def _rand(shape: list[int], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=gen).bool()
-    if dtype.is_floating_point or dtype.is_complex:
-        return torch.randn(shape, generator=gen, dtype=dtype)
-    return torch.randint(-100, 100, shape, generator=gen).to(dtype)
-
-
 def _pieces(shape: list[int], dim: int, sizes: list[int], dtype: torch.dtype, seed: int) -> list:
-    gen = torch.Generator().manual_seed(seed)
-    d = dim % len(shape)
-    out = []
-    for s in sizes:
-        sh = list(shape)
-        sh[d] = s
-        out.append(_rand(sh, dtype, gen))
-    return out
+    return pieces(shape, dim, sizes, dtype, torch.Generator().manual_seed(seed))
 
 
 def _check(tensors: list[torch.Tensor], r: int, dim: int, device: torch.device) -> list:
