@@ -115,6 +115,7 @@ def _extensions() -> tuple[list, dict]:
         str(csrc / "module.cpp"),
         str(csrc / "dpmethods.cpp"),
         str(csrc / "autograd.cpp"),
+        str(csrc / "python_eager.cpp"),
         str(csrc / "cpu" / "gather_coalesced_cpu.cpp"),
     ]
     include_dirs = [str(_ROOT / "csrc"), str(gen_dir)]

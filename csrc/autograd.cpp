@@ -79,6 +79,8 @@ auto make_node() {
   }
 }
 
+}  // namespace
+
 std::vector<at::Tensor> gather_coalesced_autograd(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
   std::vector<at::Tensor> outs;
@@ -125,7 +127,6 @@ std::vector<at::Tensor> gather_coalesced_autograd(
   return outs;
 }
 
-}  // namespace
 }  // namespace dpmethods
 
 TORCH_LIBRARY_IMPL(dpmethods, CompositeImplicitAutograd, m) {

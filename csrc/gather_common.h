@@ -38,4 +38,9 @@ bool env_flag(const char* name);
 std::vector<at::Tensor> gather_coalesced_cpu(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device);
 
+// The gather with its autograd node built in C++ (csrc/autograd.cpp); the
+// kernel behind _gather_coalesced_autograd and the eager Python entry point.
+std::vector<at::Tensor> gather_coalesced_autograd(
+    at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device);
+
 }  // namespace dpmethods

@@ -6,6 +6,11 @@
 
 #include "dpmethods_build_info.h"
 
+namespace dpmethods {
+// csrc/python_eager.cpp
+PyObject* gather_coalesced_eager(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+}  // namespace dpmethods
+
 namespace {
 
 PyObject* torch_version(PyObject*, PyObject*) {
@@ -25,6 +30,10 @@ PyMethodDef kMethods[] = {
     {"cuda_arch_list", cuda_arch_list, METH_NOARGS,
      "Semicolon-separated CUDA targets compiled (sm_XX / compute_XX); empty without CUDA."},
     {"with_cuda", with_cuda, METH_NOARGS, "True when the CUDA kernels were compiled in."},
+    {"_gather_coalesced", reinterpret_cast<PyCFunction>(dpmethods::gather_coalesced_eager),
+     METH_FASTCALL,
+     "_gather_coalesced(tensors, num_replicas, dim, device): the eager gather of "
+     "dpmethods.ops.gather_coalesced; None where torch.ops must be used instead."},
     {nullptr, nullptr, 0, nullptr},
 };
 

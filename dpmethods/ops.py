@@ -40,7 +40,8 @@ __all__ = ["extension_info", "gather_coalesced"]
 _OP_NAME = "dpmethods::gather_coalesced"
 
 _op: Any = None  # torch.ops.dpmethods.gather_coalesced.default when compiled
-_op_autograd: Any = None  # its C++-autograd twin, the eager fast path
+_op_autograd: Any = None  # its C++-autograd twin, for inputs the eager entry refuses
+_eager: Any = None  # dpmethods._C._gather_coalesced: plain tensors, no torch.ops boxing
 
 # Skips the Python autograd kernel when no graph is needed; private, so guarded.
 _below_autograd: Any = getattr(torch._C, "_AutoDispatchBelowAutograd", torch.no_grad)
@@ -133,13 +134,15 @@ def _backward(ctx: Any, grads: list[torch.Tensor | None]) -> tuple[Any, ...]:
 
 def _register() -> None:
     """Bind the compiled ops and give gather_coalesced its fake and autograd kernels."""
-    global _op, _op_autograd
-    if _extension.module() is None:
+    global _op, _op_autograd, _eager
+    mod = _extension.module()
+    if mod is None:
         return
     torch.library.register_fake(_OP_NAME)(_fake)
     torch.library.register_autograd(_OP_NAME, _backward, setup_context=_setup_context)
     _op = torch.ops.dpmethods.gather_coalesced.default
     _op_autograd = torch.ops.dpmethods._gather_coalesced_autograd.default
+    _eager = mod._gather_coalesced
 
 
 _register()
@@ -182,6 +185,10 @@ def gather_coalesced(
     if torch.compiler.is_compiling():
         # Traced through the fake kernel and the Python autograd formula.
         return _op(tensors, num_replicas, dim, device)
+    out = _eager(tensors, num_replicas, dim, device)
+    if out is not None:
+        return out
+    # Tensor subclasses and __torch_function__ modes need the torch.ops call.
     if torch.is_grad_enabled() and _any_requires_grad(*tensors):
         return _op_autograd(tensors, num_replicas, dim, device)
     with _below_autograd():

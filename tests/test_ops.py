@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -175,11 +177,12 @@ def test_compiled_op_is_used() -> None:
     grads = [t.clone().requires_grad_() for t in tensors]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         ops.gather_coalesced(tensors, 2, 0, CPU)
-        ops.gather_coalesced(grads, 2, 0, CPU)
-    names = {e.name for e in prof.events()}
-    assert "dpmethods::gather_coalesced" in names
-    assert "dpmethods::_gather_coalesced_autograd" in names
+        out = ops.gather_coalesced(grads, 2, 0, CPU)
+    names = [e.name for e in prof.events()]
+    assert names.count("dpmethods::gather_coalesced") == 2
     assert "aten::cat" not in names
+    # The eager entry builds the C++ node, not the Python autograd.Function.
+    assert out[0].grad_fn is not None and out[0].grad_fn.name() == "GatherCoalescedBackward"
 
 
 @needs_ext
@@ -279,3 +282,122 @@ def test_fallback_when_disabled() -> None:
     assert "DPMETHODS_DISABLE_EXTENSION=1" in info["reason"]
     # Logged once, at info level.
     assert proc.stderr.count("using the pure-PyTorch gather") == 1
+
+
+# ------------------------------------------------- small outputs from shared blocks
+
+
+@needs_ext
+def test_small_outputs_own_their_storage() -> None:
+    # Small leaves share one allocation, but each output has a storage of its own:
+    # nothing aliases, saving one writes its bytes alone, and each lives on its own.
+    gen = torch.Generator().manual_seed(10)
+    dtypes = [torch.float32, torch.int8, torch.complex128, torch.bool, torch.float16]
+    tensors: list[torch.Tensor] = []
+    for i in range(40):
+        tensors += _pieces([3 + i % 4, 5], 0, [1, 2, 3], dtypes[i % len(dtypes)], gen)
+    outs = _check(tensors, 3, 0)
+    storages = [o.untyped_storage() for o in outs]
+    assert len({s.data_ptr() for s in storages}) == len(outs)
+    for o, s in zip(outs, storages, strict=True):
+        assert o.storage_offset() == 0 and s.nbytes() == o.numel() * o.element_size()
+        assert s.data_ptr() % 64 == 0  # the CPU allocator's alignment
+    ref = _reference(tensors, 3, 0)
+    del tensors, storages
+    outs[0].add_(1)  # in place on one output leaves the others alone
+    assert torch.equal(outs[0], ref[0] + 1) and torch.equal(outs[1], ref[1])
+    outs[1].resize_(100, 5)  # growing moves it to fresh memory with its values
+    assert torch.equal(outs[1][: ref[1].shape[0]], ref[1])
+    keep = outs[len(outs) // 2]
+    del outs
+    assert torch.equal(keep, ref[len(ref) // 2])  # outlives every sibling
+
+
+@needs_ext
+def test_shared_blocks_are_freed_with_their_last_output() -> None:
+    # The CPU allocator reports every allocation and free to the profiler.
+    gen = torch.Generator().manual_seed(11)
+    tensors = [_rand([64, 8], torch.float32, gen) for _ in range(600 * 2)]  # 2.4 MB: 3 blocks
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        outs = ops.gather_coalesced(tensors, 2, 0, CPU)
+        total = sum(o.numel() * o.element_size() for o in outs)
+        first, rest = outs[0], outs[1:]
+        del outs, rest
+        del first
+    # Allocations are charged to the op that made them, frees outside any op to "[memory]".
+    events = prof.events()
+    gathered = sum(e.self_cpu_memory_usage for e in events if e.name == "dpmethods::gather_coalesced")
+    allocated = sum(e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage > 0)
+    freed = -sum(e.self_cpu_memory_usage for e in events if e.self_cpu_memory_usage < 0)
+    assert gathered >= total  # the outputs' bytes were allocated by the gather ...
+    assert freed == allocated  # ... and all of them freed once the last output went,
+    frees = [e for e in events if e.self_cpu_memory_usage < 0]
+    assert 1 < len(frees) < 600  # a block at a time, not one free per output
+
+
+# ------------------------------------------------------------- the eager entry point
+
+
+class _Tagged(torch.Tensor):
+    """A subclass whose __torch_function__ records the functions it sees."""
+
+    seen: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        cls.seen.append(str(func))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@needs_ext
+def test_subclasses_and_modes_take_the_torch_ops_route() -> None:
+    gen = torch.Generator().manual_seed(12)
+    plain = _pieces([2, 3], 0, [1, 2], torch.float32, gen)
+    _Tagged.seen.clear()
+    out = ops.gather_coalesced([plain[0].as_subclass(_Tagged), plain[1]], 2, 0, CPU)
+    assert torch.equal(out[0], torch.cat(plain))
+    assert any("gather_coalesced" in name for name in _Tagged.seen), _Tagged.seen
+
+    class Mode(torch.overrides.TorchFunctionMode):
+        seen: ClassVar[list[str]] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Mode() as mode:
+        out = ops.gather_coalesced(plain, 2, 0, CPU)
+    assert torch.equal(out[0], torch.cat(plain))
+    assert any("gather_coalesced" in name for name in mode.seen), mode.seen
+
+
+@needs_ext
+def test_eager_entry_keeps_reference_counts() -> None:
+    # It borrows the inputs without taking references: none may leak or be dropped.
+    gen = torch.Generator().manual_seed(13)
+    tensors = [t.requires_grad_() for t in _pieces([2, 3], 0, [1, 2, 3, 1], torch.float32, gen)]
+    before = [sys.getrefcount(t) for t in tensors]
+    for _ in range(5):
+        out = ops.gather_coalesced(tensors, 4, 0, CPU)
+        out[0].sum().backward()
+        del out
+    assert [sys.getrefcount(t) for t in tensors] == before
+    ref = weakref.ref(tensors[0])
+    out = ops.gather_coalesced(tuple(tensors), 4, 0, CPU)
+    del tensors
+    assert ref() is not None  # held by the graph through its grad accumulator
+    del out
+    assert ref() is None
+
+
+@needs_ext
+def test_eager_entry_argument_errors() -> None:
+    t = [torch.ones(2), torch.ones(2)]
+    with pytest.raises(TypeError, match=r"num_replicas must be an int, got str"):
+        ops.gather_coalesced(t, "2", 0, CPU)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dim must be an int, got float"):
+        ops.gather_coalesced(t, 2, 0.0, CPU)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"takes 4 arguments \(tensors, num_replicas, dim, device\), got 3"):
+        ops._eager(t, 2, 0)

@@ -7,7 +7,11 @@
 #include <ATen/EmptyTensor.h>
 #include <torch/library.h>
 
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 namespace dpmethods {
@@ -16,6 +20,99 @@ namespace {
 // Below this many bytes a gather runs on the calling thread: waking the pool
 // costs more than copying. Above it every core gets at least this much.
 constexpr int64_t kGrainBytes = int64_t{1} << 20;
+
+// Outputs of at most kPackLeafBytes take their memory from shared blocks of at
+// most kPackBlockBytes: with hundreds of small leaves, one malloc and free per
+// output cost more than the copy. Each output still owns a Storage of its own,
+// so no two outputs alias (torch.compile and opcheck require that, and saving
+// one output writes only its bytes); a block is freed with its last output, so
+// the bounds cap what one kept output can hold on to. Slices start at the CPU
+// allocator's alignment, so kernels see the addresses a fresh tensor would have.
+constexpr int64_t kPackLeafBytes = int64_t{1} << 14;
+constexpr int64_t kPackBlockBytes = int64_t{1} << 20;
+constexpr int64_t kAlignBytes = 64;
+
+struct SharedBlock {
+  at::DataPtr memory;
+  std::atomic<int64_t> users{1};  // the allocating call, then one per output
+};
+
+void release_slice(void* ctx) {
+  auto* block = static_cast<SharedBlock*>(ctx);
+  if (block->users.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    delete block;
+  }
+}
+
+// A contiguous tensor of `shape` whose own, resizable storage is `nbytes` of `block`.
+at::Tensor slice_of(
+    SharedBlock* block, int64_t offset, int64_t nbytes, at::IntArrayRef shape,
+    at::ScalarType dtype) {
+  block->users.fetch_add(1, std::memory_order_relaxed);
+  c10::DataPtr data(
+      static_cast<char*>(block->memory.get()) + offset, block, &release_slice, at::kCPU);
+  // Growing it with resize_ moves it to fresh memory from the same allocator.
+  auto storage = c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes, std::move(data), c10::GetCPUAllocator(),
+      /*resizable=*/true);
+  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::CPU),
+      c10::scalarTypeToTypeMeta(dtype));
+  out.unsafeGetTensorImpl()->set_sizes_contiguous(shape);
+  return out;
+}
+
+int64_t leaf_bytes(const LeafPlan& p) {
+  int64_t n = p.elsize;
+  for (const int64_t s : p.out_shape) {
+    n *= s;
+  }
+  return n;
+}
+
+int64_t aligned(int64_t bytes) {
+  return (bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
+}
+
+// One uninitialized output per leaf: small leaves packed into shared blocks in
+// order, the others (large or empty) from empty_cpu. Neither goes through the
+// dispatcher.
+std::vector<at::Tensor> allocate_outputs(
+    const std::vector<LeafPlan>& plans, at::TensorList tensors, int64_t num_replicas) {
+  std::vector<at::Tensor> outs(plans.size());
+  size_t l = 0;
+  while (l < plans.size()) {
+    // The run of leaves that fits one block; large or empty leaves end it.
+    int64_t block_bytes = 0;
+    size_t end = l;
+    for (; end < plans.size(); ++end) {
+      const int64_t bytes = leaf_bytes(plans[end]);
+      if (bytes == 0 || bytes > kPackLeafBytes || block_bytes + bytes > kPackBlockBytes) {
+        break;
+      }
+      block_bytes += aligned(bytes);
+    }
+    if (end - l < 2) {  // nothing to share
+      end = l + 1;
+      outs[l] = at::detail::empty_cpu(
+          plans[l].out_shape, tensors[l * num_replicas].scalar_type(), /*pin_memory=*/false,
+          std::nullopt);
+      l = end;
+      continue;
+    }
+    auto* block = new SharedBlock();
+    block->memory = c10::GetCPUAllocator()->allocate(static_cast<size_t>(block_bytes));
+    int64_t offset = 0;
+    for (; l < end; ++l) {
+      const int64_t bytes = leaf_bytes(plans[l]);
+      outs[l] = slice_of(
+          block, offset, bytes, plans[l].out_shape, tensors[l * num_replicas].scalar_type());
+      offset += aligned(bytes);
+    }
+    release_slice(block);  // the allocating call's own hold
+  }
+  return outs;
+}
 
 // Copies bytes [lo, hi) of piece p (local to the piece) as contiguous runs.
 void copy_range(const Piece& p, int64_t lo, int64_t hi) {
@@ -39,8 +136,7 @@ std::vector<at::Tensor> gather_coalesced_cpu(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
   const std::vector<LeafPlan> plans = plan_gather(tensors, num_replicas, dim);
   const bool poison = env_flag("DPMETHODS_POISON");
-  std::vector<at::Tensor> outs;
-  outs.reserve(plans.size());
+  std::vector<at::Tensor> outs = allocate_outputs(plans, tensors, num_replicas);
   // Contiguous copies of non-contiguous inputs must outlive the copy loop.
   std::vector<at::Tensor> keep;
   std::vector<Piece> pieces;
@@ -48,11 +144,7 @@ std::vector<at::Tensor> gather_coalesced_cpu(
   int64_t total = 0;
   for (size_t l = 0; l < plans.size(); ++l) {
     const LeafPlan& p = plans[l];
-    const at::Tensor& first = tensors[l * num_replicas];
-    // empty_cpu skips the dispatcher: with hundreds of small leaves the
-    // per-allocation overhead is most of the cost of a gather.
-    at::Tensor out = at::detail::empty_cpu(
-        p.out_shape, first.scalar_type(), /*pin_memory=*/false, std::nullopt);
+    const at::Tensor& out = outs[l];
     char* base = static_cast<char*>(out.data_ptr());
     if (poison && out.numel() > 0) {
       std::memset(base, 0xFF, out.nbytes());
@@ -84,7 +176,6 @@ std::vector<at::Tensor> gather_coalesced_cpu(
       }
       offset += size_r;
     }
-    outs.push_back(std::move(out));
   }
   if (total > 0) {
     const Piece* table = pieces.data();
