@@ -215,27 +215,34 @@ def _interleaved(
 def cpu_targets(quick: bool = False) -> dict[str, Any]:
     """The two CPU acceptance figures, measured with interleaved rounds.
 
-    ``small``: 256 leaves of float32 [8, 16] per replica over 4 replicas (1024 inputs
-    requiring grad), forward, fused vs per-leaf torch.cat. ``large``: 64 MiB in all
-    (4 pieces of [4096, 1024] float32), fused vs one torch.cat into new memory.
+    ``small``: 256 leaves of float32 [8, 16] per replica over 4 replicas (1024 inputs),
+    forward, fused vs per-leaf torch.cat; once with autograd leaves that require grad,
+    once with replica outputs (non-leaf tensors with a grad_fn, what DataParallel's
+    gather receives). ``large``: 64 MiB in all (4 pieces of [4096, 1024] float32),
+    fused vs one torch.cat into new memory.
     """
     cpu = torch.device("cpu")
     rounds = 8 if quick else 25
     small = [torch.randn(8, 16, requires_grad=True) for _ in range(256 * 4)]
-    fused_s, base_s = _interleaved(
-        lambda: ops.gather_coalesced(small, 4, 0, cpu),
-        lambda: _per_leaf_cat(small, 4, 0, cpu),
-        rounds,
-        20,
-    )
-    big = [torch.randn(4096, 1024) for _ in range(4)]
-    out: dict[str, Any] = {
-        "small_256x4_fwd_requires_grad": {
+    scale = torch.ones(16, requires_grad=True)
+    kinds = {
+        "small_256x4_fwd_requires_grad": small,
+        "small_256x4_fwd_replica_outputs": [t.detach() * scale for t in small],
+    }
+    out: dict[str, Any] = {}
+    for name, ts in kinds.items():
+        fused_s, base_s = _interleaved(
+            lambda ts=ts: ops.gather_coalesced(ts, 4, 0, cpu),  # type: ignore[misc]
+            lambda ts=ts: _per_leaf_cat(ts, 4, 0, cpu),  # type: ignore[misc]
+            rounds,
+            20,
+        )
+        out[name] = {
             "fused": fused_s,
             "per_leaf_cat": base_s,
             "speedup": base_s["median"] / fused_s["median"],
         }
-    }
+    big = [torch.randn(4096, 1024) for _ in range(4)]
     for dim in (0, 1):
         fused_l, cat_l = _interleaved(
             lambda d=dim: ops.gather_coalesced(big, 4, d, cpu),  # type: ignore[misc]

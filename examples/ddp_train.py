@@ -76,6 +76,10 @@ def main() -> None:
 
     checksum = sum(p.detach().double().sum().item() for p in model.parameters())
     _say(f"rank {rank} world {world} checksum {checksum:.10f}")
+    # DDP holds the process group: drop it first, so destroying the group joins its
+    # worker threads now. Otherwise a gloo thread may still be freeing a finished
+    # all-reduce while Python shuts down, and the process aborts at exit.
+    del ddp, opt
     dist.destroy_process_group()
 
 
