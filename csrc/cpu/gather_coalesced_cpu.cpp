@@ -114,18 +114,34 @@ std::vector<at::Tensor> allocate_outputs(
   return outs;
 }
 
+// Copies n bytes with ordinary vector stores, in blocks whose constant size
+// the compiler turns into inline moves. glibc's memcpy uses `rep movsb` for
+// large runs, which slows down badly when it takes page faults, and every
+// page of a fresh output faults once: measured here, memcpy into 64 MiB of new
+// memory ran about 20% slower than torch's own vectorized copy.
+inline void copy_bytes(char* dst, const char* src, int64_t n) {
+  constexpr int64_t kBlock = 256;
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    std::memcpy(dst + i, src + i, kBlock);
+  }
+  if (i < n) {
+    std::memcpy(dst + i, src + i, static_cast<size_t>(n - i));
+  }
+}
+
 // Copies bytes [lo, hi) of piece p (local to the piece) as contiguous runs.
 void copy_range(const Piece& p, int64_t lo, int64_t hi) {
   if (p.row_bytes == p.dst_row_bytes) {
     // The piece covers whole output rows (one replica, or dim 0): one run.
-    std::memcpy(p.dst + p.col_offset + lo, p.src + lo, static_cast<size_t>(hi - lo));
+    copy_bytes(p.dst + p.col_offset + lo, p.src + lo, hi - lo);
     return;
   }
   while (lo < hi) {
     const int64_t row = lo / p.row_bytes;
     const int64_t col = lo - row * p.row_bytes;
     const int64_t n = std::min(p.row_bytes - col, hi - lo);
-    std::memcpy(p.dst + dst_offset(p, lo), p.src + lo, static_cast<size_t>(n));
+    copy_bytes(p.dst + dst_offset(p, lo), p.src + lo, n);
     lo += n;
   }
 }
