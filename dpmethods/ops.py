@@ -14,11 +14,14 @@ Autograd: ``gather_coalesced`` has a Python formula (``torch.library.register_au
 its backward splits each leaf's gradient and sends every slice to its piece's device,
 as a view when it is already there) and a fake kernel (``register_fake``), which is
 what ``torch.compile``, ``opcheck`` and direct ``torch.ops`` callers get. In eager mode
-:func:`gather_coalesced` takes a faster route with the same backward:
-``torch.ops.dpmethods._gather_coalesced_autograd`` builds the graph node in C++, because
-a Python ``autograd.Function`` costs about a microsecond per input tensor, more than
-the gather itself with hundreds of leaves. Without any input requiring grad (or with
-grad mode off) the op runs below the autograd key, with no node at all.
+:func:`gather_coalesced` takes a faster route with the same backward: the graph node is
+built in C++, because a Python ``autograd.Function`` costs about a microsecond per input
+tensor, more than the gather itself with hundreds of leaves. Plain tensors enter through
+``dpmethods._C._gather_coalesced``, which borrows them from the Python list instead of
+boxing each one for a ``torch.ops`` call; tensor subclasses and ``__torch_function__``
+modes take ``torch.ops.dpmethods._gather_coalesced_autograd``, the same kernel behind
+the dispatcher. Without any input requiring grad (or with grad mode off) no node is
+built at all.
 
 Environment variables (read at call time):
     DPMETHODS_DISABLE_EXTENSION=1  use the pure-PyTorch path (read once, at import)
