@@ -74,40 +74,37 @@ int64_t aligned(int64_t bytes) {
   return (bytes + kAlignBytes - 1) / kAlignBytes * kAlignBytes;
 }
 
-// One uninitialized output per leaf: small leaves packed into shared blocks in
-// order, the others (large or empty) from empty_cpu. Neither goes through the
-// dispatcher.
+// One uninitialized output per leaf: runs of two or more small leaves share a
+// block, the others (large, empty or alone) come from empty_cpu. Neither goes
+// through the dispatcher.
 std::vector<at::Tensor> allocate_outputs(
     const std::vector<LeafPlan>& plans, at::TensorList tensors, int64_t num_replicas) {
-  std::vector<at::Tensor> outs(plans.size());
-  size_t l = 0;
-  while (l < plans.size()) {
-    // The run of leaves that fits one block; large or empty leaves end it.
+  const size_t n = plans.size();
+  std::vector<int64_t> bytes(n);
+  for (size_t l = 0; l < n; ++l) {
+    bytes[l] = leaf_bytes(plans[l]);
+  }
+  std::vector<at::Tensor> outs(n);
+  for (size_t l = 0; l < n;) {
+    // The run of small leaves that fits one block.
     int64_t block_bytes = 0;
     size_t end = l;
-    for (; end < plans.size(); ++end) {
-      const int64_t bytes = leaf_bytes(plans[end]);
-      if (bytes == 0 || bytes > kPackLeafBytes || block_bytes + bytes > kPackBlockBytes) {
-        break;
-      }
-      block_bytes += aligned(bytes);
+    while (end < n && bytes[end] > 0 && bytes[end] <= kPackLeafBytes &&
+           block_bytes + bytes[end] <= kPackBlockBytes) {
+      block_bytes += aligned(bytes[end++]);
     }
-    if (end - l < 2) {  // nothing to share
-      end = l + 1;
+    if (end - l < 2) {
       outs[l] = at::detail::empty_cpu(
           plans[l].out_shape, tensors[l * num_replicas].scalar_type(), /*pin_memory=*/false,
           std::nullopt);
-      l = end;
+      ++l;
       continue;
     }
     auto* block = new SharedBlock();
     block->memory = c10::GetCPUAllocator()->allocate(static_cast<size_t>(block_bytes));
-    int64_t offset = 0;
-    for (; l < end; ++l) {
-      const int64_t bytes = leaf_bytes(plans[l]);
+    for (int64_t offset = 0; l < end; offset += aligned(bytes[l++])) {
       outs[l] = slice_of(
-          block, offset, bytes, plans[l].out_shape, tensors[l * num_replicas].scalar_type());
-      offset += aligned(bytes);
+          block, offset, bytes[l], plans[l].out_shape, tensors[l * num_replicas].scalar_type());
     }
     release_slice(block);  // the allocating call's own hold
   }
