@@ -27,8 +27,9 @@ struct Piece {
   int64_t row_bytes;
   int64_t dst_row_bytes;
   int64_t col_offset;
-  // Exclusive prefix sum of the work units of earlier pieces (bytes on CPU,
-  // tiles on CUDA); lets a worker find its piece with a binary search.
+  // CUDA: exclusive prefix sum of the tiles of earlier pieces, so a block
+  // finds its piece with a binary search. Unused on the CPU, which splits the
+  // work by leaf output bytes instead.
   int64_t begin;
   // log2 of the widest access (1..16 bytes) that every address and length of
   // this piece is aligned to; the CUDA kernel copies in units of 1 << vec_shift.
@@ -52,13 +53,15 @@ DPMETHODS_HD inline int64_t dst_offset(const Piece& p, int64_t local) {
   return row * p.dst_row_bytes + p.col_offset + col;
 }
 
-// Index of the last piece whose `begin` is <= unit; pieces are sorted by begin.
-DPMETHODS_HD inline int64_t find_piece(const Piece* pieces, int64_t n, int64_t unit) {
+// Index of the last item whose `begin` is <= unit; items are sorted by begin.
+// The CUDA kernel looks up pieces by tile, the CPU kernel leaves by output byte.
+template <typename Item>
+DPMETHODS_HD inline int64_t find_owner(const Item* items, int64_t n, int64_t unit) {
   int64_t lo = 0;
   int64_t hi = n - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (pieces[mid].begin <= unit) {
+    if (items[mid].begin <= unit) {
       lo = mid;
     } else {
       hi = mid - 1;

@@ -107,6 +107,25 @@ def test_large_leaf_uses_parallel_path() -> None:
     _check(tensors[3:], 3, 0)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_worker_boundaries_inside_rows_pieces_and_leaves(threads: int) -> None:
+    # Workers split the gather by output bytes: with an odd thread count their
+    # boundaries fall inside rows, inside one replica's columns and between leaves.
+    gen = torch.Generator().manual_seed(50 + threads)
+    by_dim1 = _pieces([300, 8, 331], 1, [3, 1, 4], torch.int16, gen)
+    by_dim1 += _pieces([2, 2], 1, [1, 0, 1], torch.float64, gen)
+    by_dim1 += _pieces([29, 1030, 13], 1, [250, 3, 777], torch.float32, gen)
+    by_dim1 += _pieces([6000, 33], 1, [17, 5, 11], torch.uint8, gen)
+    by_dim2 = _pieces([97, 5, 1030], 2, [250, 3, 777], torch.float32, gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check(by_dim1, 3, 1)
+        _check(by_dim2, 3, 2)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_gradients_flow_to_every_piece_as_views() -> None:
     gen = torch.Generator().manual_seed(6)
     tensors = [t.requires_grad_() for t in _pieces([3, 4], 1, [1, 2, 3], torch.float64, gen)]

@@ -127,19 +127,46 @@ inline void copy_bytes(char* dst, const char* src, int64_t n) {
   }
 }
 
-// Copies bytes [lo, hi) of piece p (local to the piece) as contiguous runs.
-void copy_range(const Piece& p, int64_t lo, int64_t hi) {
-  if (p.row_bytes == p.dst_row_bytes) {
-    // The piece covers whole output rows (one replica, or dim 0): one run.
-    copy_bytes(p.dst + p.col_offset + lo, p.src + lo, hi - lo);
+// The pieces of one leaf, consecutive in the piece table and ordered by column.
+// Workers split the gather by output bytes, so each one writes (and takes the
+// page faults of) one contiguous stretch of output, reading its pieces side by
+// side, as a serial torch.cat does. Splitting by source pieces instead left
+// every worker writing columns strided across the whole output of a dim > 0
+// gather; measured on 64 MiB at dim 1, that ran at 0.97x the speed of
+// torch.cat (0.85x with transparent huge pages), this at 1.08x (1.08x).
+struct LeafRun {
+  int64_t begin;  // exclusive prefix sum of the output bytes of earlier leaves
+  int64_t first;  // index of the leaf's first piece
+  int64_t count;  // number of its non-empty pieces
+};
+
+int64_t run_bytes(const LeafRun& run, const Piece* pieces) {
+  return pieces[run.first].rows * pieces[run.first].dst_row_bytes;
+}
+
+// Writes output bytes [lo, hi) of one leaf, row by row, from its pieces.
+void copy_run(const LeafRun& run, const Piece* pieces, int64_t lo, int64_t hi) {
+  const Piece& head = pieces[run.first];
+  if (run.count == 1 && head.row_bytes == head.dst_row_bytes) {
+    copy_bytes(head.dst + lo, head.src + lo, hi - lo);  // one piece, whole rows
     return;
   }
+  const int64_t width = head.dst_row_bytes;
   while (lo < hi) {
-    const int64_t row = lo / p.row_bytes;
-    const int64_t col = lo - row * p.row_bytes;
-    const int64_t n = std::min(p.row_bytes - col, hi - lo);
-    copy_bytes(p.dst + dst_offset(p, lo), p.src + lo, n);
-    lo += n;
+    const int64_t row = lo / width;
+    const int64_t row_start = row * width;
+    const int64_t col_lo = lo - row_start;
+    const int64_t col_hi = std::min(hi - row_start, width);
+    for (int64_t k = run.first; k < run.first + run.count; ++k) {
+      const Piece& p = pieces[k];
+      const int64_t c0 = std::max(col_lo, p.col_offset);
+      const int64_t c1 = std::min(col_hi, p.col_offset + p.row_bytes);
+      if (c0 < c1) {
+        const int64_t local = row * p.row_bytes + (c0 - p.col_offset);
+        copy_bytes(p.dst + dst_offset(p, local), p.src + local, c1 - c0);
+      }
+    }
+    lo = row_start + col_hi;
   }
 }
 
@@ -154,6 +181,8 @@ std::vector<at::Tensor> gather_coalesced_cpu(
   std::vector<at::Tensor> keep;
   std::vector<Piece> pieces;
   pieces.reserve(tensors.size());
+  std::vector<LeafRun> runs;
+  runs.reserve(plans.size());
   int64_t total = 0;
   for (size_t l = 0; l < plans.size(); ++l) {
     const LeafPlan& p = plans[l];
@@ -163,6 +192,7 @@ std::vector<at::Tensor> gather_coalesced_cpu(
       std::memset(base, 0xFF, out.nbytes());
     }
     const int64_t dim_total = p.out_shape[p.dim];
+    const int64_t first = static_cast<int64_t>(pieces.size());
     int64_t offset = 0;
     for (int64_t r = 0; r < num_replicas; ++r) {
       const int64_t size_r = p.sizes[r];
@@ -183,22 +213,26 @@ std::vector<at::Tensor> gather_coalesced_cpu(
         piece.row_bytes = size_r * p.inner * p.elsize;
         piece.dst_row_bytes = dim_total * p.inner * p.elsize;
         piece.col_offset = col_offset_bytes(offset, p.inner, p.elsize);
-        piece.begin = total;
         pieces.push_back(piece);
-        total += bytes;
       }
       offset += size_r;
+    }
+    const int64_t count = static_cast<int64_t>(pieces.size()) - first;
+    if (count > 0) {
+      runs.push_back(LeafRun{total, first, count});
+      total += run_bytes(runs.back(), pieces.data());
     }
   }
   if (total > 0) {
     const Piece* table = pieces.data();
-    const int64_t n = static_cast<int64_t>(pieces.size());
-    at::parallel_for(0, total, kGrainBytes, [table, n](int64_t begin, int64_t end) {
-      for (int64_t i = find_piece(table, n, begin); i < n && table[i].begin < end; ++i) {
-        const Piece& p = table[i];
-        const int64_t lo = std::max(begin, p.begin) - p.begin;
-        const int64_t hi = std::min(end, p.begin + piece_bytes(p)) - p.begin;
-        copy_range(p, lo, hi);
+    const LeafRun* leaves = runs.data();
+    const int64_t n = static_cast<int64_t>(runs.size());
+    at::parallel_for(0, total, kGrainBytes, [table, leaves, n](int64_t begin, int64_t end) {
+      for (int64_t i = find_owner(leaves, n, begin); i < n && leaves[i].begin < end; ++i) {
+        const LeafRun& run = leaves[i];
+        const int64_t lo = std::max(begin, run.begin) - run.begin;
+        const int64_t hi = std::min(end, run.begin + run_bytes(run, table)) - run.begin;
+        copy_run(run, table, lo, hi);
       }
     });
   }

@@ -57,7 +57,7 @@ __device__ __forceinline__ void copy_tile(const Piece& p, int64_t lo, int64_t hi
 __global__ void __launch_bounds__(kThreads)
     gather_pieces_kernel(const Piece* __restrict__ pieces, int64_t n, int64_t tile_base) {
   const int64_t tile = tile_base + blockIdx.x;
-  const Piece p = pieces[find_piece(pieces, n, tile)];
+  const Piece p = pieces[find_owner(pieces, n, tile)];
   const int64_t lo = (tile - p.begin) * kTileBytes;
   const int64_t hi = std::min(lo + kTileBytes, piece_bytes(p));
   switch (p.vec_shift) {
