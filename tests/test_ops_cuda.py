@@ -87,6 +87,22 @@ def test_single_replica_repeated_device_and_host_pieces(path: str) -> None:
     _check([t, t], 2, 0, torch.device("cuda"))  # index-less target
 
 
+@pytest.mark.parametrize("target", [CPU, CUDA], ids=str)
+def test_packed_host_transfers(target: torch.device, path: str) -> None:
+    # A CPU target packs each device's CUDA pieces into one pinned copy; a CUDA
+    # target uploads all host pieces in one copy. Mixed dtypes, views, empties.
+    tensors: list[torch.Tensor] = []
+    for i, dtype in enumerate(DTYPES):
+        leaf = _pieces([3, 4 + i, 2], 1, [2, 0, 3, 1], dtype, 10 + i)
+        tensors += [t.to(CUDA) if (i + r) % 2 else t for r, t in enumerate(leaf)]
+    odd = torch.randn(5, 40, device=CUDA)[:, 3:8]  # unaligned, strided
+    conj = torch.randn(5, 2, dtype=torch.complex64, device=CUDA).conj()
+    tensors += [odd, torch.randn(5, 3), odd.t().contiguous().t(), torch.randn(5, 0)]
+    tensors += [conj, conj.cpu(), conj, conj.cpu()._neg_view()]
+    _check(tensors, 4, 1, target)
+    _check([torch.randn(3, 7, device=CUDA) for _ in range(1200 * 2)], 2, 0, target)
+
+
 def test_current_stream_is_used(path: str) -> None:
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):

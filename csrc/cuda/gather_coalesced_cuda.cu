@@ -10,7 +10,11 @@
 // Staged path (no peer access, or DPMETHODS_FORCE_STAGED=1): per source
 // device, one pack launch concatenates its pieces into a staging buffer, one
 // peer copy moves the buffer to the target, and the unpack pieces join the
-// direct table, so the target still runs a single launch.
+// direct table, so the target still runs a single launch. Host sources are
+// packed into one pinned buffer and uploaded with one copy, the same way.
+//
+// Host target: per source device, one pack launch and one copy to pinned
+// memory, then the CPU kernel gathers from there.
 #include "../gather_common.h"
 #include "../gather_index.h"
 
@@ -133,18 +137,78 @@ struct StagedPiece {
   int64_t col_offset;
 };
 
+int64_t slot_bytes(int64_t bytes) {
+  // 16-byte aligned slots keep vectorized access possible on both sides.
+  return (bytes + 15) / 16 * 16;
+}
+
+// A host target. Per source device, one pack launch puts that device's pieces
+// side by side and one asynchronous copy brings them to pinned memory; after
+// one wait per device, the CPU kernel gathers from views of those buffers.
+// Copying each CUDA input to the host on its own cost one blocking copy per
+// (leaf, replica) piece.
+std::vector<at::Tensor> gather_to_host(
+    at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
+  std::vector<at::Tensor> host(tensors.begin(), tensors.end());
+  std::map<c10::DeviceIndex, std::vector<size_t>> by_device;
+  for (size_t i = 0; i < host.size(); ++i) {
+    if (!host[i].is_cuda()) {
+      continue;
+    }
+    if (host[i].numel() == 0) {
+      host[i] = at::empty(host[i].sizes(), host[i].options().device(at::kCPU));
+    } else {
+      by_device[host[i].device().index()].push_back(i);
+    }
+  }
+  std::vector<c10::cuda::CUDAStream> streams;
+  for (const auto& [d, indices] : by_device) {
+    const c10::Device sdev(c10::kCUDA, d);
+    c10::cuda::CUDAGuard guard(sdev);
+    std::vector<at::Tensor> srcs;  // contiguous; freed in stream order after the pack
+    std::vector<int64_t> offsets;
+    int64_t total = 0;
+    for (const size_t i : indices) {
+      srcs.push_back(as_raw_contiguous(host[i]));
+      offsets.push_back(total);
+      total += slot_bytes(static_cast<int64_t>(srcs.back().nbytes()));
+    }
+    at::Tensor packed = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(sdev));
+    char* base = static_cast<char*>(packed.data_ptr());
+    std::vector<Piece> pack;
+    pack.reserve(srcs.size());
+    for (size_t k = 0; k < srcs.size(); ++k) {
+      const auto bytes = static_cast<int64_t>(srcs[k].nbytes());
+      pack.push_back(make_piece(
+          static_cast<const char*>(srcs[k].const_data_ptr()), base + offsets[k], 1, bytes, bytes,
+          0));
+    }
+    launch_pieces(pack, sdev);
+    // copy_ records an event on the pinned block, so the host allocator does
+    // not hand it out again before the copy ends.
+    at::Tensor pinned =
+        at::empty({total}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    pinned.copy_(packed, /*non_blocking=*/true);
+    for (size_t k = 0; k < srcs.size(); ++k) {
+      const at::Tensor& src = srcs[k];
+      host[indices[k]] = pinned.narrow(0, offsets[k], static_cast<int64_t>(src.nbytes()))
+                             .view(src.scalar_type())
+                             .view(src.sizes());
+    }
+    streams.push_back(c10::cuda::getCurrentCUDAStream(d));
+  }
+  for (const auto& stream : streams) {
+    stream.synchronize();
+  }
+  return gather_coalesced_cpu(host, num_replicas, dim, device);
+}
+
 }  // namespace
 
 std::vector<at::Tensor> gather_coalesced_cuda(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
   if (!device.is_cuda()) {
-    // A host (or other) target: bring CUDA inputs to the host, gather there.
-    std::vector<at::Tensor> host;
-    host.reserve(tensors.size());
-    for (const at::Tensor& t : tensors) {
-      host.push_back(t.is_cuda() ? t.to(at::kCPU) : t);
-    }
-    return gather_coalesced_cpu(host, num_replicas, dim, device);
+    return gather_to_host(tensors, num_replicas, dim, device);
   }
   if (!device.has_index()) {
     device = c10::Device(c10::kCUDA, c10::cuda::current_device());
@@ -162,6 +226,7 @@ std::vector<at::Tensor> gather_coalesced_cuda(
   std::vector<Piece> direct;
   std::map<c10::DeviceIndex, std::vector<StagedPiece>> staged;
   std::vector<c10::DeviceIndex> remote;  // other devices the target stream reads from
+  std::vector<StagedPiece> uploads;  // host sources, contiguous
 
   for (size_t l = 0; l < plans.size(); ++l) {
     const LeafPlan& p = plans[l];
@@ -184,9 +249,12 @@ std::vector<at::Tensor> gather_coalesced_cuda(
       }
       at::Tensor t = tensors[l * num_replicas + r];
       if (!t.is_cuda()) {
-        // Host (or other) sources are uploaded first; then they are local.
-        t = as_raw_contiguous(t).to(device);
-      } else if (!t.is_contiguous() || t.is_conj() || t.is_neg()) {
+        at::Tensor on_host = as_raw_contiguous(t.is_cpu() ? t : t.to(at::kCPU));
+        uploads.push_back(
+            StagedPiece{std::move(on_host), base, p.outer, row_bytes, dst_row_bytes, col});
+        continue;
+      }
+      if (!t.is_contiguous() || t.is_conj() || t.is_neg()) {
         t = as_raw_contiguous(t);  // on the source's device and current stream
       }
       const c10::DeviceIndex src_dev = t.device().index();
@@ -217,8 +285,7 @@ std::vector<at::Tensor> gather_coalesced_cuda(
     offsets.reserve(items.size());
     for (const StagedPiece& s : items) {
       offsets.push_back(total);
-      // 16-byte aligned slots keep vectorized access possible on both sides.
-      total += (s.rows * s.row_bytes + 15) / 16 * 16;
+      total += slot_bytes(s.rows * s.row_bytes);
     }
     at::Tensor packed_dst = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
     {
@@ -267,6 +334,37 @@ std::vector<at::Tensor> gather_coalesced_cuda(
           make_piece(pd + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
     }
     staging.push_back(std::move(packed_dst));
+  }
+
+  if (!uploads.empty()) {
+    // Host sources travel together: packed into one pinned buffer, uploaded
+    // with one asynchronous copy on the target stream, then read from there.
+    int64_t total = 0;
+    std::vector<int64_t> offsets;
+    offsets.reserve(uploads.size());
+    for (const StagedPiece& s : uploads) {
+      offsets.push_back(total);
+      total += slot_bytes(s.rows * s.row_bytes);
+    }
+    at::Tensor pinned =
+        at::empty({total}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    char* ph = static_cast<char*>(pinned.data_ptr());
+    for (size_t i = 0; i < uploads.size(); ++i) {
+      std::memcpy(
+          ph + offsets[i], uploads[i].src.const_data_ptr(),
+          static_cast<size_t>(uploads[i].rows * uploads[i].row_bytes));
+    }
+    at::Tensor uploaded = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
+    // copy_ records an event on the pinned block, so the host allocator does
+    // not hand it out again before the upload ends.
+    uploaded.copy_(pinned, /*non_blocking=*/true);
+    const char* pd = static_cast<const char*>(uploaded.const_data_ptr());
+    for (size_t i = 0; i < uploads.size(); ++i) {
+      const StagedPiece& s = uploads[i];
+      direct.push_back(
+          make_piece(pd + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
+    }
+    staging.push_back(std::move(uploaded));
   }
 
   // Remote sources are written on their own devices' current streams.
