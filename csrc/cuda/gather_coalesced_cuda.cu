@@ -128,6 +128,11 @@ void launch_pieces(std::vector<Piece>& pieces, c10::Device device) {
   }
 }
 
+int64_t slot_bytes(int64_t bytes) {
+  // 16-byte aligned slots keep vectorized access possible on both sides.
+  return (bytes + 15) / 16 * 16;
+}
+
 struct StagedPiece {
   at::Tensor src;  // contiguous, on the source device
   char* dst;
@@ -137,9 +142,42 @@ struct StagedPiece {
   int64_t col_offset;
 };
 
-int64_t slot_bytes(int64_t bytes) {
-  // 16-byte aligned slots keep vectorized access possible on both sides.
-  return (bytes + 15) / 16 * 16;
+// Where each item's bytes go in a packed buffer; returns the buffer's size.
+int64_t pack_layout(const std::vector<StagedPiece>& items, std::vector<int64_t>& offsets) {
+  int64_t total = 0;
+  offsets.clear();
+  offsets.reserve(items.size());
+  for (const StagedPiece& s : items) {
+    offsets.push_back(total);
+    total += slot_bytes(s.rows * s.row_bytes);
+  }
+  return total;
+}
+
+// One launch on `device` that copies each item's source into its slot of `packed`.
+void launch_pack(
+    const std::vector<StagedPiece>& items, const std::vector<int64_t>& offsets, char* packed,
+    c10::Device device) {
+  std::vector<Piece> pack;
+  pack.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t bytes = items[i].rows * items[i].row_bytes;
+    pack.push_back(make_piece(
+        static_cast<const char*>(items[i].src.const_data_ptr()), packed + offsets[i], 1, bytes,
+        bytes, 0));
+  }
+  launch_pieces(pack, device);
+}
+
+// Adds the pieces that copy each item from its slot of `packed` to its output.
+void add_unpack(
+    std::vector<Piece>& direct, const std::vector<StagedPiece>& items,
+    const std::vector<int64_t>& offsets, const char* packed) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    const StagedPiece& s = items[i];
+    direct.push_back(
+        make_piece(packed + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
+  }
 }
 
 // A host target. Per source device, one pack launch puts that device's pieces
@@ -165,33 +203,26 @@ std::vector<at::Tensor> gather_to_host(
   for (const auto& [d, indices] : by_device) {
     const c10::Device sdev(c10::kCUDA, d);
     c10::cuda::CUDAGuard guard(sdev);
-    std::vector<at::Tensor> srcs;  // contiguous; freed in stream order after the pack
-    std::vector<int64_t> offsets;
-    int64_t total = 0;
+    // Contiguous sources, freed in stream order after the pack launch.
+    std::vector<StagedPiece> items;
+    items.reserve(indices.size());
     for (const size_t i : indices) {
-      srcs.push_back(as_raw_contiguous(host[i]));
-      offsets.push_back(total);
-      total += slot_bytes(static_cast<int64_t>(srcs.back().nbytes()));
+      at::Tensor src = as_raw_contiguous(host[i]);
+      const auto bytes = static_cast<int64_t>(src.nbytes());
+      items.push_back(StagedPiece{std::move(src), nullptr, 1, bytes, bytes, 0});
     }
+    std::vector<int64_t> offsets;
+    const int64_t total = pack_layout(items, offsets);
     at::Tensor packed = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(sdev));
-    char* base = static_cast<char*>(packed.data_ptr());
-    std::vector<Piece> pack;
-    pack.reserve(srcs.size());
-    for (size_t k = 0; k < srcs.size(); ++k) {
-      const auto bytes = static_cast<int64_t>(srcs[k].nbytes());
-      pack.push_back(make_piece(
-          static_cast<const char*>(srcs[k].const_data_ptr()), base + offsets[k], 1, bytes, bytes,
-          0));
-    }
-    launch_pieces(pack, sdev);
+    launch_pack(items, offsets, static_cast<char*>(packed.data_ptr()), sdev);
     // copy_ records an event on the pinned block, so the host allocator does
     // not hand it out again before the copy ends.
     at::Tensor pinned =
         at::empty({total}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     pinned.copy_(packed, /*non_blocking=*/true);
-    for (size_t k = 0; k < srcs.size(); ++k) {
-      const at::Tensor& src = srcs[k];
-      host[indices[k]] = pinned.narrow(0, offsets[k], static_cast<int64_t>(src.nbytes()))
+    for (size_t k = 0; k < items.size(); ++k) {
+      const at::Tensor& src = items[k].src;
+      host[indices[k]] = pinned.narrow(0, offsets[k], items[k].row_bytes)
                              .view(src.scalar_type())
                              .view(src.sizes());
     }
@@ -280,13 +311,8 @@ std::vector<at::Tensor> gather_coalesced_cuda(
   std::vector<at::Tensor> staging;
   for (auto& [src_dev, items] : staged) {
     const c10::Device sdev(c10::kCUDA, src_dev);
-    int64_t total = 0;
     std::vector<int64_t> offsets;
-    offsets.reserve(items.size());
-    for (const StagedPiece& s : items) {
-      offsets.push_back(total);
-      total += slot_bytes(s.rows * s.row_bytes);
-    }
+    const int64_t total = pack_layout(items, offsets);
     at::Tensor packed_dst = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
     {
       c10::cuda::CUDAGuard src_guard(sdev);
@@ -301,15 +327,7 @@ std::vector<at::Tensor> gather_coalesced_cuda(
       at::Tensor packed_src =
           at::empty({total}, at::TensorOptions().dtype(at::kByte).device(sdev));
       char* ps = static_cast<char*>(packed_src.data_ptr());
-      std::vector<Piece> pack;
-      pack.reserve(items.size());
-      for (size_t i = 0; i < items.size(); ++i) {
-        const int64_t bytes = items[i].rows * items[i].row_bytes;
-        pack.push_back(make_piece(
-            static_cast<const char*>(items[i].src.const_data_ptr()), ps + offsets[i], 1, bytes,
-            bytes, 0));
-      }
-      launch_pieces(pack, sdev);
+      launch_pack(items, offsets, ps, sdev);
       // packed_dst belongs to the target's stream; the copy runs on the
       // source's stream and the target stream waits for it below, so any
       // later reuse of packed_dst on the target stream is ordered after it.
@@ -327,25 +345,15 @@ std::vector<at::Tensor> gather_coalesced_cuda(
       copied.block(stream);
       staging.push_back(std::move(packed_src));
     }
-    const char* pd = static_cast<const char*>(packed_dst.const_data_ptr());
-    for (size_t i = 0; i < items.size(); ++i) {
-      const StagedPiece& s = items[i];
-      direct.push_back(
-          make_piece(pd + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
-    }
+    add_unpack(direct, items, offsets, static_cast<const char*>(packed_dst.const_data_ptr()));
     staging.push_back(std::move(packed_dst));
   }
 
   if (!uploads.empty()) {
     // Host sources travel together: packed into one pinned buffer, uploaded
     // with one asynchronous copy on the target stream, then read from there.
-    int64_t total = 0;
     std::vector<int64_t> offsets;
-    offsets.reserve(uploads.size());
-    for (const StagedPiece& s : uploads) {
-      offsets.push_back(total);
-      total += slot_bytes(s.rows * s.row_bytes);
-    }
+    const int64_t total = pack_layout(uploads, offsets);
     at::Tensor pinned =
         at::empty({total}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     char* ph = static_cast<char*>(pinned.data_ptr());
@@ -358,12 +366,7 @@ std::vector<at::Tensor> gather_coalesced_cuda(
     // copy_ records an event on the pinned block, so the host allocator does
     // not hand it out again before the upload ends.
     uploaded.copy_(pinned, /*non_blocking=*/true);
-    const char* pd = static_cast<const char*>(uploaded.const_data_ptr());
-    for (size_t i = 0; i < uploads.size(); ++i) {
-      const StagedPiece& s = uploads[i];
-      direct.push_back(
-          make_piece(pd + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
-    }
+    add_unpack(direct, uploads, offsets, static_cast<const char*>(uploaded.const_data_ptr()));
     staging.push_back(std::move(uploaded));
   }
 
