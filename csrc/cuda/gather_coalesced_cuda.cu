@@ -187,6 +187,7 @@ void add_unpack(
 // (leaf, replica) piece.
 std::vector<at::Tensor> gather_to_host(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
+  plan_gather(tensors, num_replicas, dim);  // bad input fails before any transfer
   std::vector<at::Tensor> host(tensors.begin(), tensors.end());
   std::map<c10::DeviceIndex, std::vector<size_t>> by_device;
   for (size_t i = 0; i < host.size(); ++i) {
