@@ -45,9 +45,28 @@ constexpr int64_t kTileBytes = 16384;
 template <typename V>
 __device__ __forceinline__ void copy_tile(const Piece& p, int64_t lo, int64_t hi) {
   constexpr int64_t w = sizeof(V);
-  if (p.row_bytes == p.dst_row_bytes) {
-    // The piece spans whole output rows: a flat copy, no division.
+  // The piece is one output row (dim 0) or spans whole output rows: its bytes
+  // land contiguously, so there is no division per access.
+  if (p.rows == 1 || p.row_bytes == p.dst_row_bytes) {
     char* dst = p.dst + p.col_offset;
+    if constexpr (w >= 4) {
+      if (hi - lo == kTileBytes) {
+        // A full tile: every load is issued before the first store, so each
+        // thread keeps 4 to 16 loads in flight (16 registers). Narrower
+        // accesses would need 32 or 64 registers and spill.
+        constexpr int kIters = static_cast<int>(kTileBytes / (kThreads * w));
+        V v[kIters];
+#pragma unroll
+        for (int k = 0; k < kIters; ++k) {
+          v[k] = *reinterpret_cast<const V*>(p.src + lo + (k * kThreads + threadIdx.x) * w);
+        }
+#pragma unroll
+        for (int k = 0; k < kIters; ++k) {
+          *reinterpret_cast<V*>(dst + lo + (k * kThreads + threadIdx.x) * w) = v[k];
+        }
+        return;
+      }
+    }
     for (int64_t b = lo + threadIdx.x * w; b < hi; b += kThreads * w) {
       *reinterpret_cast<V*>(dst + b) = *reinterpret_cast<const V*>(p.src + b);
     }
