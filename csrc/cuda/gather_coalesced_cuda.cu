@@ -20,6 +20,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/cuda/PeerToPeerAccess.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
@@ -282,8 +283,9 @@ std::vector<at::Tensor> gather_coalesced_cuda(
   for (size_t l = 0; l < plans.size(); ++l) {
     const LeafPlan& p = plans[l];
     const at::Tensor& first = tensors[l * num_replicas];
-    at::Tensor out =
-        at::empty(p.out_shape, at::TensorOptions().dtype(first.scalar_type()).device(device));
+    // Straight from the caching allocator, not through the dispatcher: with
+    // hundreds of leaves the dispatch of at::empty adds up.
+    at::Tensor out(at::detail::empty_cuda(p.out_shape, first.scalar_type(), device, std::nullopt));
     char* base = static_cast<char*>(out.data_ptr());
     if (poison && out.numel() > 0) {
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0xFF, out.nbytes(), stream.stream()));
