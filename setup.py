@@ -117,6 +117,7 @@ def _extensions() -> tuple[list, dict]:
         str(csrc / "autograd.cpp"),
         str(csrc / "python_eager.cpp"),
         str(csrc / "cpu" / "gather_coalesced_cpu.cpp"),
+        str(csrc / "cpu" / "gather_tiles_on_host.cpp"),
     ]
     include_dirs = [str(_ROOT / "csrc"), str(gen_dir)]
     # No -std flag: torch adds the standard its headers need (C++20 for torch >= 2.10).

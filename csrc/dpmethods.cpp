@@ -140,4 +140,9 @@ TORCH_LIBRARY(dpmethods, m) {
   m.def(
       "_gather_coalesced_autograd(Tensor[] tensors, int num_replicas, int dim, Device device) "
       "-> Tensor[]");
+  // Test op: the CUDA kernel's tiling (csrc/gather_tiles.h) run on the CPU,
+  // so CPU-only CI checks the GPU path's offsets (csrc/cpu/gather_tiles_on_host.cpp).
+  m.def(
+      "_gather_tiles_on_host(Tensor[] tensors, int num_replicas, int dim, bool staged) "
+      "-> Tensor[]");
 }

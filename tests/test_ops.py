@@ -168,6 +168,65 @@ def test_same_device_gradients_are_views(entry: str) -> None:
     assert torch.equal(grads[1], g[2:])
 
 
+# The CUDA kernel's tiling (csrc/gather_tiles.h) run on the CPU by a test op:
+# the same Piece tables, tile numbering, access widths and packing as on a GPU.
+_TILE = 16384
+_STAGED = pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+
+
+def _tiles(tensors: list[torch.Tensor], r: int, dim: int, staged: bool) -> None:
+    out = torch.ops.dpmethods._gather_tiles_on_host(tensors, r, dim, staged)
+    ref = _reference(tensors, r, dim)
+    assert len(out) == len(ref)
+    for i, (o, e) in enumerate(zip(out, ref, strict=True)):
+        assert o.dtype == e.dtype and o.shape == e.shape
+        assert torch.equal(o, e), f"leaf {i}"
+
+
+@needs_ext
+@_STAGED
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [0, 1, 2, -1])
+def test_cuda_tiling_every_dtype_and_dim(dtype: torch.dtype, dim: int, staged: bool) -> None:
+    gen = torch.Generator().manual_seed(hash((str(dtype), dim, staged)) % 2**31)
+    leaves = _pieces([3, 5, 7], dim, [2, 1, 4], dtype, gen)
+    leaves += _pieces([2, 9, 3], dim, [1, 3, 2], dtype, gen)
+    _tiles(leaves, 3, dim, staged)
+
+
+@needs_ext
+@_STAGED
+@pytest.mark.parametrize("width", [16, 8, 4, 2, 1])
+def test_cuda_tiling_access_widths_and_tile_edges(width: int, staged: bool) -> None:
+    # Sources at an offset of `width` bytes from 64-byte aligned memory, with
+    # lengths that are multiples of it, allow accesses of exactly `width` bytes.
+    # Pieces span full tiles, a partial last tile, and pieces smaller than a tile.
+    gen = torch.Generator().manual_seed(width)
+    u8 = torch.randint(0, 256, (8 * _TILE,), dtype=torch.uint8, generator=gen)
+    lengths = [3 * _TILE + 5 * width, width, _TILE]
+    starts = [width, 4 * _TILE + width, 5 * _TILE + width]
+    flat = [u8[s : s + n] for s, n in zip(starts, lengths)]
+    _tiles(flat, 3, 0, staged)  # one row per piece: the flat path
+    cols = [width * 3, width * 70, width * 1]
+    rows = [u8[width : width + 100 * c].view(100, c) for c in cols]
+    _tiles(rows, 3, 1, staged)  # rows of different widths: the row-by-row path
+    whole = u8[width : width + 2 * _TILE + 3 * width].view(-1, width)
+    _tiles([whole], 1, 1, staged)  # one replica spanning whole rows
+
+
+@needs_ext
+@_STAGED
+def test_cuda_tiling_views_empties_and_many_pieces(staged: bool) -> None:
+    gen = torch.Generator().manual_seed(7)
+    base = torch.randn(4, 41, generator=gen)
+    conj = torch.randn(4, 3, dtype=torch.complex64, generator=gen).conj()
+    _tiles([base[:, 1:6], torch.randn(6, 4, generator=gen).t(), torch.randn(4, 0)], 3, 1, staged)
+    _tiles([conj, torch.randn(4, 2, dtype=torch.complex64, generator=gen)._neg_view()], 2, 1, staged)
+    _tiles([torch.randn(2, 3, generator=gen) for _ in range(1100 * 2)], 2, 1, staged)
+    big = [torch.randn(64, 1000 + i, generator=gen) for i in range(3)]  # multi-tile rows
+    _tiles(big, 3, 1, staged)
+
+
 @needs_ext
 def test_opcheck() -> None:
     gen = torch.Generator().manual_seed(8)

@@ -5,7 +5,8 @@
 // Piece records from device memory (uploaded from a pinned buffer), so the
 // number of pieces is not bounded by the kernel-argument limit. Each block
 // copies one tile of kTileBytes of one piece with the widest access (up to
-// 16 bytes) that the piece's addresses and row lengths allow.
+// 16 bytes) that the piece's addresses and row lengths allow. That tiling
+// lives in csrc/gather_tiles.h, which the CPU tests run on the host as well.
 //
 // Staged path (no peer access, or DPMETHODS_FORCE_STAGED=1): per source
 // device, one pack launch concatenates its pieces into a staging buffer, one
@@ -16,7 +17,7 @@
 // Host target: per source device, one pack launch and one copy to pinned
 // memory, then the CPU kernel gathers from there.
 #include "../gather_common.h"
-#include "../gather_index.h"
+#include "../gather_tiles.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -38,85 +39,9 @@
 namespace dpmethods {
 namespace {
 
-constexpr int kThreads = 256;
-// 16 KiB per block: 4 16-byte accesses per thread, enough work to hide the
-// table lookup while keeping many blocks in flight for small gathers.
-constexpr int64_t kTileBytes = 16384;
-
-template <typename V>
-__device__ __forceinline__ void copy_tile(const Piece& p, int64_t lo, int64_t hi) {
-  constexpr int64_t w = sizeof(V);
-  // The piece is one output row (dim 0) or spans whole output rows: its bytes
-  // land contiguously, so there is no division per access.
-  if (p.rows == 1 || p.row_bytes == p.dst_row_bytes) {
-    char* dst = p.dst + p.col_offset;
-    if constexpr (w >= 4) {
-      if (hi - lo == kTileBytes) {
-        // A full tile: every load is issued before the first store, so each
-        // thread keeps 4 to 16 loads in flight (16 registers). Narrower
-        // accesses would need 32 or 64 registers and spill.
-        constexpr int kIters = static_cast<int>(kTileBytes / (kThreads * w));
-        V v[kIters];
-#pragma unroll
-        for (int k = 0; k < kIters; ++k) {
-          v[k] = *reinterpret_cast<const V*>(p.src + lo + (k * kThreads + threadIdx.x) * w);
-        }
-#pragma unroll
-        for (int k = 0; k < kIters; ++k) {
-          *reinterpret_cast<V*>(dst + lo + (k * kThreads + threadIdx.x) * w) = v[k];
-        }
-        return;
-      }
-    }
-    for (int64_t b = lo + threadIdx.x * w; b < hi; b += kThreads * w) {
-      *reinterpret_cast<V*>(dst + b) = *reinterpret_cast<const V*>(p.src + b);
-    }
-    return;
-  }
-  for (int64_t b = lo + threadIdx.x * w; b < hi; b += kThreads * w) {
-    *reinterpret_cast<V*>(p.dst + dst_offset(p, b)) = *reinterpret_cast<const V*>(p.src + b);
-  }
-}
-
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kTileThreads)
     gather_pieces_kernel(const Piece* __restrict__ pieces, int64_t n, int64_t tile_base) {
-  const int64_t tile = tile_base + blockIdx.x;
-  const Piece p = pieces[find_owner(pieces, n, tile)];
-  const int64_t lo = (tile - p.begin) * kTileBytes;
-  const int64_t hi = std::min(lo + kTileBytes, piece_bytes(p));
-  switch (p.vec_shift) {
-    case 4:
-      copy_tile<uint4>(p, lo, hi);
-      break;
-    case 3:
-      copy_tile<uint2>(p, lo, hi);
-      break;
-    case 2:
-      copy_tile<uint32_t>(p, lo, hi);
-      break;
-    case 1:
-      copy_tile<uint16_t>(p, lo, hi);
-      break;
-    default:
-      copy_tile<uint8_t>(p, lo, hi);
-  }
-}
-
-Piece make_piece(
-    const char* src, char* dst, int64_t rows, int64_t row_bytes, int64_t dst_row_bytes,
-    int64_t col_offset) {
-  Piece p{};
-  p.src = src;
-  p.dst = dst;
-  p.rows = rows;
-  p.row_bytes = row_bytes;
-  p.dst_row_bytes = dst_row_bytes;
-  p.col_offset = col_offset;
-  p.vec_shift = common_vec_shift(
-      reinterpret_cast<uint64_t>(src) | reinterpret_cast<uint64_t>(dst) |
-      static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(dst_row_bytes) |
-      static_cast<uint64_t>(col_offset));
-  return p;
+  copy_tile(pieces, n, tile_base + blockIdx.x, static_cast<int>(threadIdx.x));
 }
 
 // Uploads `pieces` to `device` and runs the copy on the current stream there.
@@ -124,11 +49,7 @@ void launch_pieces(std::vector<Piece>& pieces, c10::Device device) {
   if (pieces.empty()) {
     return;
   }
-  int64_t tiles = 0;
-  for (Piece& p : pieces) {
-    p.begin = tiles;
-    tiles += (piece_bytes(p) + kTileBytes - 1) / kTileBytes;
-  }
+  const int64_t tiles = assign_tiles(pieces);
   const int64_t table_bytes = static_cast<int64_t>(pieces.size() * sizeof(Piece));
   // Pinned staging lets the upload run asynchronously; copy_ records an event
   // on the pinned block so the host allocator does not reuse it too early.
@@ -143,61 +64,17 @@ void launch_pieces(std::vector<Piece>& pieces, c10::Device device) {
   // gridDim.x is limited to 2^31 - 1 blocks; launch in chunks beyond that.
   for (int64_t base = 0; base < tiles; base += INT_MAX) {
     const auto blocks = static_cast<unsigned int>(std::min<int64_t>(tiles - base, INT_MAX));
-    gather_pieces_kernel<<<blocks, kThreads, 0, stream.stream()>>>(dev_pieces, n, base);
+    gather_pieces_kernel<<<blocks, kTileThreads, 0, stream.stream()>>>(dev_pieces, n, base);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
-
-int64_t slot_bytes(int64_t bytes) {
-  // 16-byte aligned slots keep vectorized access possible on both sides.
-  return (bytes + 15) / 16 * 16;
-}
-
-struct StagedPiece {
-  at::Tensor src;  // contiguous, on the source device
-  char* dst;
-  int64_t rows;
-  int64_t row_bytes;
-  int64_t dst_row_bytes;
-  int64_t col_offset;
-};
-
-// Where each item's bytes go in a packed buffer; returns the buffer's size.
-int64_t pack_layout(const std::vector<StagedPiece>& items, std::vector<int64_t>& offsets) {
-  int64_t total = 0;
-  offsets.clear();
-  offsets.reserve(items.size());
-  for (const StagedPiece& s : items) {
-    offsets.push_back(total);
-    total += slot_bytes(s.rows * s.row_bytes);
-  }
-  return total;
 }
 
 // One launch on `device` that copies each item's source into its slot of `packed`.
 void launch_pack(
     const std::vector<StagedPiece>& items, const std::vector<int64_t>& offsets, char* packed,
     c10::Device device) {
-  std::vector<Piece> pack;
-  pack.reserve(items.size());
-  for (size_t i = 0; i < items.size(); ++i) {
-    const int64_t bytes = items[i].rows * items[i].row_bytes;
-    pack.push_back(make_piece(
-        static_cast<const char*>(items[i].src.const_data_ptr()), packed + offsets[i], 1, bytes,
-        bytes, 0));
-  }
+  std::vector<Piece> pack = pack_pieces(items, offsets, packed);
   launch_pieces(pack, device);
-}
-
-// Adds the pieces that copy each item from its slot of `packed` to its output.
-void add_unpack(
-    std::vector<Piece>& direct, const std::vector<StagedPiece>& items,
-    const std::vector<int64_t>& offsets, const char* packed) {
-  for (size_t i = 0; i < items.size(); ++i) {
-    const StagedPiece& s = items[i];
-    direct.push_back(
-        make_piece(packed + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
-  }
 }
 
 // A host target. Per source device, one pack launch puts that device's pieces
