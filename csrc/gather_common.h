@@ -1,6 +1,8 @@
 // Host-side helpers shared by the CPU and CUDA kernels of gather_coalesced.
 #pragma once
 
+#include "gather_index.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/util/SmallVector.h>
@@ -25,6 +27,23 @@ struct LeafPlan {
 // Checks counts, dtypes and shapes and returns one plan per leaf. Raises with
 // the argument name, leaf and replica index, expected and actual values.
 std::vector<LeafPlan> plan_gather(at::TensorList tensors, int64_t num_replicas, int64_t dim);
+
+// Calls fn(r, geometry) for each non-empty piece of leaf `p`, in replica order.
+template <typename Fn>
+void for_each_piece(const LeafPlan& p, int64_t num_replicas, Fn&& fn) {
+  const int64_t dst_row_bytes = p.out_shape[p.dim] * p.inner * p.elsize;
+  int64_t offset = 0;
+  for (int64_t r = 0; r < num_replicas; ++r) {
+    const int64_t size_r = p.sizes[r];
+    const PieceGeometry g{
+        p.outer, size_r * p.inner * p.elsize, dst_row_bytes,
+        col_offset_bytes(offset, p.inner, p.elsize)};
+    offset += size_r;
+    if (g.rows * g.row_bytes > 0) {
+      fn(r, g);
+    }
+  }
+}
 
 // Returns `t` in a form whose bytes can be copied raw: contiguous, with any
 // lazy conjugate/negative bit materialized.

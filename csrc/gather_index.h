@@ -15,6 +15,16 @@
 
 namespace dpmethods {
 
+// Where one (leaf, replica) piece lands in its leaf's output, which is viewed
+// as [rows, dst_row_bytes]: row i of the piece, row_bytes long, starts at byte
+// col_offset of output row i.
+struct PieceGeometry {
+  int64_t rows;
+  int64_t row_bytes;
+  int64_t dst_row_bytes;
+  int64_t col_offset;
+};
+
 // One (leaf, replica) piece. The source is contiguous and viewed as
 // [rows, row_bytes]; row i lands at dst + i * dst_row_bytes + col_offset.
 // rows == outer (product of sizes before dim), row_bytes == size_r * inner *

@@ -124,20 +124,18 @@ DPMETHODS_HD inline void copy_tile(const Piece* pieces, int64_t n, int64_t tile,
 
 // A piece with the widest access (up to 16 bytes) that every one of its
 // addresses and lengths is aligned to.
-inline Piece make_piece(
-    const char* src, char* dst, int64_t rows, int64_t row_bytes, int64_t dst_row_bytes,
-    int64_t col_offset) {
+inline Piece make_piece(const char* src, char* dst, const PieceGeometry& g) {
   Piece p{};
   p.src = src;
   p.dst = dst;
-  p.rows = rows;
-  p.row_bytes = row_bytes;
-  p.dst_row_bytes = dst_row_bytes;
-  p.col_offset = col_offset;
+  p.rows = g.rows;
+  p.row_bytes = g.row_bytes;
+  p.dst_row_bytes = g.dst_row_bytes;
+  p.col_offset = g.col_offset;
   p.vec_shift = common_vec_shift(
       reinterpret_cast<uint64_t>(src) | reinterpret_cast<uint64_t>(dst) |
-      static_cast<uint64_t>(row_bytes) | static_cast<uint64_t>(dst_row_bytes) |
-      static_cast<uint64_t>(col_offset));
+      static_cast<uint64_t>(g.row_bytes) | static_cast<uint64_t>(g.dst_row_bytes) |
+      static_cast<uint64_t>(g.col_offset));
   return p;
 }
 
@@ -160,10 +158,7 @@ inline int64_t slot_bytes(int64_t bytes) {
 struct StagedPiece {
   at::Tensor src;  // contiguous
   char* dst;
-  int64_t rows;
-  int64_t row_bytes;
-  int64_t dst_row_bytes;
-  int64_t col_offset;
+  PieceGeometry g;
 };
 
 // Where each item's bytes go in a packed buffer; returns the buffer's size.
@@ -173,7 +168,7 @@ inline int64_t pack_layout(const std::vector<StagedPiece>& items, std::vector<in
   offsets.reserve(items.size());
   for (const StagedPiece& s : items) {
     offsets.push_back(total);
-    total += slot_bytes(s.rows * s.row_bytes);
+    total += slot_bytes(s.g.rows * s.g.row_bytes);
   }
   return total;
 }
@@ -184,10 +179,10 @@ inline std::vector<Piece> pack_pieces(
   std::vector<Piece> pack;
   pack.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const int64_t bytes = items[i].rows * items[i].row_bytes;
+    const int64_t bytes = items[i].g.rows * items[i].g.row_bytes;
     pack.push_back(make_piece(
-        static_cast<const char*>(items[i].src.const_data_ptr()), packed + offsets[i], 1, bytes,
-        bytes, 0));
+        static_cast<const char*>(items[i].src.const_data_ptr()), packed + offsets[i],
+        PieceGeometry{1, bytes, bytes, 0}));
   }
   return pack;
 }
@@ -197,9 +192,7 @@ inline void add_unpack(
     std::vector<Piece>& direct, const std::vector<StagedPiece>& items,
     const std::vector<int64_t>& offsets, const char* packed) {
   for (size_t i = 0; i < items.size(); ++i) {
-    const StagedPiece& s = items[i];
-    direct.push_back(
-        make_piece(packed + offsets[i], s.dst, s.rows, s.row_bytes, s.dst_row_bytes, s.col_offset));
+    direct.push_back(make_piece(packed + offsets[i], items[i].dst, items[i].g));
   }
 }
 

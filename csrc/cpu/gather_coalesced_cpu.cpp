@@ -1,7 +1,7 @@
 // CPU kernel of dpmethods::gather_coalesced: one parallel pass of memcpys over
 // the bytes of every (leaf, replica) piece.
 #include "../gather_common.h"
-#include "../gather_index.h"
+#include "../gather_tiles.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/EmptyTensor.h>
@@ -191,32 +191,18 @@ std::vector<at::Tensor> gather_coalesced_cpu(
     if (poison && out.numel() > 0) {
       std::memset(base, 0xFF, out.nbytes());
     }
-    const int64_t dim_total = p.out_shape[p.dim];
     const int64_t first = static_cast<int64_t>(pieces.size());
-    int64_t offset = 0;
-    for (int64_t r = 0; r < num_replicas; ++r) {
-      const int64_t size_r = p.sizes[r];
-      const int64_t bytes = p.outer * size_r * p.inner * p.elsize;
-      if (bytes > 0) {
-        const at::Tensor& t = tensors[l * num_replicas + r];
-        const char* src = nullptr;
-        if (t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
-          src = static_cast<const char*>(t.const_data_ptr());
-        } else {
-          keep.push_back(as_raw_contiguous(t));
-          src = static_cast<const char*>(keep.back().const_data_ptr());
-        }
-        Piece piece{};
-        piece.src = src;
-        piece.dst = base;
-        piece.rows = p.outer;
-        piece.row_bytes = size_r * p.inner * p.elsize;
-        piece.dst_row_bytes = dim_total * p.inner * p.elsize;
-        piece.col_offset = col_offset_bytes(offset, p.inner, p.elsize);
-        pieces.push_back(piece);
+    for_each_piece(p, num_replicas, [&](int64_t r, const PieceGeometry& g) {
+      const at::Tensor& t = tensors[l * num_replicas + r];
+      const char* src = nullptr;
+      if (t.is_contiguous() && !t.is_conj() && !t.is_neg()) {
+        src = static_cast<const char*>(t.const_data_ptr());
+      } else {
+        keep.push_back(as_raw_contiguous(t));
+        src = static_cast<const char*>(keep.back().const_data_ptr());
       }
-      offset += size_r;
-    }
+      pieces.push_back(make_piece(src, base, g));
+    });
     const int64_t count = static_cast<int64_t>(pieces.size()) - first;
     if (count > 0) {
       runs.push_back(LeafRun{total, first, count});

@@ -49,26 +49,15 @@ std::vector<at::Tensor> gather_tiles_on_host(
     const LeafPlan& p = plans[l];
     at::Tensor out = poisoned_empty(p.out_shape, tensors[l * num_replicas].scalar_type());
     char* base = static_cast<char*>(out.data_ptr());
-    const int64_t dst_row_bytes = p.out_shape[p.dim] * p.inner * p.elsize;
-    int64_t offset = 0;
-    for (int64_t r = 0; r < num_replicas; ++r) {
-      const int64_t size_r = p.sizes[r];
-      const int64_t row_bytes = size_r * p.inner * p.elsize;
-      const int64_t col = col_offset_bytes(offset, p.inner, p.elsize);
-      offset += size_r;
-      if (row_bytes * p.outer == 0) {
-        continue;
-      }
+    for_each_piece(p, num_replicas, [&](int64_t r, const PieceGeometry& g) {
       at::Tensor src = as_raw_contiguous(tensors[l * num_replicas + r]);
       if (staged) {
-        items.push_back(StagedPiece{std::move(src), base, p.outer, row_bytes, dst_row_bytes, col});
+        items.push_back(StagedPiece{std::move(src), base, g});
       } else {
-        direct.push_back(make_piece(
-            static_cast<const char*>(src.const_data_ptr()), base, p.outer, row_bytes,
-            dst_row_bytes, col));
+        direct.push_back(make_piece(static_cast<const char*>(src.const_data_ptr()), base, g));
         keep.push_back(std::move(src));
       }
-    }
+    });
     outs.push_back(std::move(out));
   }
   at::Tensor packed;

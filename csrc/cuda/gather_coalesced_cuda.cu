@@ -107,7 +107,7 @@ std::vector<at::Tensor> gather_to_host(
     for (const size_t i : indices) {
       at::Tensor src = as_raw_contiguous(host[i]);
       const auto bytes = static_cast<int64_t>(src.nbytes());
-      items.push_back(StagedPiece{std::move(src), nullptr, 1, bytes, bytes, 0});
+      items.push_back(StagedPiece{std::move(src), nullptr, PieceGeometry{1, bytes, bytes, 0}});
     }
     std::vector<int64_t> offsets;
     const int64_t total = pack_layout(items, offsets);
@@ -120,7 +120,7 @@ std::vector<at::Tensor> gather_to_host(
     pinned.copy_(packed, /*non_blocking=*/true);
     for (size_t k = 0; k < items.size(); ++k) {
       const at::Tensor& src = items[k].src;
-      host[indices[k]] = pinned.narrow(0, offsets[k], items[k].row_bytes)
+      host[indices[k]] = pinned.narrow(0, offsets[k], items[k].g.row_bytes)
                              .view(src.scalar_type())
                              .view(src.sizes());
     }
@@ -167,22 +167,12 @@ std::vector<at::Tensor> gather_coalesced_cuda(
     if (poison && out.numel() > 0) {
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0xFF, out.nbytes(), stream.stream()));
     }
-    const int64_t dst_row_bytes = p.out_shape[p.dim] * p.inner * p.elsize;
-    int64_t offset = 0;
-    for (int64_t r = 0; r < num_replicas; ++r) {
-      const int64_t size_r = p.sizes[r];
-      const int64_t row_bytes = size_r * p.inner * p.elsize;
-      const int64_t col = col_offset_bytes(offset, p.inner, p.elsize);
-      offset += size_r;
-      if (row_bytes * p.outer == 0) {
-        continue;
-      }
+    for_each_piece(p, num_replicas, [&](int64_t r, const PieceGeometry& g) {
       at::Tensor t = tensors[l * num_replicas + r];
       if (!t.is_cuda()) {
-        at::Tensor on_host = as_raw_contiguous(t.is_cpu() ? t : t.to(at::kCPU));
         uploads.push_back(
-            StagedPiece{std::move(on_host), base, p.outer, row_bytes, dst_row_bytes, col});
-        continue;
+            StagedPiece{as_raw_contiguous(t.is_cpu() ? t : t.to(at::kCPU)), base, g});
+        return;
       }
       if (!t.is_contiguous() || t.is_conj() || t.is_neg()) {
         t = as_raw_contiguous(t);  // on the source's device and current stream
@@ -190,18 +180,15 @@ std::vector<at::Tensor> gather_coalesced_cuda(
       const c10::DeviceIndex src_dev = t.device().index();
       const bool local = src_dev == target;
       if (!force_staged && (local || at::cuda::get_p2p_access(target, src_dev))) {
-        direct.push_back(make_piece(
-            static_cast<const char*>(t.const_data_ptr()), base, p.outer, row_bytes,
-            dst_row_bytes, col));
+        direct.push_back(make_piece(static_cast<const char*>(t.const_data_ptr()), base, g));
         if (!local && std::find(remote.begin(), remote.end(), src_dev) == remote.end()) {
           remote.push_back(src_dev);
         }
         keep.push_back(std::move(t));
       } else {
-        staged[src_dev].push_back(
-            StagedPiece{std::move(t), base, p.outer, row_bytes, dst_row_bytes, col});
+        staged[src_dev].push_back(StagedPiece{std::move(t), base, g});
       }
-    }
+    });
     outs.push_back(std::move(out));
   }
 
@@ -259,7 +246,7 @@ std::vector<at::Tensor> gather_coalesced_cuda(
     for (size_t i = 0; i < uploads.size(); ++i) {
       std::memcpy(
           ph + offsets[i], uploads[i].src.const_data_ptr(),
-          static_cast<size_t>(uploads[i].rows * uploads[i].row_bytes));
+          static_cast<size_t>(uploads[i].g.rows * uploads[i].g.row_bytes));
     }
     at::Tensor uploaded = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
     // copy_ records an event on the pinned block, so the host allocator does
