@@ -3,9 +3,9 @@
 // Dispatch: the op has one kernel per backend key (CPU, CUDA). The dispatcher
 // picks the key from the *inputs* (CUDA wins over CPU), while the work depends
 // on the *target*. Each kernel therefore looks at `device`: the CPU kernel
-// gathers on the host and moves the results when the target is not the CPU;
-// the CUDA kernel moves its inputs to the host and calls the CPU kernel when
-// the target is the CPU. Autograd and the fake (meta) kernel are registered
+// redispatches to the CUDA kernel for a CUDA target (where it is built; else
+// it gathers on the host and moves the results); the CUDA kernel moves its
+// inputs to the host and calls the CPU kernel when the target is the CPU. Autograd and the fake (meta) kernel are registered
 // from Python (dpmethods/ops.py).
 #include "gather_common.h"
 

@@ -53,7 +53,8 @@ at::Tensor as_raw_contiguous(const at::Tensor& t);
 bool env_flag(const char* name);
 
 // The CPU implementation; the CUDA kernel calls it for a CPU target after
-// moving its CUDA inputs to the host.
+// moving its CUDA inputs to the host. For a CUDA target it redispatches to
+// the CUDA kernel where that is built.
 std::vector<at::Tensor> gather_coalesced_cpu(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device);
 

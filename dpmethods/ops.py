@@ -6,9 +6,10 @@ CUDA kernels) concatenates the pieces of every leaf in one pass instead of one
 function runs a per-leaf ``torch.cat`` of ``.to(device)`` pieces.
 
 Dispatch: the dispatcher picks a kernel from the *inputs* (CUDA wins over CPU);
-each kernel then acts on the *target*: the CPU kernel gathers on the host and
-moves finished leaves to a non-CPU target, the CUDA kernel moves its inputs to
-the host first when the target is the CPU.
+each kernel then acts on the *target*: the CPU kernel hands a CUDA target to the
+CUDA kernel (which uploads host pieces in one pinned copy) where that is built,
+and otherwise gathers on the host and moves the finished leaves; the CUDA kernel
+brings each GPU's pieces to the host in one pinned copy when the target is the CPU.
 
 Autograd: ``gather_coalesced`` has a Python formula (``torch.library.register_autograd``;
 its backward splits each leaf's gradient and sends every slice to its piece's device,

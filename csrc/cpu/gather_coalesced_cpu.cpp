@@ -4,6 +4,7 @@
 #include "../gather_tiles.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/EmptyTensor.h>
 #include <torch/library.h>
 
@@ -174,6 +175,19 @@ void copy_run(const LeafRun& run, const Piece* pieces, int64_t lo, int64_t hi) {
 
 std::vector<at::Tensor> gather_coalesced_cpu(
     at::TensorList tensors, int64_t num_replicas, int64_t dim, c10::Device device) {
+  if (device.is_cuda()) {
+    // Host inputs, CUDA target: where the CUDA kernel is built it uploads every
+    // piece in one pinned copy and gathers on the GPU, instead of one blocking
+    // copy per finished leaf below.
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("dpmethods::gather_coalesced", "")
+            .typed<std::vector<at::Tensor>(at::TensorList, int64_t, int64_t, c10::Device)>();
+    if (op.hasKernelForDispatchKey(c10::DispatchKey::CUDA)) {
+      return op.redispatch(
+          c10::DispatchKeySet(c10::DispatchKey::CUDA), tensors, num_replicas, dim, device);
+    }
+  }
   const std::vector<LeafPlan> plans = plan_gather(tensors, num_replicas, dim);
   const bool poison = env_flag("DPMETHODS_POISON");
   std::vector<at::Tensor> outs = allocate_outputs(plans, tensors, num_replicas);
@@ -223,8 +237,8 @@ std::vector<at::Tensor> gather_coalesced_cpu(
     });
   }
   if (!device.is_cpu()) {
-    // Inputs were all on the host (otherwise the CUDA kernel would run):
-    // gather here, then move each finished leaf once.
+    // Inputs were all on the host and no kernel of the target's backend
+    // takes them: gather here, then move each finished leaf once.
     for (auto& o : outs) {
       o = o.to(device);
     }
