@@ -83,7 +83,7 @@ def test_single_replica_repeated_device_and_host_pieces(path: str) -> None:
     host = torch.randn(2, 4)
     _check([t, host], 2, 0, CUDA)  # mixed host/device sources, CUDA target
     _check([t, host], 2, 0, CPU)  # CUDA kernel, CPU target
-    _check([host, host], 2, 0, CUDA)  # CPU kernel, CUDA target
+    _check([host, host], 2, 0, CUDA)  # CPU kernel, redispatched to the CUDA kernel
     _check([t, t], 2, 0, torch.device("cuda"))  # index-less target
 
 
