@@ -260,6 +260,70 @@ def cpu_targets(quick: bool = False) -> dict[str, Any]:
     return out
 
 
+def cuda_targets(
+    device: torch.device,
+    quick: bool = False,
+    baseline: Callable[..., list] = _nn_parallel_gather,
+    copy_gbps: float | None = None,
+) -> dict[str, Any]:
+    """The two GPU acceptance figures, every replica on ``device``, interleaved rounds.
+
+    ``small``: 256 leaves of float32 [8, 16] per replica over 4 replicas, forward, fused
+    vs ``baseline`` (``torch.nn.parallel.gather``); with replica outputs (tensors with a
+    grad_fn) and without grad. ``large``: 4 pieces of 64 MiB (256 MiB out) at dim 0 and
+    1, fused vs ``torch.cat``, with the fused GB/s as a fraction of ``copy_gbps``.
+    Every call is followed by a device synchronize, so launch and host costs count.
+    ``baseline`` can be swapped to dry-run this on the CPU.
+    """
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rounds = 8 if quick else 25
+    small = [torch.randn(8, 16, device=device) for _ in range(256 * 4)]
+    scale = torch.ones(16, device=device, requires_grad=True)
+    kinds = {
+        "small_256x4_fwd_replica_outputs": [t * scale for t in small],
+        "small_256x4_nograd": small,
+    }
+    out: dict[str, Any] = {}
+    for name, ts in kinds.items():
+
+        def fused(ts: list[torch.Tensor] = ts) -> None:
+            ops.gather_coalesced(ts, 4, 0, device)
+            sync()
+
+        def base(ts: list[torch.Tensor] = ts) -> None:
+            baseline(ts, 4, 0, device)
+            sync()
+
+        fused_s, base_s = _interleaved(fused, base, rounds, 20)
+        out[name] = {
+            "fused": fused_s,
+            "baseline": base_s,
+            "speedup": base_s["median"] / fused_s["median"],
+        }
+    big = [torch.randn(16384, 1024, device=device) for _ in range(4)]
+    nbytes = sum(t.numel() * t.element_size() for t in big)
+    for dim in (0, 1):
+
+        def fused_l(d: int = dim) -> None:
+            ops.gather_coalesced(big, 4, d, device)
+            sync()
+
+        def cat_l(d: int = dim) -> None:
+            torch.cat(big, d)
+            sync()
+
+        fused_s, cat_s = _interleaved(fused_l, cat_l, max(4, rounds // 3), 3)
+        gbps = nbytes / fused_s["median"] / 1e9
+        out[f"large_256MiB_dim{dim}"] = {
+            "fused": fused_s,
+            "torch_cat": cat_s,
+            "speed_vs_cat": cat_s["median"] / fused_s["median"],
+            "fused_gbps": gbps,
+            "fraction_of_copy": gbps / copy_gbps if copy_gbps else None,
+        }
+    return out
+
+
 def _fmt_us(s: float) -> str:
     return f"{s * 1e6:10.1f}"
 
@@ -274,13 +338,16 @@ def markdown(data: dict[str, Any]) -> str:
             "|---|---:|---:|---:|",
         ]
         for name, t in targets.items():
-            fused, base = t["fused"], t.get("per_leaf_cat", t.get("torch_cat"))
+            fused = t["fused"]
+            base = t.get("per_leaf_cat") or t.get("baseline") or t["torch_cat"]
             ratio = t.get("speedup", t.get("speed_vs_cat"))
             cells = [
                 f"{v['median'] * 1e6:.1f} [{v['p10'] * 1e6:.1f}, {v['p90'] * 1e6:.1f}]"
                 for v in (fused, base)
             ]
-            lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x |")
+            share = t.get("fraction_of_copy")
+            note = f" ({100 * share:.0f}% of copy bandwidth)" if share else ""
+            lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x{note} |")
         lines.append("")
     bw = data["copy_bandwidth"]["gbps"]
     lines += [
@@ -355,10 +422,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     targets = None
     if device.type == "cpu":
         targets = cpu_targets(args.quick)
+    else:
+        targets = cuda_targets(device, args.quick, copy_gbps=bw["gbps"])
+    if targets:
         for name, t in targets.items():
             ratio = t.get("speedup", t.get("speed_vs_cat"))
+            share = t.get("fraction_of_copy")
             print(
                 f"target {name}: {ratio:.2f}x  "
+                + (f"{100 * share:.0f}% of copy bandwidth  " if share else "")
                 + "  ".join(
                     f"{k} median {v['median'] * 1e6:.1f} us [p10 {v['p10'] * 1e6:.1f}, p90 {v['p90'] * 1e6:.1f}]"
                     for k, v in t.items()
