@@ -5,8 +5,9 @@
 // on the *target*. Each kernel therefore looks at `device`: the CPU kernel
 // redispatches to the CUDA kernel for a CUDA target (where it is built; else
 // it gathers on the host and moves the results); the CUDA kernel moves its
-// inputs to the host and calls the CPU kernel when the target is the CPU. Autograd and the fake (meta) kernel are registered
-// from Python (dpmethods/ops.py).
+// inputs to the host and calls the CPU kernel when the target is the CPU.
+// Autograd and the fake (meta) kernel are registered from Python
+// (dpmethods/ops.py).
 #include "gather_common.h"
 
 #include <ATen/ops/contiguous.h>

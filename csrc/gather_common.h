@@ -39,7 +39,7 @@ void for_each_piece(const LeafPlan& p, int64_t num_replicas, Fn&& fn) {
         p.outer, size_r * p.inner * p.elsize, dst_row_bytes,
         col_offset_bytes(offset, p.inner, p.elsize)};
     offset += size_r;
-    if (g.rows * g.row_bytes > 0) {
+    if (piece_bytes(g) > 0) {
       fn(r, g);
     }
   }

@@ -51,6 +51,10 @@ DPMETHODS_HD inline int64_t piece_bytes(const Piece& p) {
   return p.rows * p.row_bytes;
 }
 
+DPMETHODS_HD inline int64_t piece_bytes(const PieceGeometry& g) {
+  return g.rows * g.row_bytes;
+}
+
 // Byte offset of leaf column `offset_r` (in elements along dim) in an output row.
 DPMETHODS_HD inline int64_t col_offset_bytes(int64_t offset_r, int64_t inner, int64_t elsize) {
   return offset_r * inner * elsize;

@@ -168,7 +168,7 @@ inline int64_t pack_layout(const std::vector<StagedPiece>& items, std::vector<in
   offsets.reserve(items.size());
   for (const StagedPiece& s : items) {
     offsets.push_back(total);
-    total += slot_bytes(s.g.rows * s.g.row_bytes);
+    total += slot_bytes(piece_bytes(s.g));
   }
   return total;
 }
@@ -179,7 +179,7 @@ inline std::vector<Piece> pack_pieces(
   std::vector<Piece> pack;
   pack.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
-    const int64_t bytes = items[i].g.rows * items[i].g.row_bytes;
+    const int64_t bytes = piece_bytes(items[i].g);
     pack.push_back(make_piece(
         static_cast<const char*>(items[i].src.const_data_ptr()), packed + offsets[i],
         PieceGeometry{1, bytes, bytes, 0}));

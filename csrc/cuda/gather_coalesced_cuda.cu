@@ -246,7 +246,7 @@ std::vector<at::Tensor> gather_coalesced_cuda(
     for (size_t i = 0; i < uploads.size(); ++i) {
       std::memcpy(
           ph + offsets[i], uploads[i].src.const_data_ptr(),
-          static_cast<size_t>(uploads[i].g.rows * uploads[i].g.row_bytes));
+          static_cast<size_t>(piece_bytes(uploads[i].g)));
     }
     at::Tensor uploaded = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
     // copy_ records an event on the pinned block, so the host allocator does
