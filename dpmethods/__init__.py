@@ -15,6 +15,7 @@ from .parallel_apply import parallel_apply
 from .registry import MethodOptions, get_options, parallel_method, parallel_methods, register
 from .replicate import replicate
 from .scatter import chunk_sizes, scatter, scatter_call
+from .type_rules import register_type
 from .utils import load_state_dict, strip_prefix, unwrap
 
 __version__ = "0.1.0"
@@ -35,6 +36,7 @@ __all__ = [
     "parallel_methods",
     "register",
     "register_fsdp_methods",
+    "register_type",
     "replicate",
     "route",
     "scatter",
