@@ -142,18 +142,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
 
     def _check_broadcast_names(self) -> None:
         for name, opts in self._dpm_methods.items():
-            if not opts.broadcast:
+            if not opts.broadcast and not opts.split:
                 continue
             params = inspect.signature(getattr(type(self.module), name)).parameters
             if any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 continue
-            unknown = [b for b in opts.broadcast if b not in params]
-            if unknown:
-                raise ValueError(
-                    f"broadcast: {unknown} are not arguments of "
-                    f"{type(self.module).__name__}.{name}; its arguments are "
-                    f"{[p for p in params if p != 'self']}"
-                )
+            for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
+                unknown = [b for b in names if b not in params]
+                if unknown:
+                    raise ValueError(
+                        f"{option}: {unknown} are not arguments of "
+                        f"{type(self.module).__name__}.{name}; its arguments are "
+                        f"{[p for p in params if p != 'self']}"
+                    )
 
     def _undecorated_warning(self, name: str) -> str | None:
         if len(self._devices) < 2:
@@ -208,7 +209,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             outputs = self.parallel_apply(replicas, inputs, kwargs_tup, method=name)
         total = sum(scattered.sizes)
         weights = [s / total for s in scattered.sizes] if total else None
-        return self.gather(outputs, self.output_device, options=opts, weights=weights)
+        return self.gather(
+            outputs, self.output_device, options=opts, weights=weights, sizes=scattered.sizes
+        )
 
     # --- torch's seams, method-aware -------------------------------------------------
 
@@ -228,7 +231,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         """
         opts = options or self._forward_options
         return scatter_call(
-            tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast, fn
+            tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast, fn,
+            split=opts.split,
         )
 
     def _caching(self) -> bool:
@@ -286,12 +290,14 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         *,
         options: MethodOptions | None = None,
         weights: Sequence[float] | None = None,
+        sizes: Sequence[int] | None = None,
     ) -> Any:
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.gather`."""
         opts = options or self._forward_options
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
-            weights=weights,
+            weights=weights, gather_dim=opts.gather_dim,
+            sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
         )
 
     def load_state_dict(  # type: ignore[override]
