@@ -58,10 +58,12 @@ def _is_sequence(spec: _tree.Spec) -> bool:
 
 
 def _batched(entries: Sequence[Any], share: int, dim: int) -> bool:
-    # A list of batch tensors (one per layer, say) carries the share on the join dim of
-    # every tensor; per-item entries (boxes of one image, features of one image) don't.
-    tensors = [t for e in entries for t in _tree.flatten(e)[1] if isinstance(t, Tensor)]
-    return bool(tensors) and all(t.dim() > dim and t.shape[dim] == share for t in tensors)
+    # A list of batch outputs (hidden states, one per layer) is a list of tensors that
+    # carry the share on the join dim; per-item entries are containers (one dict per
+    # image) or tensors without it (one feature map per image).
+    return all(
+        isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == share for t in entries
+    )
 
 
 def wants_extend(mode: Any) -> bool:
