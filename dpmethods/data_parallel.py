@@ -25,7 +25,7 @@ from .registry import MethodOptions, MethodsArg
 from .replicate import fingerprint
 from .replicate import replicate as _replicate
 from .scatter import _as_device, scatter_call
-from .utils import add_prefix
+from .utils import _load_fitted
 
 __all__ = ["DataParallel"]
 
@@ -349,5 +349,12 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a state dict saved from this wrapper or from the bare module."""
-        return super().load_state_dict(add_prefix(state_dict, "module."), strict, assign)
+        """Load a state dict saved from this wrapper, the bare module or ``torch.compile``.
+
+        See :func:`dpmethods.load_state_dict`: wrapper prefixes are fitted to this
+        wrapper's own keys, once each.
+        """
+        return _load_fitted(
+            super().load_state_dict, self.state_dict(keep_vars=True).keys(), state_dict,
+            strict, assign=assign,
+        )
