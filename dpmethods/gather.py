@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,6 +51,19 @@ def _same(values: Sequence[Any]) -> bool:
         return all(v is first or bool(v == first) for v in values[1:])
     except Exception:  # values whose == is not a bool (arrays): treat as different
         return False
+
+
+def _align(ref: Any, obj: Any) -> Any:
+    """``obj`` with its dicts' keys in ``ref``'s order, where both have the same keys."""
+    if type(obj) is not type(ref):
+        return obj
+    if isinstance(obj, dict) and type(obj) in (dict, OrderedDict):
+        if obj.keys() != ref.keys():
+            return obj
+        return type(obj)((k, _align(ref[k], obj[k])) for k in ref)
+    if type(obj) in (list, tuple) and len(obj) == len(ref):
+        return type(obj)(_align(a, b) for a, b in zip(ref, obj))
+    return obj
 
 
 def _leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str]:
@@ -137,6 +151,10 @@ def gather(
         return ops.gather_coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
+    if any(f[0] != spec for f in flat[1:]):
+        # As torch, dicts are matched by key, not by order: put every replica's keys in
+        # replica 0's order, then compare again.
+        flat = [flat[0]] + [_tree.flatten(_align(outputs[0], o)) for o in outputs[1:]]
     for r in range(1, n):
         if flat[r][0] != spec:
             raise ValueError(
