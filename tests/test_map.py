@@ -390,3 +390,36 @@ def test_shard_under_two_gloo_ranks(tmp_path: Path) -> None:
         assert [i for i, _ in merged] == list(range(7))
         for i, out in merged:
             _same(out, ref[i])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available in this build",
+)
+def test_example_map_torchrun(tmp_path: Path) -> None:
+    import re
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    env["OMP_NUM_THREADS"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the gloo CPU path, even on a GPU machine
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        "--master-addr=127.0.0.1", f"--master-port={port}",
+        str(_REPO / "examples" / "map_torchrun.py"), "--batches", "7", "--out", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=_REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rank 0 ran batches [0, 2, 4, 6]" in proc.stdout, proc.stdout
+    assert "rank 1 ran batches [1, 3, 5]" in proc.stdout, proc.stdout
+    assert re.search(r"max diff against one process: (0|\d\.\d+e-0[7-9])\n", proc.stdout), proc.stdout
+    assert "world 2 collected 56 embeddings" in proc.stdout, proc.stdout
+    files = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert sorted(files[0]) == [0, 2, 4, 6] and sorted(files[1]) == [1, 3, 5]
