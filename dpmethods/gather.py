@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,19 @@ def _pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Ten
             widths += [0, 0 if k == d else target[k] - p.shape[k]]
         out.append(F.pad(p, widths, value=value) if any(widths) else p)
     return out
+
+
+def _align(ref: Any, obj: Any) -> Any:
+    """``obj`` with its dicts' keys in ``ref``'s order, where both have the same keys."""
+    if type(obj) is not type(ref):
+        return obj
+    if isinstance(obj, dict) and type(obj) in (dict, OrderedDict):
+        if obj.keys() != ref.keys():
+            return obj
+        return type(obj)((k, _align(ref[k], obj[k])) for k in ref)
+    if type(obj) in (list, tuple) and len(obj) == len(ref):
+        return type(obj)(_align(a, b) for a, b in zip(ref, obj))
+    return obj
 
 
 def _leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str]:
@@ -156,6 +170,10 @@ def gather(
         return ops.gather_coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
+    if any(f[0] != spec for f in flat[1:]):
+        # As torch, dicts are matched by key, not by order: put every replica's keys in
+        # replica 0's order, then compare again.
+        flat = [flat[0]] + [_tree.flatten(_align(outputs[0], o)) for o in outputs[1:]]
     if n > 1 and (
         per_item.wants_extend(mode)
         or (check and any(f[0] != spec for f in flat[1:]))

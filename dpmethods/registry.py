@@ -323,8 +323,11 @@ def register(cls: type, name: str, **options: Any) -> None:
 
     Example:
         >>> import torch
-        >>> register(torch.nn.Linear, "extra_repr", gather="list")
-        >>> get_options(torch.nn.Linear, "extra_repr").gather
+        >>> class Tagger(torch.nn.Linear):  # a class of its own: registration is global
+        ...     def tag(self, x):
+        ...         return self(x).argmax(-1)
+        >>> register(Tagger, "tag", gather="list")
+        >>> get_options(Tagger, "tag").gather
         'list'
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):

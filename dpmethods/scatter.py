@@ -231,9 +231,10 @@ def scatter_call(
     Example:
         >>> import torch
         >>> r = scatter_call((torch.ones(3, 2),), {"scale": 2.0}, ["cpu", "cpu"])
-        >>> r.sizes, r[1][1]
+        >>> r.sizes, r[1]  # r[0]: each replica's args, r[1]: each replica's kwargs
         ([2, 1], ({'scale': 2.0}, {'scale': 2.0}))
-        >>> r = scatter_call((["a", "b", "c"],), {}, ["cpu", "cpu"], split=("args",))
+        >>> def encode(texts): ...
+        >>> r = scatter_call((["a", "b", "c"],), {}, ["cpu", "cpu"], split=("texts",), fn=encode)
         >>> r.sizes, [a for a, in r[0]]
         ([2, 1], [['a', 'b'], ['c']])
     """
