@@ -37,7 +37,12 @@ _KEYED = (_tree._DICT, _tree._DATACLASS, _tree._NAMEDTUPLE)
 
 
 class Items(list):  # type: ignore[type-arg]
-    """One replica's per-item entries, standing in the flat leaves for the whole list."""
+    """One replica's per-item entries, standing in the flat leaves for the whole list.
+
+    Example:
+        >>> Items([1, 2]) + [3]
+        [1, 2, 3]
+    """
 
 
 def _count(spec: _tree.Spec) -> int:
@@ -67,7 +72,12 @@ def _batched(entries: Sequence[Any], share: int, dim: int) -> bool:
 
 
 def wants_extend(mode: Any) -> bool:
-    """Whether the gather option asks for ``"extend"`` anywhere."""
+    """Whether the gather option asks for ``"extend"`` anywhere.
+
+    Example:
+        >>> wants_extend({"boxes": "extend"}), wants_extend("cat")
+        (True, False)
+    """
     if isinstance(mode, str):
         return mode == "extend"
     return isinstance(mode, Mapping) and "extend" in mode.values()
@@ -103,6 +113,11 @@ def mark_items(
         sizes: each replica's share of the batch (``None``: only ``"extend"`` applies).
         mode: the gather option (a mode or a mapping of top-level keys to modes).
         dim: the join dim (for telling batch tensors from per-item entries).
+
+    Example:
+        >>> flat = [_tree.flatten(["a", "b"]), _tree.flatten(["c"])]
+        >>> [leaves for _, leaves in mark_items(flat, [2, 1], "cat", 0)]
+        [[['a', 'b']], [['c']]]
     """
     n = len(flat)
     # Per replica: (start, end, spec) of each list replaced, in leaf order.
