@@ -84,16 +84,21 @@ def wants_extend(mode: Any) -> bool:
 
 
 def needs_marking(spec: _tree.Spec, share: int) -> bool:
-    """Whether replica 0's spec holds a list or tuple as long as its share (cheap).
+    """Whether replica 0's spec holds a list as long as its share (cheap).
+
+    Only equal shares need this: with shares that differ, per-item lists differ in
+    length across replicas, and so do the specs.
 
     Example:
         >>> needs_marking(_tree.flatten((1, [2, 3]))[0], 2)
         True
+        >>> needs_marking(_tree.flatten((1, (2, 3)))[0], 2)
+        False
     """
     if spec in _tree._LEAVES:
         return False
     children = spec[3]
-    if _is_sequence(spec) and len(children) == share:
+    if spec[0] == _tree._LIST and _is_sequence(spec) and len(children) == share:
         return True
     if _tree._LEAF_SET.issuperset(children):  # in C: no Python step per leaf
         return False
@@ -134,11 +139,11 @@ def mark_items(
             if m == "cat" and sizes is not None and lengths == list(sizes):
                 if len(set(sizes)) > 1:
                     return cut(specs, starts)
-                entries = [
-                    _tree.unflatten(s, flat[r][1][starts[r] : starts[r] + _count(s)])
-                    for r, s in enumerate(specs)
-                ]
-                if not all(_batched(e, sizes[r], dim) for r, e in enumerate(entries)):
+                # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)),
+                # lists of batch tensors for lists of batch outputs; other lists warn.
+                if first[0] == _tree._LIST and not all(
+                    _batched(e, sizes[r], dim) for r, e in enumerate(entries(specs, starts))
+                ):
                     warn_once(
                         f"gather: {path} is a list with one entry per batch item on every "
                         f"replica ({sizes[0]} each), or a list of batch outputs: with equal "
@@ -163,6 +168,12 @@ def mark_items(
                 children[r].append(new[r])
                 offsets[r] += _count(column[r])
         return [(*s[:3], tuple(c)) for s, c in zip(specs, children)]
+
+    def entries(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+        return [
+            _tree.unflatten(s, flat[r][1][starts[r] : starts[r] + _count(s)])
+            for r, s in enumerate(specs)
+        ]
 
     def cut(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
         for r, s in enumerate(specs):
