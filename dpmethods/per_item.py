@@ -16,7 +16,8 @@ outputs) and replaces each list to extend with a single :class:`Items` leaf:
 - with equal shares the same list might be per-item or a list of batch tensors. A list
   of tensors that carry the batch on the join dim is joined element by element as
   before; any other one is joined element by element too, with a one-time warning
-  naming the output path and ``"extend"``.
+  naming the output path and ``"extend"``. Tuples with equal shares are taken for
+  fixed-arity returns (``(loss, logits)``) and joined element by element.
 """
 
 from __future__ import annotations
