@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,11 @@ from .registry import MethodOptions, MethodsArg, resolve_methods
 
 __all__: list[str] = []
 
-_CLASS_CACHE: dict[tuple[type, type, tuple[str, ...]], type] = {}
+# Weak both ways: an entry lives while wrappers of its class do (the value), and its
+# key holds the module class only weakly, so neither class is kept alive by the cache.
+_CLASS_CACHE: weakref.WeakValueDictionary[tuple[type, weakref.ref[type], tuple[str, ...]], type] = (
+    weakref.WeakValueDictionary()
+)
 
 
 def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -33,7 +38,7 @@ def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
-    key = (base, module_cls, names)
+    key = (base, weakref.ref(module_cls), names)
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         namespace: dict[str, Any] = {

@@ -132,6 +132,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             The replicas' worker threads are kept too (daemon threads, stopped when the
             wrapper is garbage-collected).
 
+    Tensors are split along the method's ``dim``; other arguments go whole to every
+    replica, and an iterator or generator argument is read once, lazily, with every
+    replica getting its own iterator over all of its items. Without GPUs, CUDA
+    ``device_ids`` are ignored (with one warning) and the wrapper is a plain call, as
+    in torch; ``dim`` may be changed after construction, as in torch.
+
+    Every call goes through ``scatter(inputs, kwargs, device_ids)``,
+    ``replicate(module, device_ids)``, ``parallel_apply(replicas, inputs, kwargs)`` and
+    ``gather(outputs, output_device)`` with torch's signatures, so a subclass may
+    override any of them as for ``torch.nn.DataParallel`` and call ``super()``; which
+    method runs, and with what options, is carried by the call itself (a context
+    variable), so concurrent and nested calls keep theirs.
+
     Example:
         >>> import torch, dpmethods
         >>> class Net(torch.nn.Module):

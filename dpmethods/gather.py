@@ -53,6 +53,35 @@ def _same(values: Sequence[Any]) -> bool:
         return False
 
 
+def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
+    """channels_last(_3d) if every piece is in it (then torch.cat keeps it), else None."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(pieces[0].dim())
+    if fmt is None:
+        return None
+    for p in pieces:
+        if p.is_contiguous() or not p.is_contiguous(memory_format=fmt):
+            return None
+    return fmt
+
+
+def _coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
+    """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
+    out = list(ops.gather_coalesced(tensors, n, dim, device))
+    for i, t in enumerate(out):
+        if t.dim() >= 4:
+            fmt = _memory_format(tensors[i * n : (i + 1) * n])
+            if fmt is not None:
+                out[i] = t.contiguous(memory_format=fmt)
+    return out
+
+
+def _check_dim(dim: Any) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"gather: dim: expected an int, got {type(dim).__name__} {dim!r}")
+    if not -(2**63) <= dim < 2**63:
+        raise ValueError(f"gather: dim: expected an int that fits in 64 bits, got {dim}")
+
+
 def _align(ref: Any, obj: Any) -> Any:
     """``obj`` with its dicts' keys in ``ref``'s order, where both have the same keys."""
     if type(obj) is not type(ref):
@@ -138,6 +167,7 @@ def gather(
     if n == 0:
         raise ValueError("gather: outputs: expected at least one replica output, got none")
     device = _as_device(target_device)
+    _check_dim(dim)
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
@@ -148,7 +178,7 @@ def gather(
         raise ValueError(f"gather: weights: expected {n} values (one per output), got {len(weights)}")
 
     if mode == "cat" and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
-        return ops.gather_coalesced(outputs, n, dim, device)[0]  # one tensor per replica
+        return _coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
     if any(f[0] != spec for f in flat[1:]):
@@ -167,7 +197,7 @@ def gather(
     # already say the other replicas have tensors in the same places.
     if mode == "cat" and all(map(isinstance, leaves0, _TENSORS)) and all(map(Tensor.dim, leaves0)):
         tensors = list(itertools.chain.from_iterable(columns))
-        return _tree.unflatten(spec, ops.gather_coalesced(tensors, n, dim, device))
+        return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
 
     modes = _leaf_modes(spec, mode, len(columns))
     paths: list[str] | None = None
@@ -199,6 +229,10 @@ def gather(
                     f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
                 )
             result[i] = _reduce(col, weights, device, m == "mean")
+        elif n == 1 and m != "stack":
+            # One replica ran (one device, or nothing to split): its output is the
+            # result, as torch returns it; a 0-dim value stays 0-dim.
+            result[i] = col[0].to(device)
         else:
             parts: Sequence[Tensor] = col
             if m == "stack" or col[0].dim() == 0:
@@ -216,7 +250,7 @@ def gather(
             joined.append(i)
             pieces.extend(parts)
     if pieces:
-        for i, t in zip(joined, ops.gather_coalesced(pieces, n, dim, device)):
+        for i, t in zip(joined, _coalesced(pieces, n, dim, device)):
             result[i] = t
     return _tree.unflatten(spec, result)
 

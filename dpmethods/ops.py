@@ -32,6 +32,7 @@ Environment variables (read at call time):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,7 @@ from dpmethods import _extension
 __all__ = ["extension_info", "gather_coalesced"]
 
 _OP_NAME = "dpmethods::gather_coalesced"
+_is_meta = operator.attrgetter("is_meta")
 
 _op: Any = None  # torch.ops.dpmethods.gather_coalesced.default when compiled
 _op_autograd: Any = None  # its C++-autograd twin, for inputs the eager entry refuses
@@ -183,6 +185,13 @@ def gather_coalesced(
     if not tensors:
         _check_counts(0, num_replicas)
         return []
+    if device.type != "meta" and any(map(_is_meta, tensors)):
+        # As torch.cat(...).to(device): a meta tensor has no data to copy.
+        raise NotImplementedError(
+            f"gather_coalesced(): Cannot copy out of meta tensor; no data! Expected pieces "
+            f"with data to gather onto {device}, got {sum(map(_is_meta, tensors))} meta "
+            f"tensor(s) of {len(tensors)}"
+        )
     if _op is None or (device.type != "cpu" and _extension.unsupported_reason(device) is not None):
         _check_counts(len(tensors), num_replicas)
         return _fallback(tensors, num_replicas, dim, device)

@@ -67,9 +67,16 @@ class MethodOptions:
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise TypeError(f"dim: expected an int, got {type(self.dim).__name__} {self.dim!r}")
+        if not -(2**63) <= self.dim < 2**63:
+            raise ValueError(f"dim: expected an int that fits in 64 bits, got {self.dim}")
         broadcast = self.broadcast
         if isinstance(broadcast, str):
             broadcast = (broadcast,)
+        if not isinstance(broadcast, Iterable):
+            raise TypeError(
+                f"broadcast: expected a list of argument names, got "
+                f"{type(broadcast).__name__} {broadcast!r}"
+            )
         broadcast = tuple(broadcast)
         for name in broadcast:
             if not isinstance(name, str):
@@ -220,7 +227,7 @@ def parallel_method(
         >>> Net().generate(torch.ones(2)).tolist()
         [1.0, 1.0]
     """
-    options = MethodOptions(dim=dim, broadcast=tuple(broadcast), gather=gather, pad_value=pad_value)
+    options = MethodOptions(dim=dim, broadcast=broadcast, gather=gather, pad_value=pad_value)  # type: ignore[arg-type]
 
     def mark(f: Any) -> Any:
         _check_method(f, getattr(f, "__qualname__", repr(f)))
@@ -329,6 +336,11 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
     items: Iterable[tuple[str, Mapping[str, Any]]]
     if isinstance(methods, Mapping):
         items = methods.items()
+    elif not isinstance(methods, Iterable):
+        raise TypeError(
+            f"methods: expected a list of method names or a dict of options per name, got "
+            f"{type(methods).__name__} {methods!r}"
+        )
     else:
         items = ((name, {}) for name in methods)
     for name, opts in items:
