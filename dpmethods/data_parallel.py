@@ -200,18 +200,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
 
     def _check_broadcast_names(self) -> None:
         for name, opts in self._dpm_methods.items():
-            if not opts.broadcast:
+            if not opts.broadcast and not opts.split:
                 continue
             params = inspect.signature(getattr(type(self.module), name)).parameters
             if any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 continue
-            unknown = [b for b in opts.broadcast if b not in params]
-            if unknown:
-                raise ValueError(
-                    f"broadcast: {unknown} are not arguments of "
-                    f"{type(self.module).__name__}.{name}; its arguments are "
-                    f"{[p for p in params if p != 'self']}"
-                )
+            for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
+                unknown = [b for b in names if b not in params]
+                if unknown:
+                    raise ValueError(
+                        f"{option}: {unknown} are not arguments of "
+                        f"{type(self.module).__name__}.{name}; its arguments are "
+                        f"{[p for p in params if p != 'self']}"
+                    )
 
     def _undecorated_warning(self, name: str) -> str | None:
         if len(self._devices) < 2:
@@ -298,7 +299,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         opts = ctx.options if ctx is not None else self._options("forward")
         result = scatter_call(
             tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast,
-            ctx.fn if ctx is not None else None,
+            ctx.fn if ctx is not None else None, split=opts.split,
         )
         if ctx is not None:
             ctx.sizes = result.sizes
@@ -354,9 +355,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
         weights = ctx.weights(len(outputs)) if ctx is not None else None
+        sizes = ctx.sizes if ctx is not None else None
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
-            weights=weights,
+            weights=weights, gather_dim=opts.gather_dim,
+            sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
         )
 
     def load_state_dict(  # type: ignore[override]
