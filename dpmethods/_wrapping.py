@@ -22,11 +22,12 @@ from .registry import MethodOptions, MethodsArg, resolve_methods
 
 __all__: list[str] = []
 
-# Weak both ways: an entry lives while wrappers of its class do (the value), and its
-# key holds the module class only weakly, so neither class is kept alive by the cache.
-_CLASS_CACHE: weakref.WeakValueDictionary[tuple[type, weakref.ref[type], tuple[str, ...]], type] = (
-    weakref.WeakValueDictionary()
-)
+# Weak all ways: an entry lives while wrappers of its class do (the value), and its key
+# holds the wrapper base (maybe a user's subclass) and the module class only weakly, so
+# no class is kept alive by the cache, nor outlives its wrapper class by a gc pass.
+_CLASS_CACHE: weakref.WeakValueDictionary[
+    tuple[weakref.ref[type], weakref.ref[type], tuple[str, ...]], type
+] = weakref.WeakValueDictionary()
 
 
 def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -38,7 +39,7 @@ def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
-    key = (base, weakref.ref(module_cls), names)
+    key = (weakref.ref(base), weakref.ref(module_cls), names)
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         namespace: dict[str, Any] = {

@@ -60,7 +60,10 @@ def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
 
 def _coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
     """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
-    out = list(ops.gather_coalesced(tensors, n, dim, device))
+    out = ops.gather_coalesced(tensors, n, dim, device)
+    if max(map(Tensor.dim, out), default=0) < 4:  # the common case: one C-level pass
+        return out
+    out = list(out)
     for i, t in enumerate(out):
         if t.dim() >= 4:
             fmt = _memory_format(tensors[i * n : (i + 1) * n])

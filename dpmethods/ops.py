@@ -32,7 +32,6 @@ Environment variables (read at call time):
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,7 +42,6 @@ from dpmethods import _extension
 __all__ = ["extension_info", "gather_coalesced"]
 
 _OP_NAME = "dpmethods::gather_coalesced"
-_is_meta = operator.attrgetter("is_meta")
 
 _op: Any = None  # torch.ops.dpmethods.gather_coalesced.default when compiled
 _op_autograd: Any = None  # its C++-autograd twin, for inputs the eager entry refuses
@@ -101,6 +99,13 @@ def _fake(
     tensors: list[torch.Tensor], num_replicas: int, dim: int, device: torch.device
 ) -> list[torch.Tensor]:
     _check_counts(len(tensors), num_replicas)
+    if device.type != "meta" and any(t.is_meta for t in tensors):
+        # Real meta tensors dispatch here too (this is the Meta kernel): as with
+        # torch.cat(...).to(device), there is no data to copy onto a real device.
+        raise NotImplementedError(
+            f"gather_coalesced(): Cannot copy out of meta tensor; no data! Expected pieces "
+            f"with data to gather onto {device}, got meta tensors"
+        )
     out = []
     for i in range(0, len(tensors), num_replicas):
         pieces = tensors[i : i + num_replicas]
@@ -185,13 +190,6 @@ def gather_coalesced(
     if not tensors:
         _check_counts(0, num_replicas)
         return []
-    if device.type != "meta" and any(map(_is_meta, tensors)):
-        # As torch.cat(...).to(device): a meta tensor has no data to copy.
-        raise NotImplementedError(
-            f"gather_coalesced(): Cannot copy out of meta tensor; no data! Expected pieces "
-            f"with data to gather onto {device}, got {sum(map(_is_meta, tensors))} meta "
-            f"tensor(s) of {len(tensors)}"
-        )
     if _op is None or (device.type != "cpu" and _extension.unsupported_reason(device) is not None):
         _check_counts(len(tensors), num_replicas)
         return _fallback(tensors, num_replicas, dim, device)
