@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any, TypeVar
 
@@ -25,6 +25,7 @@ from .registry import MethodOptions, MethodsArg
 from .replicate import fingerprint
 from .replicate import replicate as _replicate
 from .scatter import _as_device, scatter_call
+from .streaming import map_batches
 from .utils import _load_fitted
 
 __all__ = ["DataParallel"]
@@ -225,6 +226,53 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self._run_method("forward", inputs, kwargs)
+
+    def map(
+        self,
+        method: str,
+        batches: Iterable[Any],
+        /,
+        *,
+        ordered: bool = True,
+        progress: bool | str = False,
+        prefetch: int = 2,
+        shard: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        """Run ``method`` over many batches, each whole on whichever replica is free.
+
+        Unlike a loop of calls, no batch is split and no replica waits for the others,
+        so ragged work (``generate``) keeps every device busy. See docs/map.md.
+
+        Args:
+            method: a parallel method's name, or ``"forward"``.
+            batches: any iterable (a DataLoader too). A Mapping batch is passed as
+                keyword arguments, a tuple as positional arguments, anything else as
+                the one positional argument.
+            ordered: outputs in input order (through a bounded reorder buffer); if
+                False, ``(index, output)`` pairs as batches finish.
+            progress: a tqdm bar of batches and items per second; a str is its title.
+            prefetch: batches in flight per replica (memory stays bounded).
+            shard: under torch.distributed, run only batch i with
+                ``i % world_size == rank`` and yield only those outputs.
+            **kwargs: keyword arguments passed to every call.
+
+        Returns:
+            An iterator over the outputs, on ``output_device``; ``close()`` it (or use
+            it in a ``with`` block) to stop early.
+
+        Example:
+            >>> import torch, dpmethods
+            >>> dp = dpmethods.DataParallel(torch.nn.Linear(4, 2), device_ids=["cpu"] * 2)
+            >>> with torch.no_grad():
+            ...     outs = list(dp.map("forward", [torch.randn(3, 4) for _ in range(5)]))
+            >>> len(outs), outs[0].shape
+            (5, torch.Size([3, 2]))
+        """
+        return map_batches(
+            self, method, batches, kwargs,
+            ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
+        )
 
     def _check_source_device(self) -> None:
         src = self.src_device_obj
