@@ -18,6 +18,7 @@ from torch import nn
 
 from ._call import _Call, _current, _entered
 from ._wrapping import _MethodWrapper
+from .devices import DeviceId, _resolve_devices, _resolve_output
 from .gather import gather as _gather
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
@@ -30,84 +31,7 @@ from .utils import _load_fitted
 
 __all__ = ["DataParallel"]
 
-DeviceId = int | str | torch.device
 _T = TypeVar("_T", bound=nn.Module)
-
-
-_warned_no_gpu = False
-
-
-def _check_device(dev: torch.device, where: str) -> torch.device:
-    if dev.type == "cpu":
-        return torch.device("cpu")  # "cpu:0" is the one CPU device; tensors say "cpu"
-    if dev.type != "cuda":
-        raise ValueError(f"{where}: expected a CUDA or CPU device, got {dev}")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    count = torch.cuda.device_count()
-    if dev.index >= count:
-        raise ValueError(
-            f"{where}: expected a CUDA device index below {count} "
-            f"(torch.cuda.device_count()), got {dev.index}"
-        )
-    return dev
-
-
-def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device]:
-    if device_ids is None:
-        if not torch.cuda.is_available():
-            return []  # as torch: without GPUs the wrapper is a plain call
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError(
-            f"device_ids: expected a list of devices, got {type(device_ids).__name__} {device_ids!r}"
-        )
-    parsed: list[torch.device] = []
-    for i, d in enumerate(device_ids):
-        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
-            raise TypeError(
-                f"device_ids[{i}]: expected an int, str or torch.device, got {type(d).__name__} {d!r}"
-            )
-        try:
-            parsed.append(_as_device(d))
-        except RuntimeError as exc:
-            raise ValueError(f"device_ids[{i}]: expected a device, got {d!r} ({exc})") from None
-    if parsed and not torch.cuda.is_available() and all(d.type == "cuda" for d in parsed):
-        # As torch: without GPUs the wrapper is a plain call, whatever the ids say.
-        global _warned_no_gpu
-        if not _warned_no_gpu:
-            _warned_no_gpu = True
-            warnings.warn(
-                f"DataParallel: device_ids {list(device_ids)} were ignored because no GPU is "
-                "available; the module runs as a plain call, as in torch.nn.DataParallel",
-                UserWarning,
-                stacklevel=3,
-            )
-        return []
-    devices = [_check_device(d, f"device_ids[{i}]") for i, d in enumerate(parsed)]
-    if not devices:
-        raise ValueError("device_ids: expected at least one device, got []")
-    kinds = sorted({d.type for d in devices})
-    if len(kinds) > 1:
-        raise ValueError(
-            f"device_ids: expected devices of one type, got {kinds}: {[str(d) for d in devices]}"
-        )
-    return devices
-
-
-def _resolve_output(output_device: DeviceId | None, devices: list[torch.device]) -> torch.device:
-    if output_device is None:
-        return devices[0]
-    if isinstance(output_device, bool) or not isinstance(output_device, (int, str, torch.device)):
-        raise TypeError(
-            f"output_device: expected an int, str or torch.device, got "
-            f"{type(output_device).__name__} {output_device!r}"
-        )
-    try:
-        dev = _as_device(output_device)
-    except RuntimeError as exc:
-        raise ValueError(f"output_device: expected a device, got {output_device!r} ({exc})") from None
-    return _check_device(dev, "output_device")
 
 
 class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
@@ -132,6 +56,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             rebuilt whenever a parameter, buffer, attribute or mode of the module changes.
             The replicas' worker threads are kept too (daemon threads, stopped when the
             wrapper is garbage-collected).
+
+    Tensors are split along the method's ``dim``; other arguments go whole to every
+    replica, and an iterator or generator argument is read once, lazily, with every
+    replica getting its own iterator over all of its items. Without GPUs, CUDA
+    ``device_ids`` are ignored (with one warning) and the wrapper is a plain call, as
+    in torch; ``dim`` may be changed after construction, as in torch.
+
+    Every call goes through ``scatter(inputs, kwargs, device_ids)``,
+    ``replicate(module, device_ids)``, ``parallel_apply(replicas, inputs, kwargs)`` and
+    ``gather(outputs, output_device)`` with torch's signatures, so a subclass may
+    override any of them as for ``torch.nn.DataParallel`` and call ``super()``; which
+    method runs, and with what options, is carried by the call itself (a context
+    variable), so concurrent and nested calls keep theirs.
 
     Example:
         >>> import torch, dpmethods
