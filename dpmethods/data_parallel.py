@@ -21,6 +21,7 @@ from .gather import gather as _gather
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
+from .replica_cache import CachedReplicas
 from .replicate import fingerprint
 from .replicate import replicate as _replicate
 from .scatter import ScatterResult, _as_device, scatter_call
@@ -126,7 +127,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         self._init_methods(module, methods)
         self._forward_options = self._dpm_methods.get("forward", MethodOptions(dim=dim))
         self._check_broadcast_names()
-        self._replica_cache: tuple[tuple[Any, ...], list[nn.Module]] | None = None
+        self._replica_cache: CachedReplicas | None = None
         self._warned_small: set[tuple[int, int]] = set()
         # As torch: CUDA devices as indices; CPU devices (ours only) as torch.device.
         self.device_ids: list[int | torch.device] = [  # type: ignore[assignment]
@@ -186,7 +187,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         opts = self._dpm_methods.get(name, self._forward_options)
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
-        if key is None or cached is None or cached[0] != key:
+        if key is None or cached is None or cached.key != key:
             self._check_source_device()  # a cache hit means the devices were checked
         scattered = self.scatter(args, kwargs, self._devices, options=opts, fn=fn)
         inputs, kwargs_tup = scattered
@@ -247,10 +248,17 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             return _replicate(module, devices, not torch.is_grad_enabled())
         key = fingerprint(module) if key is None else key
         cached = self._replica_cache
-        if cached is None or cached[0] != key:
-            # Replicas for every device, so calls with smaller batches share them.
-            self._replica_cache = cached = (key, _replicate(module, self._devices, True))
-        return cached[1][: len(devices)]
+        loan = cached.lend(len(devices)) if cached is not None and cached.key == key else None
+        if loan is None and (cached is None or not cached.lent()):
+            # Replicas for every device, so calls with smaller batches share them; built
+            # outside inference mode, so their copies have version counters to check.
+            with torch.inference_mode(False):
+                replicas = _replicate(module, self._devices, True)
+            cached = CachedReplicas(key, replicas, module)
+            self._replica_cache = cached
+            loan = cached.lend(len(devices))
+        # Lent to another call (a thread, or an outer call): this call gets its own.
+        return _replicate(module, devices, True) if loan is None else loan
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -275,9 +283,12 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             workers = self.__dict__.get("_workers")
             if workers is None:
                 workers = self.__dict__["_workers"] = WorkerPool(len(self._devices) - 1)
-        return _parallel_apply(
-            replicas, method, inputs, kwargs, self._devices[: len(replicas)], workers
-        )
+        try:
+            return _parallel_apply(
+                replicas, method, inputs, kwargs, self._devices[: len(replicas)], workers
+            )
+        finally:
+            CachedReplicas.give_back(replicas)
 
     def gather(  # type: ignore[override]
         self,

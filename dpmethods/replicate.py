@@ -145,7 +145,8 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
 
     It covers every module's class and attributes (by identity, so any assignment,
     ``train()`` and ``eval()`` show), each parameter's and buffer's identity, storage,
-    device, dtype and version counter (so in-place updates, ``.to()`` and
+    device, dtype, version counter, sizes, strides and storage offset (so in-place
+    updates, ``.to()``, ``p.data = p.data.t()`` and
     ``load_state_dict`` show), and the number of optimizer steps taken by any
     optimizer (fused steps don't bump version counters). Replicas keep the old
     attribute values alive, so an identity cannot be reused while a cached replica
@@ -186,6 +187,8 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
                         append(None)
                     else:
                         extend((id(t), t.data_ptr(), t.device, t.dtype, t._version))
+                        # ``p.data = p.data.t()`` keeps the storage and the version.
+                        extend((t.shape, t.stride(), t.storage_offset()))
             extend(map(id, d["_modules"].values()))
     except RuntimeError:
         # Inference tensors have no version counter, so their in-place updates can't be

@@ -142,6 +142,130 @@ def test_ctrl_c_while_other_replicas_run(cache: bool, sigint_sets_event: threadi
     _check_next_calls(dp, model, cache)
 
 
+
+# --- an exception, KeyboardInterrupt or SystemExit raised inside a replica --------------
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+@pytest.mark.parametrize("replica", [0, N_DEV - 1], ids=["replica0", "last-replica"])
+@pytest.mark.parametrize("kind", [ValueError, KeyboardInterrupt, SystemExit])
+def test_fault_in_replica_then_next_call_is_right(
+    kind: type[BaseException], replica: int, cache: bool
+) -> None:
+    """The fault reaches the caller, and the next calls are right (the faulting replica
+    also changed ``self``, which must not outlive the call, as without the cache)."""
+    model = Faulty()
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
+    with _context(cache):
+        dp.encode(_batch())
+    ctl = model.ctl
+    ctl.target, ctl.fault, ctl.mutate = float(replica * ROWS), kind("boom"), True
+    with pytest.raises(kind, match="boom") as info, _context(cache):
+        dp.encode(_batch())
+    assert f"dpmethods: raised in replica {replica} on device cpu" in info.value.__notes__
+    _check_next_calls(dp, model, cache)
+
+
+@pytest.mark.parametrize("kind", [RuntimeError, KeyboardInterrupt])
+def test_fault_under_grad_then_backward_is_right(kind: type[BaseException]) -> None:
+    """A call that fails under grad leaves no half graph behind: the next step's
+    gradients equal the module's own."""
+    model = Faulty()
+    ref = Faulty()
+    ref.load_state_dict(model.state_dict())
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV)
+    model.ctl.target, model.ctl.fault = float(ROWS), kind("boom")
+    with pytest.raises(kind):
+        dp.encode(_batch()).sum().backward()
+    model.ctl.target, model.ctl.fault = -1.0, None
+    x = _batch()
+    dp.encode(x).pow(2).sum().backward()
+    ref.encode(x).pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+# --- cached replicas agree with fresh ones (issue 12 defects 5 and 6) --------------------
+
+
+class Mutating(nn.Module):
+    """A method that changes ``self``: an attribute, a new attribute, a buffer in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.calls = 0
+        self.register_buffer("acc", torch.zeros(D))
+
+    @parallel_method
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # a replica's attribute: lost after the call
+        self.last = x  # a new attribute: lost too
+        if self.training and x[0, 0] > 0:
+            # Replicas past the first: in training mode they hold buffer copies of their own.
+            self.acc.add_(x.sum(0))
+        return self.lin(x) * self.calls + self.acc
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_method_that_changes_self_gives_the_same_with_and_without_cache(training: bool) -> None:
+    outputs = {}
+    for cache in (False, True):
+        torch.manual_seed(1)
+        model = Mutating().train(training)
+        dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
+        with torch.no_grad():
+            outputs[cache] = [dp.step(_batch()) for _ in range(4)]
+        assert model.calls == 0 and not hasattr(model, "last")
+    for a, b in zip(outputs[False], outputs[True], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_transposed_data_is_seen_by_the_cache() -> None:
+    """``p.data = p.data.t()`` keeps the storage and the version counter: the cache
+    key must see sizes, strides and the storage offset."""
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, 3))
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=True)
+    x = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(dp(x), model(x))
+        model[0].weight.data = model[0].weight.data.t()  # same shape: only strides change
+        torch.testing.assert_close(dp(x), model(x))
+        model[1].weight.data = model[1].weight.data[:, :D]  # a narrower view... same shape
+        model[0].bias.data = torch.cat([model[0].bias.data, torch.randn(1)])[1:]  # offset 1
+        torch.testing.assert_close(dp(x), model(x))
+
+
+def test_concurrent_calls_do_not_share_lent_replicas() -> None:
+    """While one call has the cached replicas, another thread's call builds its own
+    (so a method that changes ``self`` can't see another call's change)."""
+    model = Faulty()
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=True)
+    with torch.no_grad():
+        dp.encode(_batch())
+    ctl = model.ctl
+    ctl.target, ctl.mutate = 0.0, True  # replica 0 sets self.scale and blocks
+    results: dict[str, torch.Tensor] = {}
+
+    def first() -> None:
+        with torch.no_grad():
+            results["first"] = dp.encode(_batch())
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert ctl.entered.wait(30)
+        x = _batch()
+        x[:, 0] += 100  # no replica of this call blocks
+        with torch.no_grad():
+            torch.testing.assert_close(dp.encode(x), model.encode(x))
+    finally:
+        ctl.release.set()
+        t.join(30)
+    assert "first" in results
+
+
 _FORK_SCRIPT = textwrap.dedent(
     """
     import os, sys, time, torch
