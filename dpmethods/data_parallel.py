@@ -22,7 +22,7 @@ from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
 from .replica_cache import CachedReplicas
-from .replicate import fingerprint
+from .replicate import cpu_replicas_mode, fingerprint
 from .replicate import replicate as _replicate
 from .scatter import ScatterResult, _as_device, scatter_call
 from .utils import add_prefix
@@ -92,6 +92,10 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             rebuilt whenever a parameter, buffer, attribute or mode of the module changes.
             The replicas' worker threads are kept too (daemon threads, stopped when the
             wrapper is garbage-collected).
+        cpu_replicas: ``"shared"`` (CPU replicas use the module's tensors) or
+            ``"distinct"`` (each CPU entry of ``device_ids`` gets its own parameter and
+            buffer copies, through the autograd broadcast distinct GPUs get); default
+            ``$DPMETHODS_CPU_REPLICAS``, else ``"shared"``. See docs/reliability.md.
 
     Example:
         >>> import torch, dpmethods
@@ -116,6 +120,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         methods: MethodsArg = None,
         *,
         cache_replicas: bool = False,
+        cpu_replicas: str | None = None,
     ) -> None:
         # torch's __init__ turns into a passthrough without GPUs, so it can't take CPU devices.
         nn.Module.__init__(self)
@@ -123,6 +128,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         self.module = module
         self.dim = dim
         self.cache_replicas = bool(cache_replicas)
+        self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self._devices = _resolve_devices(device_ids)
         self._init_methods(module, methods)
         self._forward_options = self._dpm_methods.get("forward", MethodOptions(dim=dim))
@@ -245,7 +251,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         devices = [_as_device(d) for d in device_ids]
         prefix = devices == self._devices[: len(devices)]
         if not (self._caching() and module is self.module and prefix):
-            return _replicate(module, devices, not torch.is_grad_enabled())
+            return _replicate(
+                module, devices, not torch.is_grad_enabled(), cpu_replicas=self.cpu_replicas
+            )
         key = fingerprint(module) if key is None else key
         cached = self._replica_cache
         loan = cached.lend(len(devices)) if cached is not None and cached.key == key else None
@@ -253,12 +261,14 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             # Replicas for every device, so calls with smaller batches share them; built
             # outside inference mode, so their copies have version counters to check.
             with torch.inference_mode(False):
-                replicas = _replicate(module, self._devices, True)
+                replicas = _replicate(module, self._devices, True, cpu_replicas=self.cpu_replicas)
             cached = CachedReplicas(key, replicas, module)
             self._replica_cache = cached
             loan = cached.lend(len(devices))
         # Lent to another call (a thread, or an outer call): this call gets its own.
-        return _replicate(module, devices, True) if loan is None else loan
+        if loan is None:
+            return _replicate(module, devices, True, cpu_replicas=self.cpu_replicas)
+        return loan
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

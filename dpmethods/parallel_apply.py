@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,9 @@ from . import _tree
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 
 _SIDE_STREAMS: dict[tuple[int, int], Any] = {}
+# Context factories entered around each replica's call, in its thread: the seam for
+# dpmethods.testing's per-replica recording. Empty, it costs one check per replica.
+_REPLICA_CONTEXTS: list[Callable[[int, Sequence[nn.Module]], contextlib.AbstractContextManager[Any]]] = []
 _NOTHING = contextlib.nullcontext()
 _SIDE_STREAMS_LOCK = threading.Lock()
 
@@ -255,6 +258,15 @@ def _device_context(device: torch.device, stream: Any) -> Any:
     return stack
 
 
+def _entered(i: int, replicas: Sequence[nn.Module]) -> contextlib.AbstractContextManager[Any]:
+    if not _REPLICA_CONTEXTS:
+        return _NOTHING
+    stack = contextlib.ExitStack()
+    for factory in list(_REPLICA_CONTEXTS):
+        stack.enter_context(factory(i, replicas))
+    return stack
+
+
 def _annotate(exc: BaseException, index: int, device: torch.device) -> BaseException:
     note = f"dpmethods: raised in replica {index} on device {device}"
     if hasattr(exc, "add_note"):
@@ -307,7 +319,7 @@ def parallel_apply(
 
     def work(i: int) -> None:
         try:
-            with state.applied(), _device_context(devices[i], streams[i]):
+            with state.applied(), _device_context(devices[i], streams[i]), _entered(i, replicas):
                 replica = replicas[i]
                 fn = replica if method == "forward" else getattr(replica, method)
                 results[i] = fn(*inputs[i], **kwargs[i])
