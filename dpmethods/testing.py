@@ -154,7 +154,7 @@ def assert_replicas_isolated(*, require_checks: bool = True) -> Iterator[Isolati
         hooks.remove(report._record)
     if report.violations:
         raise AssertionError(
-            "replicas touched tensors of other replicas:\n" + "\n".join(report.violations)
+            "replicas touched tensors of other replicas:\n" + "\n".join(sorted(report.violations))
         )
     if require_checks and not report.checked_runs:
         raise AssertionError(
