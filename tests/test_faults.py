@@ -8,12 +8,15 @@ calls, so they are where a fault could leave something behind).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import tracemalloc
+import weakref
 from collections.abc import Iterator
 from types import FrameType
 
@@ -325,3 +328,129 @@ def test_fork_after_cached_call() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fork ok" in done.stdout
+
+
+# --- keep what holds: threads, reference cycles, concurrency, memory (Deliver 4) ---------
+
+
+def _dpmethods_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("dpmethods-")}
+
+
+def _calls(dp: DataParallel, model: Faulty, cache: bool, fault: bool) -> None:
+    """A few calls: under grad with backward, under no_grad, and one that fails."""
+    x = _batch()
+    if not cache:
+        dp.encode(x).sum().backward()
+    with torch.no_grad():
+        dp.encode(x)
+    if fault:
+        model.ctl.target, model.ctl.fault = float(ROWS), RuntimeError("boom")
+        try:
+            with _context(cache):
+                dp.encode(x)
+        except RuntimeError:
+            pass
+        model.ctl.target, model.ctl.fault = -1.0, None
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_no_threads_left_after_calls_and_after_the_wrapper_goes(cache: bool) -> None:
+    before = _dpmethods_threads()
+    model = Faulty()
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
+    for _ in range(3):
+        _calls(dp, model, cache, fault=True)
+    kept = _dpmethods_threads() - before
+    # Per-call threads are joined; a cached wrapper keeps one worker per extra device.
+    assert sorted(t.name for t in kept) == (
+        [f"dpmethods-worker-{i}" for i in range(1, N_DEV)] if cache else []
+    )
+    gone = weakref.ref(dp)
+    del dp
+    gc.collect()
+    assert gone() is None
+    for t in kept:
+        t.join(timeout=30)
+    assert _dpmethods_threads() - before == set()
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_calls_make_no_reference_cycles(cache: bool) -> None:
+    """Cycles would keep replicas, inputs and outputs alive until a full collection."""
+    model = Faulty()
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
+    _calls(dp, model, cache, fault=True)  # warm: the pool, the cache, lazy imports
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            _calls(dp, model, cache, fault=True)
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_four_threads_calling_one_wrapper_get_the_module_results(cache: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, D)).double()
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
+    inputs = [[torch.randn(7, D, dtype=torch.double) for _ in range(25)] for _ in range(4)]
+    with torch.no_grad():
+        expected = [[model(x) for x in xs] for xs in inputs]
+    got: list[list[torch.Tensor]] = [[] for _ in inputs]
+    start = threading.Barrier(len(inputs))
+
+    def caller(k: int) -> None:
+        start.wait()
+        with torch.no_grad():
+            got[k].extend(dp(x) for x in inputs[k])
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for k in range(len(inputs)):
+        assert len(got[k]) == len(inputs[k]), f"thread {k} did not finish"
+        for out, ref in zip(got[k], expected[k], strict=True):
+            torch.testing.assert_close(out, ref)
+
+
+def _live_tensors() -> tuple[int, int]:
+    # type(), not isinstance(): isinstance reads __class__, which some module proxies warn on.
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    return len(tensors), sum(t.untyped_storage().nbytes() for t in tensors if not t.is_meta)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_memory_is_flat_over_3000_calls(cache: bool) -> None:
+    """Neither Python objects nor tensors pile up from call to call."""
+    model = nn.Sequential(nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, 2))
+    dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
+    x = torch.randn(6, D)
+
+    def run(n: int) -> None:
+        with torch.no_grad():
+            for _ in range(n):
+                out = dp(x)
+        del out
+
+    run(50)  # warm: caches, the pool, lazy imports
+    gc.collect()
+    tracemalloc.start()
+    try:
+        run(20)
+        gc.collect()
+        tensors_before, first = _live_tensors(), tracemalloc.get_traced_memory()[0]
+        run(3000)
+        gc.collect()
+        tensors_after, last = _live_tensors(), tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert tensors_after == tensors_before
+    # A leak of one small object per call would be 3000 * ~100 bytes; allow a little
+    # slack for interpreter caches that settle.
+    assert last - first < 64 * 1024, f"Python memory grew by {last - first} bytes"
