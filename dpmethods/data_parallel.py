@@ -23,7 +23,8 @@ from .gather import gather as _gather
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
-from .replicate import fingerprint
+from .replica_cache import CachedReplicas
+from .replicate import cpu_replicas_mode, fingerprint
 from .replicate import replicate as _replicate
 from .scatter import _as_device, scatter_call
 from .streaming import map_batches
@@ -56,6 +57,10 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             rebuilt whenever a parameter, buffer, attribute or mode of the module changes.
             The replicas' worker threads are kept too (daemon threads, stopped when the
             wrapper is garbage-collected).
+        cpu_replicas: ``"shared"`` (CPU replicas use the module's tensors) or
+            ``"distinct"`` (each CPU entry of ``device_ids`` gets its own parameter and
+            buffer copies, through the autograd broadcast distinct GPUs get); default
+            ``$DPMETHODS_CPU_REPLICAS``, else ``"shared"``. See docs/reliability.md.
 
     Tensors are split along the method's ``dim``; other arguments go whole to every
     replica, and an iterator or generator argument is read once, lazily, with every
@@ -93,6 +98,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         methods: MethodsArg = None,
         *,
         cache_replicas: bool = False,
+        cpu_replicas: str | None = None,
     ) -> None:
         # torch's __init__ turns into a passthrough without GPUs, so it can't take CPU devices.
         nn.Module.__init__(self)
@@ -106,10 +112,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             )
         self.dim = dim
         self.cache_replicas = cache_replicas
+        self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self._devices = _resolve_devices(device_ids)
         self._init_methods(module, methods)
         self._check_broadcast_names()
-        self._replica_cache: tuple[tuple[Any, ...], list[nn.Module]] | None = None
+        self._replica_cache: CachedReplicas | None = None
         self._warned_small: set[tuple[int, int]] = set()
         # As torch: CUDA devices as indices; CPU devices (ours only) as torch.device.
         self.device_ids: list[int | torch.device] = [  # type: ignore[assignment]
@@ -226,7 +233,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             return call(*args, **kwargs)
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
-        if key is None or cached is None or cached[0] != key:
+        if key is None or cached is None or cached.key != key:
             self._check_source_device()  # a cache hit means the devices were checked
         with _entered(_Call(self, name, self._options(name), fn, key)) as ctx:
             # torch's seams, with torch's signatures; the rest of the call is in ctx.
@@ -285,14 +292,25 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         devices = [_as_device(d) for d in device_ids]
         prefix = devices == self._devices[: len(devices)]
         if not (self._caching() and module is self.module and prefix):
-            return _replicate(module, devices, not torch.is_grad_enabled())
+            return _replicate(
+                module, devices, not torch.is_grad_enabled(), cpu_replicas=self.cpu_replicas
+            )
         ctx = _current(self)
         key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
         cached = self._replica_cache
-        if cached is None or cached[0] != key:
-            # Replicas for every device, so calls with smaller batches share them.
-            self._replica_cache = cached = (key, _replicate(module, self._devices, True))
-        return cached[1][: len(devices)]
+        loan = cached.lend(len(devices)) if cached is not None and cached.key == key else None
+        if loan is None and (cached is None or not cached.lent()):
+            # Replicas for every device, so calls with smaller batches share them; built
+            # outside inference mode, so their copies have version counters to check.
+            with torch.inference_mode(False):
+                replicas = _replicate(module, self._devices, True, cpu_replicas=self.cpu_replicas)
+            cached = CachedReplicas(key, replicas, module)
+            self._replica_cache = cached
+            loan = cached.lend(len(devices))
+        # Lent to another call (a thread, or an outer call): this call gets its own.
+        if loan is None:
+            return _replicate(module, devices, True, cpu_replicas=self.cpu_replicas)
+        return loan
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -317,10 +335,13 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             workers = self.__dict__.get("_workers")
             if workers is None:
                 workers = self.__dict__["_workers"] = WorkerPool(len(self._devices) - 1)
-        return _parallel_apply(
-            replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
-            self._devices[:n], workers,
-        )
+        try:
+            return _parallel_apply(
+                replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
+                self._devices[:n], workers,
+            )
+        finally:
+            CachedReplicas.give_back(replicas)
 
     def gather(self, outputs: Any, output_device: DeviceId) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.gather`."""
