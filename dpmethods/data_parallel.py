@@ -271,8 +271,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     ) -> Any:
         """Split a call's arguments per device; see :func:`dpmethods.scatter.scatter_call`.
 
-        Returns ``(inputs, kwargs)``: a tuple of positional arguments and a tuple of
-        keyword arguments per replica, as torch's ``DataParallel.scatter``.
+        Returns ``(inputs, kwargs)``: per replica, a tuple of positional arguments and
+        a dict of keyword arguments, as torch's ``DataParallel.scatter``.
         """
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")

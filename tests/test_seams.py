@@ -85,8 +85,9 @@ def test_every_seam_is_called_with_torchs_signature_for_every_method() -> None:
     assert [s[0] for s in dp.seen] == ["scatter", "replicate", "parallel_apply", "gather"] * 3
 
 
+@pytest.mark.parametrize("cached", [False, True])
 @pytest.mark.parametrize("seam", ["scatter", "replicate", "parallel_apply", "gather"])
-def test_a_subclass_overriding_one_seam_like_torch_works(seam: str) -> None:
+def test_a_subclass_overriding_one_seam_like_torch_works(seam: str, cached: bool) -> None:
     calls: list[str] = []
 
     def scatter(self: Any, inputs: Any, kwargs: Any, device_ids: Any) -> Any:
@@ -109,11 +110,13 @@ def test_a_subclass_overriding_one_seam_like_torch_works(seam: str) -> None:
             "gather": gather}[seam]
     Sub = type("Sub", (DataParallel,), {seam: impl})
     ref, model = _pair()
-    dp = Sub(model, CPU3)
+    dp = Sub(model, CPU3, cache_replicas=cached)
     x = torch.randn(8, 6)
-    assert torch.allclose(dp(x), ref(x), atol=1e-6)
-    assert torch.allclose(dp.step(x)["loss"], ref.step(x)["loss"], atol=1e-6)
-    assert calls == [seam, seam]
+    with torch.set_grad_enabled(not cached):  # the replica cache works under no_grad
+        assert torch.allclose(dp(x), ref(x), atol=1e-6)
+        assert torch.allclose(dp.step(x)["loss"], ref.step(x)["loss"], atol=1e-6)
+        assert torch.allclose(dp(x), ref(x), atol=1e-6)
+    assert calls == [seam] * 3
 
 
 def test_a_scatter_written_from_scratch_needs_no_sizes_attribute() -> None:
@@ -181,7 +184,8 @@ def test_dataparallel_is_generic_like_torchs() -> None:
     assert nn.DataParallel[Net] is not None and dpmethods.DataParallel[nn.Linear] is not None
 
 
-def test_four_threads_with_different_options_overlap_safely() -> None:
+@pytest.mark.parametrize("cached", [False, True])
+def test_four_threads_with_different_options_overlap_safely(cached: bool) -> None:
     # Four calls are held inside scatter together, so their contexts overlap for sure.
     barrier = threading.Barrier(4, timeout=30)
 
@@ -191,7 +195,7 @@ def test_four_threads_with_different_options_overlap_safely() -> None:
             return super().scatter(inputs, kwargs, device_ids)
 
     ref, model = _pair()
-    dp = Wait(model, CPU3)
+    dp = Wait(model, CPU3, cache_replicas=cached)
     x = torch.randn(7, 6)
     xt = torch.randn(3, 7, 6)
     jobs = [lambda: dp(x), lambda: dp.encode_t(xt), lambda: dp.step(x)["loss"], lambda: dp.encode_t(xt)]
@@ -199,7 +203,8 @@ def test_four_threads_with_different_options_overlap_safely() -> None:
     results: list[Any] = [None] * 4
 
     def run(i: int) -> None:
-        results[i] = jobs[i]()
+        with torch.set_grad_enabled(not cached):
+            results[i] = jobs[i]()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
