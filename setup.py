@@ -199,5 +199,15 @@ def _persistent_build_ext(base: type) -> type:
     return PersistentBuildExt
 
 
-_ext_modules, _cmdclass = _extensions()
+def _metadata_only() -> bool:
+    """True when setup.py only writes metadata (pip runs it so before every build).
+
+    The extension does not change the metadata, and skipping it spares importing torch,
+    seconds of each reinstall.
+    """
+    commands = [a for a in sys.argv[1:] if not a.startswith("-")]
+    return bool(commands) and commands[0] in ("egg_info", "dist_info")
+
+
+_ext_modules, _cmdclass = ([], {}) if _metadata_only() else _extensions()
 setup(ext_modules=_ext_modules, cmdclass=_cmdclass)
