@@ -123,7 +123,7 @@ def test_hf_cache_is_merged(hf_summary: dict[str, object]) -> None:
     assert hf_summary["cache_type"] == "DynamicCache"
 
 
-@pytest.mark.parametrize("name", ["vae", "hf_generate", "ddp_train"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in _EXAMPLES.glob("*.py")))
 def test_example_help_gives_every_option_a_help_and_default(name: str) -> None:
     import re
     import subprocess
