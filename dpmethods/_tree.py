@@ -262,3 +262,9 @@ def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
         if ca != cb:
             return describe_mismatch(ca, cb, root + label)
     return f"{root}: structures differ"
+
+
+# The shipped rules (diffusers, transformers) hook into on_miss when type_rules is
+# imported. dpmethods/__init__.py imports its names lazily, so import it here, where
+# every walk starts: type_rules imports this module, which is complete by now.
+from . import type_rules as _type_rules  # noqa: E402, F401

@@ -70,9 +70,14 @@ class DistributedDataParallel(_MethodWrapper, torch.nn.parallel.DistributedDataP
         ...     @dpmethods.parallel_method
         ...     def training_step(self, x, y):
         ...         return torch.nn.functional.mse_loss(self.lin(x), y)
-        >>> # after torch.distributed.init_process_group(...):
-        >>> ddp = dpmethods.DistributedDataParallel(Net())  # doctest: +SKIP
-        >>> ddp.training_step(x, y).backward()  # gradients all-reduced  # doctest: +SKIP
+        >>> import torch.distributed as dist  # one process here; torchrun starts several
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = dpmethods.DistributedDataParallel(Net())
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+        >>> ddp.training_step(x, y).backward()  # through DDP's forward: all-reduced
+        >>> ddp.module.lin.weight.grad is not None
+        True
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -254,10 +259,21 @@ def register_fsdp_methods(module: nn.Module, methods: MethodsArg = None) -> list
         The registered methods as dotted paths (``"generate"``, ``"decoder.step"``).
 
     Example:
-        >>> model = Net()  # doctest: +SKIP
-        >>> torch.distributed.fsdp.fully_shard(model)  # doctest: +SKIP
-        >>> dpmethods.register_fsdp_methods(model)  # doctest: +SKIP
+        >>> import torch, dpmethods, torch.distributed as dist
+        >>> from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(4, 1)
+        ...     @dpmethods.parallel_method
+        ...     def training_step(self, x, y):
+        ...         return torch.nn.functional.mse_loss(self.lin(x), y)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = Net()
+        >>> _ = fully_shard(model)  # torch's own
+        >>> dpmethods.register_fsdp_methods(model)
         ['training_step']
+        >>> dist.destroy_process_group()
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
@@ -311,10 +327,24 @@ def fully_shard(
         What ``fully_shard`` returns: the module, now an ``FSDPModule``.
 
     Example:
-        >>> for layer in model.layers:  # doctest: +SKIP
-        ...     dpmethods.fully_shard(layer)
-        >>> dpmethods.fully_shard(model)  # doctest: +SKIP
-        >>> model.training_step(batch).backward()  # doctest: +SKIP
+        >>> import torch, dpmethods, torch.distributed as dist
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)])
+        ...     def forward(self, x):
+        ...         return self.layers[1](self.layers[0](x))
+        ...     @dpmethods.parallel_method
+        ...     def training_step(self, x, y):
+        ...         return torch.nn.functional.mse_loss(self(x), y)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = Net()
+        >>> for layer in model.layers:
+        ...     _ = dpmethods.fully_shard(layer)
+        >>> type(dpmethods.fully_shard(model)).__name__
+        'FSDPNet'
+        >>> model.training_step(torch.randn(8, 4), torch.randn(8, 1)).backward()
+        >>> dist.destroy_process_group()
     """
     if methods is not None and not isinstance(module, nn.Module):
         raise TypeError(

@@ -50,12 +50,29 @@ def _say(line: str) -> None:
     sys.stdout.flush()
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--replicas", type=int, default=2, help="CPU replicas per rank")
-    parser.add_argument("--out", default=None, help="write each rank's results here")
+    parser = argparse.ArgumentParser(
+        description="Embed a dataset with DataParallel.map(shard=True) on every rank of a "
+        "torchrun job, then collect the results on rank 0 and check them against one "
+        "process. Run: torchrun --nproc-per-node=2 examples/map_torchrun.py",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--batches", type=int, default=20, help="batches in the dataset")
+    parser.add_argument("--batch-size", type=int, default=8, help="items per batch")
+    parser.add_argument("--replicas", type=int, default=2,
+                        help="CPU replicas per rank (on GPUs: one, the rank's own)")
+    parser.add_argument("--out", default=None,
+                        help="a folder for per-rank result files (default: none, the "
+                        "results are collected with all_gather_object)")
     parser.add_argument("--progress", action="store_true", help="a progress bar on rank 0")
     args = parser.parse_args(argv)
 
