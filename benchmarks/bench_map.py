@@ -331,6 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         print(table(figures, saved["workloads"]))
         plot(figures, saved["workloads"], args.from_json.with_suffix(".png"), saved["title"])
         return 0
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("bench_map needs transformers (pip install transformers)", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is available", file=sys.stderr)
         return 2

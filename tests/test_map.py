@@ -423,3 +423,27 @@ def test_example_map_torchrun(tmp_path: Path) -> None:
     assert "world 2 collected 56 embeddings" in proc.stdout, proc.stdout
     files = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert sorted(files[0]) == [0, 2, 4, 6] and sorted(files[1]) == [1, 3, 5]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("output_device", [None, "cpu"])
+def test_cuda_map_matches_one_device(net: Net, output_device: str | None) -> None:
+    # Two replicas on one GPU (repeated ids) or one per GPU; CPU batches are pinned and
+    # uploaded on each replica's copy stream, GPU batches are ordered after the caller's.
+    count = torch.cuda.device_count()
+    ids = list(range(count)) if count > 1 else [0, 0]
+    model = net.to("cuda:0")
+    dp = dpmethods.DataParallel(model, device_ids=ids, output_device=output_device)
+    batches = _batches(13)
+    target = torch.device(output_device or "cuda:0")
+    with torch.no_grad():
+        ref = [model.encode(b.cuda()) for b in batches]
+        outs = list(dp.map("encode", batches, prefetch=3))
+        pairs = list(dp.map("encode", [b.cuda() * 1 for b in batches], ordered=False))
+    torch.cuda.synchronize()
+    assert sorted(i for i, _ in pairs) == list(range(len(batches)))
+    for out, (i, unordered) in zip(outs, sorted(pairs, key=lambda p: p[0])):
+        for got in (out, unordered):
+            assert got["y"].device == target and got["n"] == ref[i]["n"]
+            torch.testing.assert_close(got["y"], ref[i]["y"].to(target))
+            torch.testing.assert_close(got["norm"], ref[i]["norm"].to(target))
