@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU check of the compiled gather: build in place for sm_90, run the CUDA
-# tests, quick GPU benchmarks (gather, dispatch, DataParallel.map), and collect everything under $OUT.
+# tests and quick GPU benchmarks (gather, dispatch, DataParallel.map), and
+# collect everything under $OUT.
 #
 # Expects torch (CUDA build), nvcc, ninja and pytest to be installed already
-# (no network); bench_map also needs transformers. Budget: about 10 minutes; every
-# step has its own timeout and a failing step does not stop the later ones. Without a GPU the build and the
-# CPU tests still run, and the GPU steps are reported as skipped.
+# (no network); bench_map also needs transformers. Budget: about 10 minutes;
+# every step has its own timeout and a failing step does not stop the later
+# ones. Without a GPU the build and the CPU tests still run, and the GPU steps
+# are reported as skipped.
 #
 # Usage: OUT=out bash benchmarks/gpu_check.sh
 set -u
