@@ -290,6 +290,12 @@ def map_batches(
         )
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
+    rank, world = _shard() if shard else (0, 1)
+    source: Iterator[tuple[int, Any]] = itertools.islice(enumerate(batches), rank, None, world)
+    try:
+        total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
+    except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset
+        total = None
     opts = methods.get(method, wrapper._forward_options)
     devices: list[torch.device] = list(wrapper._devices)
     # As a call: outputs on output_device; without devices (no GPU) a plain call.
@@ -299,13 +305,6 @@ def map_batches(
         wrapper._check_source_device()
         # Built once for the whole map; under no_grad from the replica cache.
         replicas = wrapper.replicate(module, devices)
-    source: Iterator[tuple[int, Any]] = enumerate(batches)
-    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
-    if shard:
-        rank, world = _shard()
-        source = itertools.islice(source, rank, None, world)
-        if total is not None:
-            total = len(range(rank, total, world))
     run = Run(replicas, [*devices] or [None], method, output_device, prefetch)
     return _MapIterator(
         run,

@@ -141,6 +141,18 @@ def test_a_slow_batch_does_not_hold_back_the_others(net: Net) -> None:
     assert sorted(seen[:5]) == [1, 2, 3, 4, 5] and seen[5] == 0
 
 
+def test_dataloader_batches(net: Net) -> None:
+    data = torch.randn(10, 4)
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
+    with torch.no_grad():
+        outs = list(dp.map("encode", loader, progress=False))
+        ref = [net.encode(b) for b in loader]
+    assert [o["n"] for o in outs] == [3, 3, 3, 1]
+    for a, b in zip(outs, ref):
+        _same(a, b)
+
+
 def test_batch_kinds_mapping_tuple_single(net: Net) -> None:
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
     x, mask = torch.randn(5, 4), torch.rand(5)
@@ -255,7 +267,15 @@ def test_progress_bar_output(net: Net, capsys: pytest.CaptureFixture[str]) -> No
     with torch.no_grad():
         list(dp.map("encode", _batches(6), progress="embedding"))
         list(dp.map("encode", iter(_batches(4)), progress=True))
+        # A DataLoader of an IterableDataset has __len__ but len() raises: no total.
+        class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+            def __iter__(self) -> Iterator[torch.Tensor]:
+                return iter(torch.randn(10, 4))
+
+        loader = torch.utils.data.DataLoader(Stream(), batch_size=5)
+        list(dp.map("encode", loader, progress="streamed"))
     err = capsys.readouterr().err
+    assert "streamed: " in err and "2batch" in err.replace(" ", "")
     assert "embedding" in err
     assert "6/6" in err  # the total comes from len(batches)
     assert "items/s" in err and "batch/s" in err
