@@ -54,6 +54,27 @@ def _rebuild(base: type, module_cls: type, names: tuple[str, ...]) -> Any:
     return object.__new__(_method_class(base, module_cls, names))
 
 
+def _module_and_methods(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``module`` and ``methods`` as ``cls(*args, **kwargs)`` passes them on.
+
+    A subclass's ``__init__(self, *a, **k)`` forwards to ours: bind against the first
+    ``__init__`` in the MRO that names ``module``.
+    """
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        if "module" not in params:
+            continue
+        try:
+            bound = inspect.signature(init).bind(None, *args, **kwargs)
+        except TypeError:
+            continue  # this __init__ doesn't take these arguments; a base's may
+        return bound.arguments.get("module"), bound.arguments.get("methods")
+    return (args[0] if args else kwargs.get("module")), kwargs.get("methods")
+
+
 class _MethodWrapper(nn.Module):
     """Mixin base of the dpmethods wrappers.
 
@@ -67,9 +88,7 @@ class _MethodWrapper(nn.Module):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if not args and "module" not in kwargs:  # copy/pickle protocols call __new__ bare
             return super().__new__(cls)
-        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
-        module = bound.arguments.get("module")
-        methods = bound.arguments.get("methods")
+        module, methods = _module_and_methods(cls, args, kwargs)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"{cls.__name__}: module: expected an nn.Module, got {type(module).__name__}"

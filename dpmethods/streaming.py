@@ -296,7 +296,7 @@ def map_batches(
         total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset
         total = None
-    opts = methods.get(method, wrapper._forward_options)
+    opts = wrapper._options(method)
     devices: list[torch.device] = list(wrapper._devices)
     # As a call: outputs on output_device; without devices (no GPU) a plain call.
     output_device = _as_device(wrapper.output_device) if devices else None
