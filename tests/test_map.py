@@ -239,7 +239,7 @@ def test_close_and_break_stop_the_workers(net: Net) -> None:
         del it  # abandoned: the garbage collector's finalizer stops the workers
         gc.collect()
         assert _map_threads() == []
-        x = torch.randn(6, 4)
+        x = torch.randn(8, 4)  # 4 per replica: not the feature width 3
         _same(dp.encode(x)["y"], net.encode(x)["y"])  # a call gathers "n" as one int
         _same(next(iter(dp.map("encode", [x]))), net.encode(x))
 
