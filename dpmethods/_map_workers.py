@@ -133,12 +133,17 @@ def _run_cuda(run: Run, fn: Any, device: torch.device, stream: Any, batch: Any) 
 def _serve(run: Run, r: int) -> None:
     """One replica's worker: take batches while free, run them, hand back the outputs."""
     replica, device = run.replicas[r], run.devices[r]
-    fn = replica if run.method == "forward" else getattr(replica, run.method)
     streams = None
-    if device is not None and device.type == "cuda":
-        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # copy, compute
-        for s in streams:
-            s.wait_stream(run.caller_streams[device])
+    try:
+        fn = replica if run.method == "forward" else getattr(replica, run.method)
+        if device is not None and device.type == "cuda":
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # copy, compute
+            for s in streams:
+                s.wait_stream(run.caller_streams[device])
+    except BaseException as exc:  # the caller re-raises it, naming no batch
+        run.stop.set()
+        run.results.put((None, None, None, exc, r))
+        return
     # Only CUDA gains from holding batches ahead (their copies overlap the compute);
     # elsewhere a batch stays in the shared queue, free for whichever replica is idle.
     depth = run.depth if streams is not None else 1

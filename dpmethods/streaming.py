@@ -71,8 +71,9 @@ def _items(args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int:
     return 1
 
 
-def _annotate(exc: BaseException, index: int, replica: int, device: Any) -> BaseException:
-    note = f"dpmethods: DataParallel.map: raised in batch {index} on replica {replica} (device {device})"
+def _annotate(exc: BaseException, index: int | None, replica: int, device: Any) -> BaseException:
+    where = "while starting" if index is None else f"in batch {index}"
+    note = f"dpmethods: DataParallel.map: raised {where} on replica {replica} (device {device})"
     if hasattr(exc, "add_note"):
         exc.add_note(note)
         return exc
