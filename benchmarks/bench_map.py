@@ -68,6 +68,7 @@ class Figure:
     items: int
     items_per_s: float
     rounds: list[float] = field(default_factory=list)
+    cpu_rounds: list[float] = field(default_factory=list)  # process CPU seconds per pass
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -191,6 +192,7 @@ def _measure(
     per_replica = threads[0] if threads[0] > 0 else torch.get_num_threads()
     paths = _paths(w, dp, device, per_replica, threads[1] if threads[1] > 0 else per_replica)
     times: dict[str, list[float]] = {p: [] for p in paths}
+    cpu: dict[str, list[float]] = {p: [] for p in paths}
     order = list(paths.items())
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' notes on attention masks
@@ -199,10 +201,11 @@ def _measure(
         sync()
         for r in range(rounds):
             for p, fn in order[r % len(order) :] + order[: r % len(order)]:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 fn()
                 sync()
                 times[p].append(time.perf_counter() - t0)
+                cpu[p].append(time.process_time() - c0)
     figures = []
     for p, ts in times.items():
         med = statistics.median(ts)
@@ -210,7 +213,7 @@ def _measure(
             Figure(
                 name, p, med, _quantile(ts, 0.1), _quantile(ts, 0.9),
                 _quantile(ts, 0.75) - _quantile(ts, 0.25), w["items"], w["items"] / med,
-                rounds=ts,
+                rounds=ts, cpu_rounds=cpu[p],
             )
         )
     ratios = sorted(a / b for a, b in zip(times["lock-step"], times["map"], strict=True))
@@ -227,6 +230,11 @@ def _measure(
         "target": TARGETS[name],
         "met": statistics.median(ratios) >= TARGETS[name],
         "one_device_over_map": med["one-device"] / med["map"],
+        # CPU seconds spent per pass: on a host shared with other work (where a pass may
+        # get less than one core) this shows each path's cost better than the wall clock.
+        "cpu_lockstep_over_map": statistics.median(cpu["lock-step"]) / statistics.median(cpu["map"]),
+        "cpu_one_device_over_map": statistics.median(cpu["one-device"]) / statistics.median(cpu["map"]),
+        "cores_used": {p: statistics.median(c / t for c, t in zip(cpu[p], times[p])) for p in paths},
         "outputs_match_one_device": {
             p: all(_same(a, b) for a, b in zip(outs, reference, strict=True))
             for p, outs in outputs.items()
@@ -350,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(figures, facts))
     for name, x in facts.items():
         print(f"{name}: outputs equal to the one-device loop: {x['outputs_match_one_device']}")
+        cores = ", ".join(f"{p} {c:.2f}" for p, c in x["cores_used"].items())
+        print(f"{name}: CPU seconds lock-step/map {x['cpu_lockstep_over_map']:.2f}, "
+              f"one-device/map {x['cpu_one_device_over_map']:.2f}; cores used: {cores}")
     info = _common.machine_info()
     info.update(threads_per_replica=args.threads, one_device_threads=args.one_device_threads or args.threads,
                 dpmethods=dpmethods.__version__, loadavg_before=load_before,
