@@ -318,7 +318,7 @@ def test_a_parallel_method_named_map_keeps_the_wrapper_map() -> None:
         dp.map(torch.ones(2, 2), [])  # type: ignore[arg-type]
 
 
-def test_generate_of_a_real_gpt2(net: Net) -> None:
+def test_generate_of_a_real_gpt2() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
         vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2,
