@@ -18,10 +18,8 @@ batch it is running, and every thread is joined before ``close()`` returns.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import queue
-import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
@@ -31,12 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from . import _tree
-from .parallel_apply import ReplicaError, _ThreadState
+from ._map_workers import END, Run, pin, produced, shutdown
+from .parallel_apply import ReplicaError
 from .scatter import _as_device
 
 __all__ = ["map_batches"]
 
-_END = object()  # the iterable is exhausted, or the map stopped: a worker takes no more
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
 _POLL_S = 0.5  # how often a waiting caller checks that the workers are still alive
 
@@ -73,38 +71,9 @@ def _items(args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int:
     return 1
 
 
-def _move(obj: Any, device: torch.device | None, non_blocking: bool = False) -> Any:
-    """``obj`` with its tensor leaves on ``device``; ``obj`` itself when none has to move."""
-    if device is None:
-        return obj
-    spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
-        return obj
-    moved = [t.to(device, non_blocking=non_blocking) if isinstance(t, Tensor) else t for t in leaves]
-    return _tree.unflatten(spec, moved)
-
-
-def _pin(obj: Any) -> Any:
-    """``obj`` with its CPU tensor leaves in pinned memory, for asynchronous uploads."""
-    spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) and t.device.type == "cpu" for t in leaves):
-        return obj
-    pinned = [
-        t.pin_memory() if isinstance(t, Tensor) and t.device.type == "cpu" and not t.is_pinned() else t
-        for t in leaves
-    ]
-    return _tree.unflatten(spec, pinned)
-
-
-def _record(obj: Any, stream: Any) -> None:
-    # Memory made on one stream and read on another must not be reused too early.
-    for t in _tree.flatten(obj)[1]:
-        if isinstance(t, Tensor) and t.is_cuda:
-            t.record_stream(stream)
-
-
-def _annotate(exc: BaseException, index: int, replica: int, device: Any) -> BaseException:
-    note = f"dpmethods: DataParallel.map: raised in batch {index} on replica {replica} (device {device})"
+def _annotate(exc: BaseException, index: int | None, replica: int, device: Any) -> BaseException:
+    where = "while starting" if index is None else f"in batch {index}"
+    note = f"dpmethods: DataParallel.map: raised {where} on replica {replica} (device {device})"
     if hasattr(exc, "add_note"):
         exc.add_note(note)
         return exc
@@ -113,131 +82,12 @@ def _annotate(exc: BaseException, index: int, replica: int, device: Any) -> Base
     return wrapped
 
 
-class _Run:
-    """What the workers share with the iterator; it never refers to the iterator itself,
-    so dropping the iterator lets its finalizer stop them."""
-
-    def __init__(
-        self,
-        replicas: list[nn.Module],
-        devices: list[torch.device | None],
-        method: str,
-        output_device: torch.device | None,
-        depth: int,
-    ) -> None:
-        self.replicas, self.devices, self.method = replicas, devices, method
-        self.output_device, self.depth = output_device, depth
-        self.state = _ThreadState.capture()
-        self.cuda = any(d is not None and d.type == "cuda" for d in devices)
-        self.caller_stream = (
-            torch.cuda.current_stream(output_device)
-            if output_device is not None and output_device.type == "cuda"
-            else None
-        )
-        self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.stop = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.bar: Any = None
-
-    def start(self) -> None:
-        for r in range(len(self.replicas)):
-            t = threading.Thread(target=_serve, args=(self, r), name=f"dpmethods-map-{r}", daemon=True)
-            self.threads.append(t)
-            t.start()
-
-
-def _stage(run: _Run, item: Any, device: torch.device | None, streams: Any) -> Any:
-    """Start moving one batch to the replica's device; on CUDA, asynchronously."""
-    seq, index, args, kwargs = item
-    if streams is None:
-        return seq, index, _move(args, device), _move(kwargs, device), None
-    copy, compute = streams
-    with torch.cuda.stream(copy):
-        args, kwargs = _move((args, kwargs), device, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record(copy)
-    _record((args, kwargs), compute)
-    return seq, index, args, kwargs, ready
-
-
-def _serve(run: _Run, r: int) -> None:
-    """One replica's worker: take batches while free, run them, hand back the outputs."""
-    replica, device = run.replicas[r], run.devices[r]
-    fn = replica if run.method == "forward" else getattr(replica, run.method)
-    cuda = device is not None and device.type == "cuda"
-    streams = (torch.cuda.Stream(device), torch.cuda.Stream(device)) if cuda else None
-    # Only CUDA gains from holding batches ahead (their copies overlap the compute);
-    # elsewhere a batch stays in the shared queue, free for whichever replica is idle.
-    depth = run.depth if cuda else 1
-    held: collections.deque[Any] = collections.deque()
-    ended = False
-    with run.state.applied():
-        while not run.stop.is_set():
-            while not ended and len(held) < depth:
-                try:
-                    item = run.work.get(block=not held)
-                except queue.Empty:
-                    break
-                if item is _END:
-                    ended = True
-                    break
-                try:
-                    held.append(_stage(run, item, device, streams))
-                except BaseException as exc:
-                    held.append((item[0], item[1], exc, None, None))
-            if not held or run.stop.is_set():
-                return
-            seq, index, args, kwargs, ready = held.popleft()
-            try:
-                if isinstance(args, BaseException):
-                    raise args
-                if streams is None:
-                    out = _move(fn(*args, **kwargs), run.output_device)
-                else:
-                    with torch.cuda.device(device), torch.cuda.stream(streams[1]):
-                        streams[1].wait_event(ready)
-                        out = _move(fn(*args, **kwargs), run.output_device)
-                        streams[1].synchronize()  # the caller may read it on any stream
-                    if run.caller_stream is not None:
-                        _record(out, run.caller_stream)
-                run.results.put((seq, index, out, None, r))
-            except BaseException as exc:
-                run.stop.set()  # the other workers take nothing more
-                run.results.put((seq, index, None, exc, r))
-            out = args = kwargs = None  # drop this batch before waiting for the next
-
-
-def _shutdown(run: _Run) -> None:
-    """Stop the workers, drop pending batches and join every thread (idempotent)."""
-    run.stop.set()
-    while True:
-        try:
-            run.work.get_nowait()
-        except queue.Empty:
-            break
-    for _ in run.threads:
-        run.work.put(_END)
-    me = threading.current_thread()
-    for t in run.threads:
-        if t is not me:  # the garbage collector may run this finalizer in a worker
-            t.join()
-    if run.bar is not None:
-        run.bar.close()
-        run.bar = None
-    while True:
-        try:
-            run.results.get_nowait()
-        except queue.Empty:
-            break
-
-
 class _MapIterator(Iterator[Any]):
     """The iterator ``DataParallel.map`` returns; also a context manager that closes it."""
 
     def __init__(
         self,
-        run: _Run,
+        run: Run,
         source: Iterator[tuple[int, Any]],
         kwargs: dict[str, Any],
         *,
@@ -255,7 +105,7 @@ class _MapIterator(Iterator[Any]):
         self._buffer: dict[int, Any] = {}
         self._sizes: dict[int, int] = {}
         self._t0 = 0.0
-        self._finalizer = weakref.finalize(self, _shutdown, run)
+        self._finalizer = weakref.finalize(self, shutdown, run)
 
     def __iter__(self) -> _MapIterator:
         return self
@@ -321,14 +171,16 @@ class _MapIterator(Iterator[Any]):
             except StopIteration:
                 self._exhausted = True
                 for _ in run.threads:
-                    run.work.put(_END)
+                    run.work.put(END)
                 return
             args, kwargs = _as_call(batch, self._kwargs)
             if run.bar is not None:
                 self._sizes[self._seq] = _items(args, kwargs, self._dim)
-            if run.cuda:
-                args, kwargs = _pin((args, kwargs))
-            run.work.put((self._seq, index, args, kwargs))
+            events: list[Any] = []
+            if run.cuda:  # pinned, for asynchronous uploads; ordered after their making
+                args, kwargs = pin((args, kwargs))
+                events = produced((args, kwargs))
+            run.work.put((self._seq, index, args, kwargs, events))
             self._seq += 1
             self._inflight += 1
 
@@ -439,6 +291,12 @@ def map_batches(
         )
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
+    rank, world = _shard() if shard else (0, 1)
+    source: Iterator[tuple[int, Any]] = itertools.islice(enumerate(batches), rank, None, world)
+    try:
+        total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
+    except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset
+        total = None
     opts = wrapper._options(method)
     devices: list[torch.device] = list(wrapper._devices)
     # As a call: outputs on output_device; without devices (no GPU) a plain call.
@@ -448,14 +306,7 @@ def map_batches(
         wrapper._check_source_device()
         # Built once for the whole map; under no_grad from the replica cache.
         replicas = wrapper.replicate(module, devices)
-    source: Iterator[tuple[int, Any]] = enumerate(batches)
-    total = len(batches) if hasattr(batches, "__len__") else None  # type: ignore[arg-type]
-    if shard:
-        rank, world = _shard()
-        source = itertools.islice(source, rank, None, world)
-        if total is not None:
-            total = len(range(rank, total, world))
-    run = _Run(replicas, [*devices] or [None], method, output_device, prefetch)
+    run = Run(replicas, [*devices] or [None], method, output_device, prefetch)
     return _MapIterator(
         run,
         source,

@@ -141,6 +141,18 @@ def test_a_slow_batch_does_not_hold_back_the_others(net: Net) -> None:
     assert sorted(seen[:5]) == [1, 2, 3, 4, 5] and seen[5] == 0
 
 
+def test_dataloader_batches(net: Net) -> None:
+    data = torch.randn(10, 4)
+    loader = torch.utils.data.DataLoader(data, batch_size=3)
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
+    with torch.no_grad():
+        outs = list(dp.map("encode", loader, progress=False))
+        ref = [net.encode(b) for b in loader]
+    assert [o["n"] for o in outs] == [3, 3, 3, 1]
+    for a, b in zip(outs, ref):
+        _same(a, b)
+
+
 def test_batch_kinds_mapping_tuple_single(net: Net) -> None:
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
     x, mask = torch.randn(5, 4), torch.rand(5)
@@ -227,7 +239,7 @@ def test_close_and_break_stop_the_workers(net: Net) -> None:
         del it  # abandoned: the garbage collector's finalizer stops the workers
         gc.collect()
         assert _map_threads() == []
-        x = torch.randn(6, 4)
+        x = torch.randn(8, 4)  # 4 per replica: not the feature width 3
         _same(dp.encode(x)["y"], net.encode(x)["y"])  # a call gathers "n" as one int
         _same(next(iter(dp.map("encode", [x]))), net.encode(x))
 
@@ -255,7 +267,15 @@ def test_progress_bar_output(net: Net, capsys: pytest.CaptureFixture[str]) -> No
     with torch.no_grad():
         list(dp.map("encode", _batches(6), progress="embedding"))
         list(dp.map("encode", iter(_batches(4)), progress=True))
+        # A DataLoader of an IterableDataset has __len__ but len() raises: no total.
+        class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+            def __iter__(self) -> Iterator[torch.Tensor]:
+                return iter(torch.randn(10, 4))
+
+        loader = torch.utils.data.DataLoader(Stream(), batch_size=5)
+        list(dp.map("encode", loader, progress="streamed"))
     err = capsys.readouterr().err
+    assert "streamed: " in err and "2batch" in err.replace(" ", "")
     assert "embedding" in err
     assert "6/6" in err  # the total comes from len(batches)
     assert "items/s" in err and "batch/s" in err
@@ -298,7 +318,7 @@ def test_a_parallel_method_named_map_keeps_the_wrapper_map() -> None:
         dp.map(torch.ones(2, 2), [])  # type: ignore[arg-type]
 
 
-def test_generate_of_a_real_gpt2(net: Net) -> None:
+def test_generate_of_a_real_gpt2() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
         vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2,
@@ -423,3 +443,27 @@ def test_example_map_torchrun(tmp_path: Path) -> None:
     assert "world 2 collected 56 embeddings" in proc.stdout, proc.stdout
     files = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert sorted(files[0]) == [0, 2, 4, 6] and sorted(files[1]) == [1, 3, 5]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("output_device", [None, "cpu"])
+def test_cuda_map_matches_one_device(net: Net, output_device: str | None) -> None:
+    # Two replicas on one GPU (repeated ids) or one per GPU; CPU batches are pinned and
+    # uploaded on each replica's copy stream, GPU batches are ordered after the caller's.
+    count = torch.cuda.device_count()
+    ids = list(range(count)) if count > 1 else [0, 0]
+    model = net.to("cuda:0")
+    dp = dpmethods.DataParallel(model, device_ids=ids, output_device=output_device)
+    batches = _batches(13)
+    target = torch.device(output_device or "cuda:0")
+    with torch.no_grad():
+        ref = [model.encode(b.cuda()) for b in batches]
+        outs = list(dp.map("encode", batches, prefetch=3))
+        pairs = list(dp.map("encode", [b.cuda() * 1 for b in batches], ordered=False))
+    torch.cuda.synchronize()
+    assert sorted(i for i, _ in pairs) == list(range(len(batches)))
+    for out, (i, unordered) in zip(outs, sorted(pairs, key=lambda p: p[0])):
+        for got in (out, unordered):
+            assert got["y"].device == target and got["n"] == ref[i]["n"]
+            torch.testing.assert_close(got["y"], ref[i]["y"].to(target))
+            torch.testing.assert_close(got["norm"], ref[i]["norm"].to(target))
