@@ -41,6 +41,7 @@ _EXPORTS: dict[str, str] = {
     "scatter": "scatter",
     "scatter_call": "scatter",
     "strip_prefix": "utils",
+    "register_type": "type_rules",
     "unwrap": "utils",
 }
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from .registry import MethodOptions, get_options, parallel_method, parallel_methods, register
     from .replicate import replicate
     from .scatter import chunk_sizes, scatter, scatter_call
+    from .type_rules import register_type
     from .utils import load_state_dict, strip_prefix, unwrap
 
 __version__ = "0.1.0"
@@ -73,6 +75,7 @@ __all__ = [
     "parallel_methods",
     "register",
     "register_fsdp_methods",
+    "register_type",
     "replicate",
     "route",
     "scatter",

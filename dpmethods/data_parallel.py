@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ from .registry import MethodOptions, MethodsArg
 from .replicate import fingerprint
 from .replicate import replicate as _replicate
 from .scatter import _as_device, scatter_call
+from .streaming import map_batches
 from .utils import _load_fitted
 
 __all__ = ["DataParallel"]
@@ -188,18 +189,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
 
     def _check_broadcast_names(self) -> None:
         for name, opts in self._dpm_methods.items():
-            if not opts.broadcast:
+            if not opts.broadcast and not opts.split:
                 continue
             params = inspect.signature(getattr(type(self.module), name)).parameters
             if any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 continue
-            unknown = [b for b in opts.broadcast if b not in params]
-            if unknown:
-                raise ValueError(
-                    f"broadcast: {unknown} are not arguments of "
-                    f"{type(self.module).__name__}.{name}; its arguments are "
-                    f"{[p for p in params if p != 'self']}"
-                )
+            for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
+                unknown = [b for b in names if b not in params]
+                if unknown:
+                    raise ValueError(
+                        f"{option}: {unknown} are not arguments of "
+                        f"{type(self.module).__name__}.{name}; its arguments are "
+                        f"{[p for p in params if p != 'self']}"
+                    )
 
     def _undecorated_warning(self, name: str) -> str | None:
         if len(self._devices) < 2:
@@ -212,6 +214,53 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self._run_method("forward", inputs, kwargs)
+
+    def map(
+        self,
+        method: str,
+        batches: Iterable[Any],
+        /,
+        *,
+        ordered: bool = True,
+        progress: bool | str = False,
+        prefetch: int = 2,
+        shard: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        """Run ``method`` over many batches, each whole on whichever replica is free.
+
+        Unlike a loop of calls, no batch is split and no replica waits for the others,
+        so ragged work (``generate``) keeps every device busy. See docs/map.md.
+
+        Args:
+            method: a parallel method's name, or ``"forward"``.
+            batches: any iterable (a DataLoader too). A Mapping batch is passed as
+                keyword arguments, a tuple as positional arguments, anything else as
+                the one positional argument.
+            ordered: outputs in input order (through a bounded reorder buffer); if
+                False, ``(index, output)`` pairs as batches finish.
+            progress: a tqdm bar of batches and items per second; a str is its title.
+            prefetch: batches in flight per replica (memory stays bounded).
+            shard: under torch.distributed, run only batch i with
+                ``i % world_size == rank`` and yield only those outputs.
+            **kwargs: keyword arguments passed to every call.
+
+        Returns:
+            An iterator over the outputs, on ``output_device``; ``close()`` it (or use
+            it in a ``with`` block) to stop early.
+
+        Example:
+            >>> import torch, dpmethods
+            >>> dp = dpmethods.DataParallel(torch.nn.Linear(4, 2), device_ids=["cpu"] * 2)
+            >>> with torch.no_grad():
+            ...     outs = list(dp.map("forward", [torch.randn(3, 4) for _ in range(5)]))
+            >>> len(outs), outs[0].shape
+            (5, torch.Size([3, 2]))
+        """
+        return map_batches(
+            self, method, batches, kwargs,
+            ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
+        )
 
     def _check_source_device(self) -> None:
         src = self.src_device_obj
@@ -288,7 +337,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         opts = ctx.options if ctx is not None else self._options("forward")
         result = scatter_call(
             tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast,
-            ctx.fn if ctx is not None else None,
+            ctx.fn if ctx is not None else None, split=opts.split,
         )
         if ctx is not None:
             ctx.sizes = result.sizes
@@ -346,9 +395,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         weights = ctx.weights(len(outputs)) if ctx is not None else None
         if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.generate
             return _generate._gather_call(outputs, output_device, ctx)
+        sizes = ctx.sizes if ctx is not None else None
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
-            weights=weights,
+            weights=weights, gather_dim=opts.gather_dim,
+            sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
         )
 
     def load_state_dict(  # type: ignore[override]

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _tree
+from . import type_rules as _type_rules  # noqa: F401  (installs the shipped Cache rules)
 from .scatter import DeviceLike, _as_device
 
 __all__ = ["gather_generate"]

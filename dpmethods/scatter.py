@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _tree
+from . import _tree, split_args
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
@@ -106,9 +106,8 @@ def _distribute(
     whole: Container[int],
     devices: Sequence[torch.device],
     dim: int,
-    names: Callable[[], list[str]],
+    batch: int | None,
 ) -> tuple[list[Any], list[int]]:
-    batch = _batch_size(leaves, whole, dim, names)
     sizes = [0] if batch is None else chunk_sizes(batch, len(devices))
     targets = devices[: len(sizes)]
     columns: list[list[Any]] = []
@@ -147,9 +146,8 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
         raise ValueError("scatter: devices: expected at least one device, got none")
     spec, leaves = _tree.flatten(inputs)
     targets = [_as_device(d) for d in devices]
-    per_replica, _ = _distribute(
-        spec, leaves, (), targets, dim, lambda: _tree.leaf_paths(spec, "inputs")
-    )
+    batch = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
+    per_replica, _ = _distribute(spec, leaves, (), targets, dim, batch)
     return per_replica
 
 
@@ -214,6 +212,7 @@ def scatter_call(
     dim: int = 0,
     broadcast: Sequence[str] = (),
     fn: Callable[..., Any] | None = None,
+    split: Sequence[str] = (),
 ) -> ScatterResult:
     """Scatter the arguments of one call, binding them by name through ``fn``'s signature.
 
@@ -225,17 +224,24 @@ def scatter_call(
         broadcast: names of ``fn``'s parameters (the name of ``*args`` or ``**kwargs``
             covers all of them) or of extra keyword arguments, that every replica gets whole.
         fn: the function called on each replica; used for argument names.
+        split: names of arguments that are Python sequences with one entry per batch
+            item; each replica gets the run of items that lines up with its tensor chunk
+            (see :mod:`dpmethods.split_args`).
 
     Example:
         >>> import torch
         >>> r = scatter_call((torch.ones(3, 2),), {"scale": 2.0}, ["cpu", "cpu"])
         >>> r.sizes, r[1]  # r[0]: each replica's args, r[1]: each replica's kwargs
         ([2, 1], ({'scale': 2.0}, {'scale': 2.0}))
+        >>> def encode(texts): ...
+        >>> r = scatter_call((["a", "b", "c"],), {}, ["cpu", "cpu"], split=("texts",), fn=encode)
+        >>> r.sizes, [a for a, in r[0]]
+        ([2, 1], [['a', 'b'], ['c']])
     """
     if not devices:
         raise ValueError("scatter: devices: expected at least one device, got none")
     targets = [_as_device(d) for d in devices]
-    if not kwargs and not broadcast and args and all(map(isinstance, args, _TENSORS)):
+    if not kwargs and not broadcast and not split and args and all(map(isinstance, args, _TENSORS)):
         # Positional batch tensors only, the most common call: no structure to walk.
         first = args[0]
         batch = first.shape[dim] if first.dim() > dim else 0
@@ -251,12 +257,14 @@ def scatter_call(
             _kw(p) for p in _tree.leaf_paths(spec[3][1], "kwargs")
         ]
 
-    whole: set[int] = set()
-    if broadcast:
-        wanted = set(broadcast)
-        params = _signature_of(fn)
+    params = _signature_of(fn)
+
+    def selected(names: Sequence[str]) -> list[tuple[bool, Any]]:
+        # Per positional then keyword argument: (named by `names`, value). The name of
+        # *args or **kwargs covers every argument that lands in it.
+        wanted = set(names)
         named = len(params.positional)
-        entries: list[tuple[bool, Any]] = [
+        entries = [
             (n in wanted or (i >= named and params.star in wanted), a)
             for i, (n, a) in enumerate(zip(_argument_names(params, len(args)), args))
         ]
@@ -264,16 +272,41 @@ def scatter_call(
             (k in wanted or (k not in params.names and params.double_star in wanted), v)
             for k, v in kwargs.items()
         ]
+        return entries
+
+    taken: list[Any] = []
+    if split:
+        args, kwargs, taken = split_args.take(
+            args, kwargs, split, selected, _argument_names(params, len(args))
+        )
+        spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
+    whole: set[int] = set()
+    if broadcast:
+        entries = selected(broadcast)
         offset = 0
         for is_whole, value in entries:
             count = len(_tree.flatten(value)[1])
             if is_whole:
                 whole.update(range(offset, offset + count))
             offset += count
-    per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, names)
+    batch = _batch_size(leaves, whole, dim, names)
+    if taken:
+        batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)
+    elif batch is None and len(targets) > 1:
+        split_args.warn_unsplit(fn, args, kwargs, _argument_names(params, len(args)), dim)
+    per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, batch)
+    if taken:
+        per_replica = split_args.put(per_replica, taken, sizes, targets)
     return ScatterResult(
         tuple(r[0] for r in per_replica), tuple(r[1] for r in per_replica), sizes
     )
+
+
+def _first_split(leaves: list[Any], whole: Container[int], names: Callable[[], list[str]]) -> str:
+    i = next(
+        i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() and i not in whole
+    )
+    return names()[i]
 
 
 def _rename(path: str, positional: list[str]) -> str:

@@ -21,9 +21,8 @@ builds a batch where one replica's sequences all stop at once and others run to
 ``max_new_tokens``.
 
 ``dp(input_ids=..., attention_mask=...)`` gives back the model's own ``ModelOutput``
-type. Its KV cache (a ``transformers`` ``Cache`` object, not a tensor) is not
-merged: gather returns one cache per replica in a list, so pass ``use_cache=False``
-to ``forward`` unless you want those per-replica caches.
+type. Its KV cache (a ``transformers`` ``Cache`` object) is joined into one cache
+holding the whole batch, by the rule dpmethods ships for transformers' caches.
 """
 
 from __future__ import annotations

@@ -226,3 +226,22 @@ def test_gather_generate_plain_and_errors() -> None:
         dpmethods.gather([a, a], "cpu", mode="generate")
     with pytest.raises(ValueError, match=r"gather\['x'\]: expected one of"):
         dpmethods.MethodOptions(gather={"x": "generate"})
+
+
+def test_caches_of_equal_lengths_are_joined() -> None:
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    inputs = _inputs("gpt2", 7)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=4, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True
+    )
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        want = model.generate(**inputs, **kwargs)
+        got = dp.generate(**inputs, **kwargs)
+    assert type(got.cache) is type(want.cache)
+    assert got.cache.get_seq_length() == want.cache.get_seq_length()
+    for g, w in zip(got.cache.layers, want.cache.layers):
+        _close(g.keys, w.keys)
+        _close(g.values, w.values)
