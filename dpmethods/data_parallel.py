@@ -19,6 +19,7 @@ from torch import nn
 from . import generate as _generate
 from ._call import _Call, _current, _entered
 from ._wrapping import _MethodWrapper
+from .compiled import method_owner
 from .gather import gather as _gather
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
@@ -191,7 +192,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         for name, opts in self._dpm_methods.items():
             if not opts.broadcast and not opts.split:
                 continue
-            params = inspect.signature(getattr(type(self.module), name)).parameters
+            params = inspect.signature(getattr(method_owner(self.module), name)).parameters
             if any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 continue
             for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):

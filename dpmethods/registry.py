@@ -409,7 +409,10 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
         >>> sorted(resolve_methods(torch.nn.Linear(1, 1), ["forward"]))
         ['forward']
     """
-    found = parallel_methods(type(module))
+    from .compiled import method_owner  # imported late: compiled is imported by replicate
+
+    owner = method_owner(module)  # the model's class, through torch.compile's wrapper
+    found = parallel_methods(owner)
     if methods is None:
         return found
     if isinstance(methods, str):
@@ -424,11 +427,9 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
             raise TypeError(f"methods: expected method names (str), got {name!r}")
         if not isinstance(opts, Mapping):
             raise TypeError(f"methods[{name!r}]: expected a dict of options, got {opts!r}")
-        attr = inspect.getattr_static(type(module), name, None)
+        attr = inspect.getattr_static(owner, name, None)
         if attr is None:
-            raise AttributeError(
-                f"methods: {type(module).__qualname__} has no method {name!r}"
-            )
+            raise AttributeError(f"methods: {owner.__qualname__} has no method {name!r}")
         _check_method(attr, f"methods[{name!r}]")
         base = found.get(name) or MethodOptions()
         found[name] = base.with_updates(**opts)

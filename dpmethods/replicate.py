@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .compiled import bound_attributes, rebind, shallow_replica
+
 __all__ = ["fingerprint", "replicate"]
 
 
@@ -105,12 +107,13 @@ def replicate(
         id(b): m.training for m in modules for b in m._buffers.values() if b is not None
     }
 
+    bound = bound_attributes(modules)
     seen: set[torch.device] = set()
     replicas: list[nn.Module] = []
     for device in targets:
         shared = device not in seen
         seen.add(device)
-        clones = [m._replicate_for_data_parallel() for m in modules]
+        clones = [shallow_replica(m) for m in modules]  # never writes to `m`
         pc, bc = param_copies[device], buffer_copies[device]
         for m, clone in zip(modules, clones):
             for key, child in m._modules.items():
@@ -124,6 +127,7 @@ def replicate(
                     continue
                 c = bc[buffer_index[id(buf)]]
                 clone._buffers[key] = c if shared or not training[id(buf)] else c.clone()
+        rebind(modules, clones, bound)  # compiled and patched code runs on the replica
         replicas.append(clones[0])
     return replicas
 
