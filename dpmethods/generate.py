@@ -253,6 +253,12 @@ def _generation_config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, A
         return prepare(config, **tensors)[0]
     import copy
 
+    if config is None and getattr(model, "generation_config", None) is None:
+        raise ValueError(
+            f"gather: mode 'generate' joins the outputs of transformers' generate, but "
+            f"{type(model).__name__} has no generation_config to read the pad and eos ids "
+            "from; use gather='pad' with pad_value= for another generate"
+        )
     config = copy.deepcopy(config if config is not None else model.generation_config)
     config.update(**given)
     return config

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dpmethods
+from dpmethods import DataParallel
 from dpmethods.scatter import chunk_sizes
 
 transformers = pytest.importorskip("transformers")
@@ -224,6 +225,13 @@ def test_gather_generate_plain_and_errors() -> None:
         dpmethods.generate.gather_generate([a, b], "cpu", fill_token_id=None)
     with pytest.raises(ValueError, match="mode: 'generate' needs the generate call"):
         dpmethods.gather([a, a], "cpu", mode="generate")
+    class Custom(torch.nn.Module):
+        @dpmethods.parallel_method(gather="generate")
+        def generate(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(ValueError, match="Custom has no generation_config"):
+        DataParallel(Custom(), device_ids=["cpu"] * 2).generate(torch.ones(3, 2))
     with pytest.raises(ValueError, match=r"gather\['x'\]: expected one of"):
         dpmethods.MethodOptions(gather={"x": "generate"})
 
