@@ -211,3 +211,20 @@ def test_route_warns_about_a_patched_forward() -> None:
     dpmethods.warn_once.reset()
     with pytest.warns(UserWarning, match="instance-level forward"):
         dpmethods.route(model)
+
+
+def test_unknown_compiled_wrapper_raises_before_running_and_leaves_the_model() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    before = _snapshot(model)
+
+    def opaque(*args: Any, **kwargs: Any) -> Any:  # a wrapper whose options can't be read
+        return model._call_impl(*args, **kwargs)
+
+    opaque._torchdynamo_orig_callable = model._call_impl  # type: ignore[attr-defined]
+    model._compiled_call_impl = opaque  # type: ignore[assignment]
+    ran = _instances(model)
+    with pytest.raises(RuntimeError, match=r"Net._compiled_call_impl is code compiled for the source module"):
+        DataParallel(model, device_ids=["cpu"] * 3)(torch.randn(7, 4))
+    assert ran == []
+    _unharmed(model, before)
