@@ -148,7 +148,7 @@ def gather(
     if mode == "generate" or (isinstance(mode, Mapping) and "generate" in mode.values()):
         raise ValueError(
             "gather: mode: 'generate' needs the generate call's pad and eos ids, which only "
-            "a wrapper call has; here use dpmethods.generate.gather_generate(outputs, device, "
+            "a wrapper call has; here use dpmethods.gather_generate(outputs, device, "
             f"fill_token_id=...), got mode={mode!r}"
         )
     if sizes is not None:

@@ -218,11 +218,11 @@ def test_caches_of_different_lengths_come_back_per_replica_with_a_warning() -> N
 
 def test_gather_generate_plain_and_errors() -> None:
     a, b = torch.tensor([[4, 5, 6]]), torch.tensor([[7, 8]])
-    assert dpmethods.generate.gather_generate([a, b], "cpu", fill_token_id=9).tolist() == [
+    assert dpmethods.gather_generate([a, b], "cpu", fill_token_id=9).tolist() == [
         [4, 5, 6], [7, 8, 9],
     ]
     with pytest.raises(ValueError, match="the fill token is unknown"):
-        dpmethods.generate.gather_generate([a, b], "cpu", fill_token_id=None)
+        dpmethods.gather_generate([a, b], "cpu", fill_token_id=None)
     with pytest.raises(ValueError, match="mode: 'generate' needs the generate call"):
         dpmethods.gather([a, a], "cpu", mode="generate")
     class Custom(torch.nn.Module):
