@@ -69,6 +69,10 @@ def rule_for(kind: type) -> TypeRule | None:
         return _resolved[kind]
     except KeyError:
         pass
+    if not on_miss:
+        # dpmethods imports its modules lazily: the shipped library rules register their
+        # hook on import, which must happen before the first class is looked up.
+        from . import type_rules  # noqa: F401
     for hook in on_miss:
         hook(kind)
     rule = next((RULES[k] for k in kind.__mro__ if k in RULES), None)

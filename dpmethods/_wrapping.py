@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,12 @@ from .registry import MethodOptions, MethodsArg, resolve_methods
 
 __all__: list[str] = []
 
-_CLASS_CACHE: dict[tuple[type, type, tuple[str, ...]], type] = {}
+# Weak all ways: an entry lives while wrappers of its class do (the value), and its key
+# holds the wrapper base (maybe a user's subclass) and the module class only weakly, so
+# no class is kept alive by the cache, nor outlives its wrapper class by a gc pass.
+_CLASS_CACHE: weakref.WeakValueDictionary[
+    tuple[weakref.ref[type], weakref.ref[type], tuple[str, ...]], type
+] = weakref.WeakValueDictionary()
 
 
 def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -34,7 +40,7 @@ def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
-    key = (base, module_cls, names)
+    key = (weakref.ref(base), weakref.ref(module_cls), names)
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         namespace: dict[str, Any] = {

@@ -22,7 +22,13 @@ __all__ = ["check_coupled", "joinable"]
 
 
 def joinable(column: Sequence[Tensor], dim: int) -> bool:
-    """Whether the tensors agree on every dim but ``dim`` (so ``cat`` can join them)."""
+    """Whether the tensors agree on every dim but ``dim`` (so ``cat`` can join them).
+
+    Example:
+        >>> import torch
+        >>> joinable([torch.ones(3, 3), torch.ones(2, 2)], 0)
+        False
+    """
     d = dim % column[0].dim()
     shape = list(column[0].shape)
     del shape[d]
@@ -53,6 +59,14 @@ def check_coupled(
     """Warn (once per path) about batch-coupled tensor leaves and the losses reduced with them.
 
     Returns the indices of the batch-coupled leaves.
+
+    Example:
+        >>> import warnings, torch
+        >>> cols = [(torch.ones(3, 3), torch.ones(2, 2)), (torch.ones(3, 5), torch.ones(2, 5))]
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     check_coupled(cols, [3, 2], [0, 0], None, lambda i: f"output[{i}]")
+        {0}
 
     Args:
         columns: per leaf, the replicas' values.

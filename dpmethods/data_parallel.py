@@ -20,11 +20,13 @@ from . import generate as _generate
 from ._call import _Call, _current, _entered
 from ._wrapping import _MethodWrapper
 from .compiled import method_owner
+from .devices import DeviceId, _resolve_devices, _resolve_output
 from .gather import gather as _gather
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
-from .replicate import fingerprint
+from .replica_cache import CachedReplicas
+from .replicate import cpu_replicas_mode, fingerprint
 from .replicate import replicate as _replicate
 from .scatter import _as_device, scatter_call
 from .streaming import map_batches
@@ -32,84 +34,7 @@ from .utils import _load_fitted
 
 __all__ = ["DataParallel"]
 
-DeviceId = int | str | torch.device
 _T = TypeVar("_T", bound=nn.Module)
-
-
-_warned_no_gpu = False
-
-
-def _check_device(dev: torch.device, where: str) -> torch.device:
-    if dev.type == "cpu":
-        return torch.device("cpu")  # "cpu:0" is the one CPU device; tensors say "cpu"
-    if dev.type != "cuda":
-        raise ValueError(f"{where}: expected a CUDA or CPU device, got {dev}")
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    count = torch.cuda.device_count()
-    if dev.index >= count:
-        raise ValueError(
-            f"{where}: expected a CUDA device index below {count} "
-            f"(torch.cuda.device_count()), got {dev.index}"
-        )
-    return dev
-
-
-def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device]:
-    if device_ids is None:
-        if not torch.cuda.is_available():
-            return []  # as torch: without GPUs the wrapper is a plain call
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError(
-            f"device_ids: expected a list of devices, got {type(device_ids).__name__} {device_ids!r}"
-        )
-    parsed: list[torch.device] = []
-    for i, d in enumerate(device_ids):
-        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
-            raise TypeError(
-                f"device_ids[{i}]: expected an int, str or torch.device, got {type(d).__name__} {d!r}"
-            )
-        try:
-            parsed.append(_as_device(d))
-        except RuntimeError as exc:
-            raise ValueError(f"device_ids[{i}]: expected a device, got {d!r} ({exc})") from None
-    if parsed and not torch.cuda.is_available() and all(d.type == "cuda" for d in parsed):
-        # As torch: without GPUs the wrapper is a plain call, whatever the ids say.
-        global _warned_no_gpu
-        if not _warned_no_gpu:
-            _warned_no_gpu = True
-            warnings.warn(
-                f"DataParallel: device_ids {list(device_ids)} were ignored because no GPU is "
-                "available; the module runs as a plain call, as in torch.nn.DataParallel",
-                UserWarning,
-                stacklevel=3,
-            )
-        return []
-    devices = [_check_device(d, f"device_ids[{i}]") for i, d in enumerate(parsed)]
-    if not devices:
-        raise ValueError("device_ids: expected at least one device, got []")
-    kinds = sorted({d.type for d in devices})
-    if len(kinds) > 1:
-        raise ValueError(
-            f"device_ids: expected devices of one type, got {kinds}: {[str(d) for d in devices]}"
-        )
-    return devices
-
-
-def _resolve_output(output_device: DeviceId | None, devices: list[torch.device]) -> torch.device:
-    if output_device is None:
-        return devices[0]
-    if isinstance(output_device, bool) or not isinstance(output_device, (int, str, torch.device)):
-        raise TypeError(
-            f"output_device: expected an int, str or torch.device, got "
-            f"{type(output_device).__name__} {output_device!r}"
-        )
-    try:
-        dev = _as_device(output_device)
-    except RuntimeError as exc:
-        raise ValueError(f"output_device: expected a device, got {output_device!r} ({exc})") from None
-    return _check_device(dev, "output_device")
 
 
 class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
@@ -134,6 +59,23 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             rebuilt whenever a parameter, buffer, attribute or mode of the module changes.
             The replicas' worker threads are kept too (daemon threads, stopped when the
             wrapper is garbage-collected).
+        cpu_replicas: ``"shared"`` (CPU replicas use the module's tensors) or
+            ``"distinct"`` (each CPU entry of ``device_ids`` gets its own parameter and
+            buffer copies, through the autograd broadcast distinct GPUs get); default
+            ``$DPMETHODS_CPU_REPLICAS``, else ``"shared"``. See docs/reliability.md.
+
+    Tensors are split along the method's ``dim``; other arguments go whole to every
+    replica, and an iterator or generator argument is read once, lazily, with every
+    replica getting its own iterator over all of its items. Without GPUs, CUDA
+    ``device_ids`` are ignored (with one warning) and the wrapper is a plain call, as
+    in torch; ``dim`` may be changed after construction, as in torch.
+
+    Every call goes through ``scatter(inputs, kwargs, device_ids)``,
+    ``replicate(module, device_ids)``, ``parallel_apply(replicas, inputs, kwargs)`` and
+    ``gather(outputs, output_device)`` with torch's signatures, so a subclass may
+    override any of them as for ``torch.nn.DataParallel`` and call ``super()``; which
+    method runs, and with what options, is carried by the call itself (a context
+    variable), so concurrent and nested calls keep theirs.
 
     Example:
         >>> import torch, dpmethods
@@ -158,6 +100,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         methods: MethodsArg = None,
         *,
         cache_replicas: bool = False,
+        cpu_replicas: str | None = None,
     ) -> None:
         # torch's __init__ turns into a passthrough without GPUs, so it can't take CPU devices.
         nn.Module.__init__(self)
@@ -171,10 +114,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             )
         self.dim = dim
         self.cache_replicas = cache_replicas
+        self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self._devices = _resolve_devices(device_ids)
         self._init_methods(module, methods)
         self._check_broadcast_names()
-        self._replica_cache: tuple[tuple[Any, ...], list[nn.Module]] | None = None
+        self._replica_cache: CachedReplicas | None = None
         self._warned_small: set[tuple[int, int]] = set()
         # As torch: CUDA devices as indices; CPU devices (ours only) as torch.device.
         self.device_ids: list[int | torch.device] = [  # type: ignore[assignment]
@@ -291,7 +235,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             return call(*args, **kwargs)
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
-        if key is None or cached is None or cached[0] != key:
+        if key is None or cached is None or cached.key != key:
             self._check_source_device()  # a cache hit means the devices were checked
         with _entered(
             _Call(self, name, self._options(name), fn, key, args=args, kwargs=kwargs)
@@ -352,14 +296,25 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         devices = [_as_device(d) for d in device_ids]
         prefix = devices == self._devices[: len(devices)]
         if not (self._caching() and module is self.module and prefix):
-            return _replicate(module, devices, not torch.is_grad_enabled())
+            return _replicate(
+                module, devices, not torch.is_grad_enabled(), cpu_replicas=self.cpu_replicas
+            )
         ctx = _current(self)
         key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
         cached = self._replica_cache
-        if cached is None or cached[0] != key:
-            # Replicas for every device, so calls with smaller batches share them.
-            self._replica_cache = cached = (key, _replicate(module, self._devices, True))
-        return cached[1][: len(devices)]
+        loan = cached.lend(len(devices)) if cached is not None and cached.key == key else None
+        if loan is None and (cached is None or not cached.lent()):
+            # Replicas for every device, so calls with smaller batches share them; built
+            # outside inference mode, so their copies have version counters to check.
+            with torch.inference_mode(False):
+                replicas = _replicate(module, self._devices, True, cpu_replicas=self.cpu_replicas)
+            cached = CachedReplicas(key, replicas, module)
+            self._replica_cache = cached
+            loan = cached.lend(len(devices))
+        # Lent to another call (a thread, or an outer call): this call gets its own.
+        if loan is None:
+            return _replicate(module, devices, True, cpu_replicas=self.cpu_replicas)
+        return loan
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -384,10 +339,13 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             workers = self.__dict__.get("_workers")
             if workers is None:
                 workers = self.__dict__["_workers"] = WorkerPool(len(self._devices) - 1)
-        return _parallel_apply(
-            replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
-            self._devices[:n], workers,
-        )
+        try:
+            return _parallel_apply(
+                replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
+                self._devices[:n], workers,
+            )
+        finally:
+            CachedReplicas.give_back(replicas)
 
     def gather(self, outputs: Any, output_device: DeviceId) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.gather`."""

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -44,6 +45,38 @@ def _pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Ten
             widths += [0, 0 if k == d else target[k] - p.shape[k]]
         out.append(F.pad(p, widths, value=value) if any(widths) else p)
     return out
+
+
+def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
+    """channels_last(_3d) if every piece is in it (then torch.cat keeps it), else None."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(pieces[0].dim())
+    if fmt is None:
+        return None
+    for p in pieces:
+        if p.is_contiguous() or not p.is_contiguous(memory_format=fmt):
+            return None
+    return fmt
+
+
+def _coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
+    """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
+    out = ops.gather_coalesced(tensors, n, dim, device)
+    if max(map(Tensor.dim, out), default=0) < 4:  # the common case: one C-level pass
+        return out
+    out = list(out)
+    for i, t in enumerate(out):
+        if t.dim() >= 4:
+            fmt = _memory_format(tensors[i * n : (i + 1) * n])
+            if fmt is not None:
+                out[i] = t.contiguous(memory_format=fmt)
+    return out
+
+
+def _check_dim(dim: Any) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"gather: dim: expected an int, got {type(dim).__name__} {dim!r}")
+    if not -(2**63) <= dim < 2**63:
+        raise ValueError(f"gather: dim: expected an int that fits in 64 bits, got {dim}")
 
 
 def _align(ref: Any, obj: Any) -> Any:
@@ -141,6 +174,7 @@ def gather(
     if n == 0:
         raise ValueError("gather: outputs: expected at least one replica output, got none")
     device = _as_device(target_device)
+    _check_dim(dim)
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
@@ -173,7 +207,7 @@ def gather(
         if check and check_coupled([outputs], sizes, [dim], None, lambda i: "output"):
             if not joinable(outputs, dim):  # warned: the pieces, rather than an error
                 return [t.to(device) for t in outputs]
-        return ops.gather_coalesced(outputs, n, dim, device)[0]  # one tensor per replica
+        return _coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
     if any(f[0] != spec for f in flat[1:]):
@@ -213,7 +247,7 @@ def gather(
         and not (check and check_coupled(columns, sizes, [dim] * len(columns), None, path))
     ):
         tensors = list(itertools.chain.from_iterable(columns))
-        return _tree.unflatten(spec, ops.gather_coalesced(tensors, n, dim, device))
+        return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
 
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
@@ -235,6 +269,10 @@ def gather(
                     f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
                 )
             result[i] = reduce(col, weights, device, m == "mean")
+        elif n == 1 and m != "stack":
+            # One replica ran (one device, or nothing to split): its output is the
+            # result, as torch returns it; a 0-dim value stays 0-dim.
+            result[i] = col[0].to(device)
         else:  # "cat", "extend" (a tensor is a sequence of items), "stack", "pad"
             parts: Sequence[Tensor] = col
             if m == "stack" or col[0].dim() == 0:
@@ -253,6 +291,6 @@ def gather(
             indices.append(i)
             pieces.extend(parts)
     for d, (indices, pieces) in joined.items():
-        for i, t in zip(indices, ops.gather_coalesced(pieces, n, d, device)):
+        for i, t in zip(indices, _coalesced(pieces, n, d, device)):
             result[i] = t
     return _tree.unflatten(spec, result)

@@ -13,10 +13,11 @@ replica and device, after every replica has finished.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,9 @@ from . import _tree
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 
 _SIDE_STREAMS: dict[tuple[int, int], Any] = {}
+# Context factories entered around each replica's call, in its thread: the seam for
+# dpmethods.testing's per-replica recording. Empty, it costs one check per replica.
+_REPLICA_CONTEXTS: list[Callable[[int, Sequence[nn.Module]], contextlib.AbstractContextManager[Any]]] = []
 _NOTHING = contextlib.nullcontext()
 _SIDE_STREAMS_LOCK = threading.Lock()
 
@@ -68,21 +72,60 @@ class _ThreadState:
         return stack
 
 
-def _serve(tasks: queue.SimpleQueue[Any], done: queue.SimpleQueue[int]) -> None:
+def _serve(tasks: queue.SimpleQueue[Any]) -> None:
     while True:
         task = tasks.get()
         if task is None:
             return
-        fn, i = task
+        fn, i, done = task
         del task
-        fn(i)
-        del fn  # drop the call's replicas, inputs and outputs before waiting again
-        done.put(i)
+        try:
+            fn(i)
+        finally:
+            del fn  # drop the call's replicas, inputs and outputs before waiting again
+            done.put(i)
 
 
 def _stop(tasks: list[queue.SimpleQueue[Any]]) -> None:
     for q in tasks:
         q.put(None)
+
+
+def _wait(done: queue.SimpleQueue[int], pending: int) -> None:
+    """Take ``pending`` completion tokens; if interrupted, still wait for the rest, then raise.
+
+    Ctrl-C lands in the caller's thread while the workers still run the call's
+    replicas. Returning at once would let the next call race them on the same
+    replicas and leave their tokens behind, so the interrupt waits for them first.
+    A second interrupt while waiting gives up waiting: tokens are per call, so the
+    next call can't take them, and each worker runs its tasks in order.
+    """
+    try:
+        while pending:
+            done.get()
+            pending -= 1
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            while pending:
+                done.get()
+                pending -= 1
+        raise
+
+
+def _join(threads: Sequence[threading.Thread]) -> None:
+    """Join ``threads``; if interrupted, join them all before raising (see :func:`_wait`)."""
+    try:
+        for t in threads:
+            t.join()
+    except BaseException:
+        with contextlib.suppress(BaseException):
+            for t in threads:
+                t.join()
+        raise
+
+
+# Pools alive in this process, so a forked child can reset them (its threads are gone).
+_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
 
 
 class WorkerPool:
@@ -93,28 +136,49 @@ class WorkerPool:
     is garbage-collected or :meth:`close` is called. A call that finds the pool busy
     (re-entered from a replica, or from another thread) uses fresh threads.
 
+    Each call gets its own completion queue, and an interrupted call (Ctrl-C)
+    waits for its in-flight tasks before raising, so a later call never sees an
+    earlier call's work. In a child made by ``os.fork()`` the pool has no threads;
+    it starts new ones on its first call there.
+
     Args:
         size: the number of worker threads (replicas beyond the caller's own).
 
     Example:
         >>> pool = WorkerPool(1)
+        >>> seen = []
+        >>> pool.run(seen.append, 2)
+        True
+        >>> sorted(seen)
+        [0, 1]
         >>> pool.close()
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._lock = threading.Lock()
-        self._done: queue.SimpleQueue[int] = queue.SimpleQueue()
-        self._tasks: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(size)]
+        self._start()
+        _POOLS.add(self)
+
+    def _start(self) -> None:
+        self._forked = False
+        self._tasks: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(self.size)]
         self._threads = [
-            threading.Thread(
-                target=_serve, args=(q, self._done), name=f"dpmethods-worker-{i + 1}", daemon=True
-            )
+            threading.Thread(target=_serve, args=(q,), name=f"dpmethods-worker-{i + 1}", daemon=True)
             for i, q in enumerate(self._tasks)
         ]
         for t in self._threads:
             t.start()
         self._finalizer = weakref.finalize(self, _stop, self._tasks)
+
+    def _after_fork(self) -> None:
+        # The child has only the forking thread: the workers, and whoever held the
+        # lock, are gone. Start afresh, unless the pool was closed.
+        alive = self._finalizer.alive
+        self._finalizer.detach()
+        self._lock = threading.Lock()
+        self._threads = []
+        self._forked = alive  # threads start on the next call, not inside the fork handler
 
     def close(self) -> None:
         """Stop the worker threads and wait for them."""
@@ -124,17 +188,36 @@ class WorkerPool:
 
     def run(self, fn: Any, n: int) -> bool:
         """Run ``fn(0)`` here and ``fn(1..n-1)`` on the workers; False if busy or too small."""
-        if n - 1 > self.size or not self._finalizer.alive or not self._lock.acquire(blocking=False):
+        if n - 1 > self.size or not self._lock.acquire(blocking=False):
             return False
         try:
-            for i in range(1, n):
-                self._tasks[i - 1].put((fn, i))
-            fn(0)
-            for _ in range(n - 1):
-                self._done.get()
+            if self._forked:
+                self._start()
+            if not self._finalizer.alive:
+                return False
+            done: queue.SimpleQueue[int] = queue.SimpleQueue()
+            pending = 0
+            try:
+                for i in range(1, n):
+                    self._tasks[i - 1].put((fn, i, done))
+                    pending += 1
+                fn(0)
+            finally:
+                _wait(done, pending)
         finally:
             self._lock.release()
         return True
+
+
+def _reset_after_fork() -> None:
+    for pool in list(_POOLS):
+        pool._after_fork()
+    global _SIDE_STREAMS_LOCK
+    _SIDE_STREAMS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 def _side_stream(device: torch.device, k: int) -> Any:
@@ -175,9 +258,23 @@ def _device_context(device: torch.device, stream: Any) -> Any:
     return stack
 
 
+def _entered(i: int, replicas: Sequence[nn.Module]) -> contextlib.AbstractContextManager[Any]:
+    if not _REPLICA_CONTEXTS:
+        return _NOTHING
+    stack = contextlib.ExitStack()
+    for factory in list(_REPLICA_CONTEXTS):
+        stack.enter_context(factory(i, replicas))
+    return stack
+
+
 def _annotate(exc: BaseException, index: int, device: torch.device) -> BaseException:
     note = f"dpmethods: raised in replica {index} on device {device}"
     if hasattr(exc, "add_note"):
+        # One note per exception object: one raised again in a later call (a cached
+        # exception) must not collect a note per call.
+        notes = getattr(exc, "__notes__", None)
+        if notes is not None:
+            notes[:] = [n for n in notes if not n.startswith("dpmethods: raised in replica ")]
         exc.add_note(note)
         return exc
     wrapped = ReplicaError(note)  # pragma: no cover - Python 3.10
@@ -227,7 +324,7 @@ def parallel_apply(
 
     def work(i: int) -> None:
         try:
-            with state.applied(), _device_context(devices[i], streams[i]):
+            with state.applied(), _device_context(devices[i], streams[i]), _entered(i, replicas):
                 replica = replicas[i]
                 fn = replica if method == "forward" else getattr(replica, method)
                 results[i] = fn(*inputs[i], **kwargs[i])
@@ -241,11 +338,12 @@ def parallel_apply(
             threading.Thread(target=work, args=(i,), name=f"dpmethods-replica-{i}", daemon=True)
             for i in range(1, n)
         ]
-        for t in threads:
-            t.start()
-        work(0)  # the caller's thread is one of the workers
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.start()
+            work(0)  # the caller's thread is one of the workers
+        finally:
+            _join([t for t in threads if t.ident is not None])
     for s, c in zip(streams, callers):
         if s is not None and c is not None and s != c:
             c.wait_stream(s)

@@ -16,7 +16,8 @@ outputs) and replaces each list to extend with a single :class:`Items` leaf:
 - with equal shares the same list might be per-item or a list of batch tensors. A list
   of tensors that carry the batch on the join dim is joined element by element as
   before; any other one is joined element by element too, with a one-time warning
-  naming the output path and ``"extend"``.
+  naming the output path and ``"extend"``. Tuples with equal shares are taken for
+  fixed-arity returns (``(loss, logits)``) and joined element by element.
 """
 
 from __future__ import annotations
@@ -37,7 +38,12 @@ _KEYED = (_tree._DICT, _tree._DATACLASS, _tree._NAMEDTUPLE)
 
 
 class Items(list):  # type: ignore[type-arg]
-    """One replica's per-item entries, standing in the flat leaves for the whole list."""
+    """One replica's per-item entries, standing in the flat leaves for the whole list.
+
+    Example:
+        >>> Items([1, 2]) + [3]
+        [1, 2, 3]
+    """
 
 
 def _count(spec: _tree.Spec) -> int:
@@ -67,23 +73,33 @@ def _batched(entries: Sequence[Any], share: int, dim: int) -> bool:
 
 
 def wants_extend(mode: Any) -> bool:
-    """Whether the gather option asks for ``"extend"`` anywhere."""
+    """Whether the gather option asks for ``"extend"`` anywhere.
+
+    Example:
+        >>> wants_extend({"boxes": "extend"}), wants_extend("cat")
+        (True, False)
+    """
     if isinstance(mode, str):
         return mode == "extend"
     return isinstance(mode, Mapping) and "extend" in mode.values()
 
 
 def needs_marking(spec: _tree.Spec, share: int) -> bool:
-    """Whether replica 0's spec holds a list or tuple as long as its share (cheap).
+    """Whether replica 0's spec holds a list as long as its share (cheap).
+
+    Only equal shares need this: with shares that differ, per-item lists differ in
+    length across replicas, and so do the specs.
 
     Example:
         >>> needs_marking(_tree.flatten((1, [2, 3]))[0], 2)
         True
+        >>> needs_marking(_tree.flatten((1, (2, 3)))[0], 2)
+        False
     """
     if spec in _tree._LEAVES:
         return False
     children = spec[3]
-    if _is_sequence(spec) and len(children) == share:
+    if spec[0] == _tree._LIST and _is_sequence(spec) and len(children) == share:
         return True
     if _tree._LEAF_SET.issuperset(children):  # in C: no Python step per leaf
         return False
@@ -103,6 +119,11 @@ def mark_items(
         sizes: each replica's share of the batch (``None``: only ``"extend"`` applies).
         mode: the gather option (a mode or a mapping of top-level keys to modes).
         dim: the join dim (for telling batch tensors from per-item entries).
+
+    Example:
+        >>> flat = [_tree.flatten(["a", "b"]), _tree.flatten(["c"])]
+        >>> [leaves for _, leaves in mark_items(flat, [2, 1], "cat", 0)]
+        [[['a', 'b']], [['c']]]
     """
     n = len(flat)
     # Per replica: (start, end, spec) of each list replaced, in leaf order.
@@ -119,11 +140,11 @@ def mark_items(
             if m == "cat" and sizes is not None and lengths == list(sizes):
                 if len(set(sizes)) > 1:
                     return cut(specs, starts)
-                entries = [
-                    _tree.unflatten(s, flat[r][1][starts[r] : starts[r] + _count(s)])
-                    for r, s in enumerate(specs)
-                ]
-                if not all(_batched(e, sizes[r], dim) for r, e in enumerate(entries)):
+                # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)),
+                # lists of batch tensors for lists of batch outputs; other lists warn.
+                if first[0] == _tree._LIST and not all(
+                    _batched(e, sizes[r], dim) for r, e in enumerate(entries(specs, starts))
+                ):
                     warn_once(
                         f"gather: {path} is a list with one entry per batch item on every "
                         f"replica ({sizes[0]} each), or a list of batch outputs: with equal "
@@ -148,6 +169,12 @@ def mark_items(
                 children[r].append(new[r])
                 offsets[r] += _count(column[r])
         return [(*s[:3], tuple(c)) for s, c in zip(specs, children)]
+
+    def entries(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+        return [
+            _tree.unflatten(s, flat[r][1][starts[r] : starts[r] + _count(s)])
+            for r, s in enumerate(specs)
+        ]
 
     def cut(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
         for r, s in enumerate(specs):

@@ -80,6 +80,8 @@ class MethodOptions:
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise TypeError(f"dim: expected an int, got {type(self.dim).__name__} {self.dim!r}")
+        if not -(2**63) <= self.dim < 2**63:
+            raise ValueError(f"dim: expected an int that fits in 64 bits, got {self.dim}")
         object.__setattr__(self, "broadcast", _names("broadcast", self.broadcast))
         object.__setattr__(self, "split", _names("split", self.split))
         both = sorted(set(self.broadcast) & set(self.split))
@@ -420,6 +422,11 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
     items: Iterable[tuple[str, Mapping[str, Any]]]
     if isinstance(methods, Mapping):
         items = methods.items()
+    elif not isinstance(methods, Iterable):
+        raise TypeError(
+            f"methods: expected a list of method names or a dict of options per name, got "
+            f"{type(methods).__name__} {methods!r}"
+        )
     else:
         items = ((name, {}) for name in methods)
     for name, opts in items:

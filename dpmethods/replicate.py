@@ -11,18 +11,58 @@ gradients flow back to the module's own parameters. Three things differ:
 - A second replica on the same device gets its own copy of the buffers of modules
   in training mode, so in-place updates (BatchNorm's running stats) don't race; as
   in torch, only the first replica's updates reach the module.
+
+With ``cpu_replicas="distinct"`` (or the environment variable
+``DPMETHODS_CPU_REPLICAS=distinct``) each CPU entry of ``devices`` is treated as a
+device of its own, as distinct GPUs are: every replica but the first gets its own
+parameter and buffer copies, through :class:`dpmethods.cpu_broadcast.CpuBroadcast`
+(torch's ``Broadcast`` structure, whose backward sums the gradients back).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .compiled import bound_attributes, rebind, shallow_replica
+from .cpu_broadcast import broadcast_copies
 
-__all__ = ["fingerprint", "replicate"]
+__all__ = ["CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "cpu_replicas_mode", "fingerprint", "replicate"]
+
+CPU_REPLICAS_ENV = "DPMETHODS_CPU_REPLICAS"
+CPU_REPLICAS_MODES = ("shared", "distinct")
+
+
+def cpu_replicas_mode(value: str | None = None) -> str:
+    """The CPU replica mode: ``value`` if given, else ``$DPMETHODS_CPU_REPLICAS``, else ``"shared"``.
+
+    ``"shared"``: replicas on CPU devices use the module's tensors (a CPU is one device).
+    ``"distinct"``: each CPU entry of ``device_ids`` is a device of its own, and its
+    replica gets copies, as a distinct GPU would.
+
+    Example:
+        >>> cpu_replicas_mode("distinct")
+        'distinct'
+        >>> cpu_replicas_mode("both")
+        Traceback (most recent call last):
+        ...
+        ValueError: cpu_replicas: expected 'shared' or 'distinct', got str 'both'
+    """
+    if value is None:
+        env = os.environ.get(CPU_REPLICAS_ENV, "").strip()
+        if not env:
+            return "shared"
+        if env not in CPU_REPLICAS_MODES:
+            raise ValueError(f"{CPU_REPLICAS_ENV}: expected 'shared' or 'distinct', got {env!r}")
+        return env
+    if value not in CPU_REPLICAS_MODES:
+        raise ValueError(
+            f"cpu_replicas: expected 'shared' or 'distinct', got {type(value).__name__} {value!r}"
+        )
+    return value
 
 
 def _source_device(module: nn.Module, default: torch.device) -> torch.device:
@@ -34,40 +74,51 @@ def _source_device(module: nn.Module, default: torch.device) -> torch.device:
 
 
 def _copies(
-    tensors: Sequence[Tensor], devices: list[torch.device], src: torch.device, detach: bool
-) -> dict[torch.device, list[Tensor]]:
-    """Per unique device, the tensors as seen there (autograd-connected unless ``detach``)."""
-    out: dict[torch.device, list[Tensor]] = {}
-    others = [d for d in dict.fromkeys(devices) if d != src]
+    tensors: Sequence[Tensor], keys: list[object], devices: list[torch.device],
+    src: torch.device, detach: bool,
+) -> dict[object, list[Tensor]]:
+    """Per unique key (a device, or a position for distinct CPU replicas), the tensors as
+    seen there (autograd-connected unless ``detach``)."""
+    out: dict[object, list[Tensor]] = {}
+    places = dict(zip(keys, devices))  # first device of each key, in order
+    if all(d.type == "cpu" for d in places.values()) and src.type == "cpu" and len(places) > 1:
+        per_copy = broadcast_copies(list(tensors), len(places), detach)
+        return dict(zip(places, per_copy))
+    others = [k for k, d in places.items() if d != src]
+    first = next((k for k, d in places.items() if d == src), keys[0])
     if not tensors:
-        return {d: [] for d in [src, *others]}
+        return {k: [] for k in places}
     if others:
-        if not (src.type == "cuda" and all(d.type == "cuda" for d in others)):
+        if not (src.type == "cuda" and all(places[k].type == "cuda" for k in others)):
             raise ValueError(
                 f"replicate: devices: expected all CUDA devices when the module is on {src}, "
-                f"got {[str(d) for d in others]}"
+                f"got {[str(places[k]) for k in others]}"
             )
-        targets = [src.index, *(d.index for d in others)]
+        targets = [src.index, *(places[k].index for k in others)]
         if detach:
             from torch.nn.parallel import comm
 
             per_device = comm.broadcast_coalesced(tensors, targets)
-            for d, copies in zip([src, *others], per_device):
-                out[d] = list(copies)
+            for k, copies in zip([first, *others], per_device):
+                out[k] = list(copies)
         else:
             from torch.nn.parallel._functions import Broadcast
 
             flat = Broadcast.apply(targets, *tensors)
             n = len(tensors)
-            for j, d in enumerate([src, *others]):
-                out[d] = list(flat[j * n : (j + 1) * n])
+            for j, k in enumerate([first, *others]):
+                out[k] = list(flat[j * n : (j + 1) * n])
         return out
-    out[src] = [t.detach() if detach and t.requires_grad else t for t in tensors]
+    out[first] = [t.detach() if detach and t.requires_grad else t for t in tensors]
     return out
 
 
 def replicate(
-    module: nn.Module, devices: Sequence[torch.device | str | int], detach: bool = False
+    module: nn.Module,
+    devices: Sequence[torch.device | str | int],
+    detach: bool = False,
+    *,
+    cpu_replicas: str | None = None,
 ) -> list[nn.Module]:
     """Make one replica of ``module`` per entry of ``devices`` (entries may repeat).
 
@@ -75,61 +126,83 @@ def replicate(
         module: the module, with all parameters and buffers on one device.
         devices: where each replica runs; CPU devices or CUDA devices.
         detach: make replicas whose tensors are cut from autograd (for ``no_grad``).
+        cpu_replicas: ``"shared"`` (replicas on CPU use the module's tensors) or
+            ``"distinct"`` (each CPU entry is a device of its own and its replica
+            gets copies, as distinct GPUs do); default ``$DPMETHODS_CPU_REPLICAS``,
+            else ``"shared"``.
 
     Example:
         >>> import torch
-        >>> replicas = replicate(torch.nn.Linear(2, 2), ["cpu", "cpu"])
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> replicas = replicate(lin, ["cpu", "cpu"], cpu_replicas="shared")
         >>> replicas[1].weight is replicas[0].weight
         True
+        >>> replicas = replicate(lin, ["cpu", "cpu"], cpu_replicas="distinct")
+        >>> replicas[1].weight.data_ptr() == lin.weight.data_ptr()
+        False
     """
     targets = [
         torch.device("cuda", d) if isinstance(d, int) else torch.device(d) for d in devices
     ]
     if not targets:
         raise ValueError("replicate: devices: expected at least one device, got none")
+    distinct = cpu_replicas_mode(cpu_replicas) == "distinct"
+    # Which replicas share copies: one per device, or one per position for distinct CPUs.
+    keys: list[object] = [j if distinct and d.type == "cpu" else d for j, d in enumerate(targets)]
     src = _source_device(module, targets[0])
     modules = list(module.modules())
     index = {id(m): i for i, m in enumerate(modules)}
     params = list(module.parameters())
     param_index = {id(p): i for i, p in enumerate(params)}
-    param_copies = _copies(params, targets, src, detach)
+    param_copies = _copies(params, keys, targets, src, detach)
 
     buffers = list(module.buffers())
     buffer_index = {id(b): i for i, b in enumerate(buffers)}
-    buffer_copies: dict[torch.device, list[Tensor]] = {d: list(buffers) for d in param_copies}
+    buffer_copies: dict[object, list[Tensor]] = {k: list(buffers) for k in param_copies}
     # Buffers that need grad broadcast like parameters; the rest never carry autograd.
     for wants_grad in (True, False):
         group = [b for b in buffers if b.requires_grad == wants_grad]
-        for d, copies in _copies(group, targets, src, detach or not wants_grad).items():
+        for k, copies in _copies(group, keys, targets, src, detach or not wants_grad).items():
             for b, c in zip(group, copies):
-                buffer_copies[d][buffer_index[id(b)]] = c
+                buffer_copies[k][buffer_index[id(b)]] = c
     training = {
         id(b): m.training for m in modules for b in m._buffers.values() if b is not None
     }
 
     bound = bound_attributes(modules)
-    seen: set[torch.device] = set()
+    seen: set[object] = set()
     replicas: list[nn.Module] = []
-    for device in targets:
-        shared = device not in seen
-        seen.add(device)
+    for key in keys:
+        shared = key not in seen
+        seen.add(key)
         clones = [shallow_replica(m) for m in modules]  # never writes to `m`
-        pc, bc = param_copies[device], buffer_copies[device]
+        pc, bc = param_copies[key], buffer_copies[key]
         for m, clone in zip(modules, clones):
-            for key, child in m._modules.items():
-                clone._modules[key] = None if child is None else clones[index[id(child)]]
-            for key, p in m._parameters.items():
+            for name, child in m._modules.items():
+                clone._modules[name] = None if child is None else clones[index[id(child)]]
+            for name, p in m._parameters.items():
                 # Plain tensors in _parameters keep replica.parameters() non-empty.
-                clone._parameters[key] = None if p is None else pc[param_index[id(p)]]  # type: ignore[assignment]
-            for key, buf in m._buffers.items():
+                clone._parameters[name] = None if p is None else pc[param_index[id(p)]]  # type: ignore[assignment]
+            for name, buf in m._buffers.items():
                 if buf is None:
-                    clone._buffers[key] = None
+                    clone._buffers[name] = None
                     continue
                 c = bc[buffer_index[id(buf)]]
-                clone._buffers[key] = c if shared or not training[id(buf)] else c.clone()
+                clone._buffers[name] = c if shared or not training[id(buf)] else c.clone()
+            if "_flat_weights_names" in clone.__dict__:
+                _repoint_flat_weights(clone)
         rebind(modules, clones, bound)  # compiled and patched code runs on the replica
         replicas.append(clones[0])
     return replicas
+
+
+def _repoint_flat_weights(rnn: nn.Module) -> None:
+    # RNNBase keeps its weights in a list too, updated by its __setattr__, which writing
+    # _parameters bypasses: without this the replica would run on the module's weights.
+    # (torch's replicate sets them with setattr, which updates the list; the module's
+    # _flat_weight_refs are only read by flatten_parameters, which replicas don't call.)
+    names: list[str] = rnn.__dict__["_flat_weights_names"]
+    rnn.__dict__["_flat_weights"] = [getattr(rnn, n, None) for n in names]
 
 
 # Fused optimizer kernels (``Adam(fused=True)``) update parameters in place without
@@ -149,7 +222,8 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
 
     It covers every module's class and attributes (by identity, so any assignment,
     ``train()`` and ``eval()`` show), each parameter's and buffer's identity, storage,
-    device, dtype and version counter (so in-place updates, ``.to()`` and
+    device, dtype, version counter, sizes, strides and storage offset (so in-place
+    updates, ``.to()``, ``p.data = p.data.t()`` and
     ``load_state_dict`` show), and the number of optimizer steps taken by any
     optimizer (fused steps don't bump version counters). Replicas keep the old
     attribute values alive, so an identity cannot be reused while a cached replica
@@ -190,6 +264,8 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
                         append(None)
                     else:
                         extend((id(t), t.data_ptr(), t.device, t.dtype, t._version))
+                        # ``p.data = p.data.t()`` keeps the storage and the version.
+                        extend((t.shape, t.stride(), t.storage_offset()))
             extend(map(id, d["_modules"].values()))
     except RuntimeError:
         # Inference tensors have no version counter, so their in-place updates can't be

@@ -147,7 +147,8 @@ def warn_unsplit(
 ) -> None:
     """Warn once per method that a call on several devices had nothing to split."""
     func = getattr(fn, "__func__", fn)
-    method = getattr(func, "__qualname__", "the method")
+    method = getattr(func, "__qualname__", None)
+    where = f"scatter: {method}:" if method else "scatter:"
     batches = [
         name
         for name, value in zip([*arg_names, *kwargs], [*args, *kwargs.values()])
@@ -163,7 +164,7 @@ def warn_unsplit(
         "Python sequence."
     )
     warn_once(
-        f"scatter: {method}: nothing in this call was split along dim {dim} (no tensor with "
+        f"{where} nothing in this call was split along dim {dim} (no tensor with "
         f"a batch dim, no split= argument), so one replica runs the whole call on one "
         f"device. {looks}",
         stacklevel=5,

@@ -144,6 +144,11 @@ def _unflatten_cache(children: list[Any], context: _Template) -> Any:
     layers = []
     for layer, (_, names) in zip(context.obj.layers, context.key):
         layer = copy.copy(layer)
+        for attr, value in vars(layer).items():
+            if isinstance(value, Tensor) and attr not in names:
+                # Counters updated in place (a static layer's cumulative_length) must not
+                # be shared by the caches of different replicas.
+                setattr(layer, attr, value.clone())
         for name in names:
             setattr(layer, name, next(it))
         if names:

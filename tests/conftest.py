@@ -1,10 +1,20 @@
 """Shared test setup: CUDA-marked tests skip without a GPU; every test is seeded and
-runs with poisoned gather outputs."""
+runs with poisoned gather outputs.
+
+The CPU replica mode comes from ``DPMETHODS_CPU_REPLICAS`` (``shared`` by default,
+or ``distinct``); CI runs the suite once in each. The header names the mode.
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    from dpmethods.replicate import cpu_replicas_mode
+
+    return f"dpmethods CPU replicas: {cpu_replicas_mode()} (DPMETHODS_CPU_REPLICAS)"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

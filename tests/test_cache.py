@@ -216,7 +216,7 @@ def test_cached_replicas_are_detached(calls: Counter) -> None:
     with torch.no_grad():
         dp.encode(torch.randn(7, D))
     assert dp._replica_cache is not None
-    for replica in dp._replica_cache[1]:
+    for replica in dp._replica_cache.replicas:
         assert not any(p.requires_grad for p in replica.parameters())
 
 

@@ -366,3 +366,21 @@ def test_torch_size_in_outputs() -> None:
     assert type(shape) is torch.Size and shape == x.shape
     assert type(tail) is torch.Size and tail == torch.Size([3])
     torch.testing.assert_close(y, x + 1)
+
+
+def test_fixed_arity_tuple_as_long_as_the_share_is_not_taken_for_per_item() -> None:
+    class M(nn.Module):
+        @parallel_method
+        def f(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x.sum(), x * 2
+
+    x = torch.randn(8, 3)
+    dp = DataParallel(M(), device_ids=["cpu"] * 4)
+    ctx = _no_warnings()
+    try:
+        with pytest.raises(UserWarning, match="0-dim on every replica"):
+            dp.f(x)  # the only warning is the existing one about a 0-dim output
+    finally:
+        ctx.__exit__(None, None, None)
+    out = gather([(torch.ones(2, 3), torch.ones(2, 5)) for _ in range(4)], "cpu", sizes=[2] * 4)
+    assert [t.shape[0] for t in out] == [8, 8]
