@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "extension_info": "ops",
     "fully_shard": "distributed",
     "gather": "gather",
+    "gather_generate": "generate",
     "get_options": "registry",
     "load_state_dict": "utils",
     "parallel_apply": "parallel_apply",
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from .data_parallel import DataParallel
     from .distributed import DistributedDataParallel, fully_shard, register_fsdp_methods, route
     from .gather import gather
+    from .generate import gather_generate
     from .ops import extension_info
     from .parallel_apply import parallel_apply
     from .registry import MethodOptions, get_options, parallel_method, parallel_methods, register
@@ -68,6 +70,7 @@ __all__ = [
     "extension_info",
     "fully_shard",
     "gather",
+    "gather_generate",
     "get_options",
     "load_state_dict",
     "parallel_apply",

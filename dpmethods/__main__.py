@@ -95,7 +95,14 @@ def collect_info() -> dict[str, Any]:
         "devices": devices,
         "peer_access": _peer_access(len(devices["gpus"])),
         "extension": _extension(),
+        "registrations": _registrations(),
     }
+
+
+def _registrations() -> list[dict[str, Any]]:
+    from dpmethods.known_methods import registrations
+
+    return registrations()
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -131,6 +138,11 @@ def _print_info(info: dict[str, Any]) -> None:
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "none"
         print(f"  {key}: {value}")
+    # A library's methods become parallel as soon as the user's program imports it.
+    print("built-in parallel methods (active once the library is imported):")
+    for row in info.get("registrations", []):
+        state = "installed" if row["installed"] else "not installed"
+        print(f"  {row['library']} ({state}): {row['applies_to']}: {row['methods']}")
 
 
 def _demo_model() -> Any:

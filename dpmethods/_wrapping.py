@@ -18,6 +18,7 @@ from typing import Any
 
 from torch import nn
 
+from .compiled import method_owner
 from .registry import MethodOptions, MethodsArg, resolve_methods
 
 __all__: list[str] = []
@@ -105,7 +106,7 @@ class _MethodWrapper(nn.Module):
             for name in resolve_methods(module, methods)
             if not hasattr(base, name)  # forward and the nn.Module API stay the wrapper's
         )
-        return super().__new__(_method_class(base, type(module), names))
+        return super().__new__(_method_class(base, method_owner(module), names))
 
     def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
         self._dpm_methods = resolve_methods(module, methods)
@@ -124,7 +125,7 @@ class _MethodWrapper(nn.Module):
         cls = type(self)
         if "_dpm_base" not in cls.__dict__:
             return super().__reduce_ex__(protocol)
-        module_cls = type(self.__dict__["_modules"]["module"])
+        module_cls = method_owner(self.__dict__["_modules"]["module"])
         base, names = cls.__dict__["_dpm_base"], cls.__dict__["_dpm_names"]
         # __getstate__ lets torch's wrappers drop what can't be pickled (DDP's logger).
         return (_rebuild, (base, module_cls, names), self.__getstate__())

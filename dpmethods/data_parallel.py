@@ -16,8 +16,10 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from . import generate as _generate
 from ._call import _Call, _current, _entered
 from ._wrapping import _MethodWrapper
+from .compiled import method_owner
 from .devices import DeviceId, _resolve_devices, _resolve_output
 from .gather import gather as _gather
 from .parallel_apply import WorkerPool
@@ -134,7 +136,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         for name, opts in self._dpm_methods.items():
             if not opts.broadcast and not opts.split:
                 continue
-            params = inspect.signature(getattr(type(self.module), name)).parameters
+            params = inspect.signature(getattr(method_owner(self.module), name)).parameters
             if any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 continue
             for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
@@ -235,7 +237,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:
             self._check_source_device()  # a cache hit means the devices were checked
-        with _entered(_Call(self, name, self._options(name), fn, key)) as ctx:
+        with _entered(
+            _Call(self, name, self._options(name), fn, key, args=args, kwargs=kwargs)
+        ) as ctx:
             # torch's seams, with torch's signatures; the rest of the call is in ctx.
             inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
             if not inputs and not kwargs_tup:
@@ -348,6 +352,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
         weights = ctx.weights(len(outputs)) if ctx is not None else None
+        if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.generate
+            return _generate._gather_call(outputs, output_device, ctx)
         sizes = ctx.sizes if ctx is not None else None
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,

@@ -21,6 +21,7 @@ from torch import nn
 from ._redirect import _redirected_call
 from ._wrapping import _MethodWrapper
 from .registry import MethodsArg, parallel_methods, resolve_methods
+from .warn_once import warn_once
 
 __all__ = [
     "DistributedDataParallel",
@@ -179,7 +180,9 @@ def route(wrapper: Callable[..., Any], module: nn.Module | None = None) -> Any:
 
     Args:
         wrapper: the wrapper to call; its ``forward`` must call ``module``.
-        module: the module whose methods are routed; defaults to ``wrapper.module``.
+        module: the module whose methods are routed; defaults to ``wrapper.module``, or
+            to ``wrapper`` itself when it is a module without ``.module`` (a model that
+            ``accelerator.prepare`` returned unwrapped in one process).
 
     Returns:
         An object whose attributes are the module's methods, routed through ``wrapper``.
@@ -204,6 +207,18 @@ def route(wrapper: Callable[..., Any], module: nn.Module | None = None) -> Any:
         raise TypeError(f"route: wrapper: expected a callable module, got {type(wrapper).__name__}")
     if module is None:
         module = getattr(wrapper, "module", None)
+        if module is None and isinstance(wrapper, nn.Module):
+            # A bare model (accelerator.prepare(model) in one process returns the model
+            # itself): route through its own __call__, so its hooks run.
+            module = wrapper
+            if "forward" in wrapper.__dict__:
+                warn_once(
+                    f"route: {type(wrapper).__name__} has no `.module`, so methods are routed "
+                    "through the model itself, and its instance-level forward (a patch such "
+                    "as Accelerate's mixed-precision wrapper) is not run around them; wrap "
+                    "the call yourself (e.g. in torch.autocast) if the patch matters",
+                    stacklevel=3,
+                )
         if module is None:
             raise TypeError(
                 f"route: expected the wrapper to have a `.module`, but "

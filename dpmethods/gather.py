@@ -179,6 +179,12 @@ def gather(
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
         raise ValueError(f"gather: mode: expected one of {list(GATHER_MODES)}, got {mode!r}")
+    if mode == "generate" or (isinstance(mode, Mapping) and "generate" in mode.values()):
+        raise ValueError(
+            "gather: mode: 'generate' needs the generate call's pad and eos ids, which only "
+            "a wrapper call has; here use dpmethods.gather_generate(outputs, device, "
+            f"fill_token_id=...), got mode={mode!r}"
+        )
     if sizes is not None:
         sizes = list(sizes)
         if len(sizes) != n:

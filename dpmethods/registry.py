@@ -29,8 +29,10 @@ __all__ = [
     "resolve_methods",
 ]
 
-GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend"]
-GATHER_MODES: tuple[str, ...] = ("cat", "stack", "mean", "sum", "pad", "list", "extend")
+GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "generate"]
+GATHER_MODES: tuple[str, ...] = (
+    "cat", "stack", "mean", "sum", "pad", "list", "extend", "generate",
+)
 GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]  # noqa: UP007 (runtime alias on 3.10)
 
 _OPTIONS_ATTR = "__dpmethods_options__"
@@ -171,10 +173,10 @@ def _check_gather(gather: Any) -> None:
             raise ValueError(f"gather: expected one of {list(GATHER_MODES)}, got {gather!r}")
     elif isinstance(gather, Mapping):
         for key, mode in gather.items():
-            if not isinstance(mode, str) or mode not in GATHER_MODES:
-                raise ValueError(
-                    f"gather[{key!r}]: expected one of {list(GATHER_MODES)}, got {mode!r}"
-                )
+            if not isinstance(mode, str) or mode not in GATHER_MODES or mode == "generate":
+                # "generate" joins a whole generate output, not one of its keys.
+                per_key = [m for m in GATHER_MODES if m != "generate"]
+                raise ValueError(f"gather[{key!r}]: expected one of {per_key}, got {mode!r}")
     elif not callable(gather):
         raise TypeError(
             f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys to those, "
@@ -344,6 +346,9 @@ def register(cls: type, name: str, **options: Any) -> None:
 def get_options(cls: type, name: str) -> MethodOptions | None:
     """The options of ``cls.name`` if it is a parallel method, else ``None``.
 
+    Decorations and :func:`register` come first; then the built-in methods of imported
+    libraries (see :mod:`dpmethods.known_methods`).
+
     Args:
         cls: the class to look the method up on (its MRO is searched).
         name: the method name.
@@ -360,7 +365,13 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
         options = getattr(_unmarked(klass.__dict__.get(name)), _OPTIONS_ATTR, None)
         if options is not None:
             return options
-    return None
+    return _builtin(cls).get(name)  # libraries' methods, lowest precedence
+
+
+def _builtin(cls: type) -> dict[str, MethodOptions]:
+    from .known_methods import builtin_methods  # imported late: it imports this module
+
+    return builtin_methods(cls)
 
 
 def parallel_methods(cls: type) -> dict[str, MethodOptions]:
@@ -374,7 +385,7 @@ def parallel_methods(cls: type) -> dict[str, MethodOptions]:
         >>> parallel_methods(torch.nn.Linear)
         {}
     """
-    names: set[str] = set()
+    names: set[str] = set(_builtin(cls))
     for klass in cls.__mro__:
         names.update(_REGISTERED.get(klass, ()))
         names.update(
@@ -400,7 +411,10 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
         >>> sorted(resolve_methods(torch.nn.Linear(1, 1), ["forward"]))
         ['forward']
     """
-    found = parallel_methods(type(module))
+    from .compiled import method_owner  # imported late: compiled is imported by replicate
+
+    owner = method_owner(module)  # the model's class, through torch.compile's wrapper
+    found = parallel_methods(owner)
     if methods is None:
         return found
     if isinstance(methods, str):
@@ -420,11 +434,9 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
             raise TypeError(f"methods: expected method names (str), got {name!r}")
         if not isinstance(opts, Mapping):
             raise TypeError(f"methods[{name!r}]: expected a dict of options, got {opts!r}")
-        attr = inspect.getattr_static(type(module), name, None)
+        attr = inspect.getattr_static(owner, name, None)
         if attr is None:
-            raise AttributeError(
-                f"methods: {type(module).__qualname__} has no method {name!r}"
-            )
+            raise AttributeError(f"methods: {owner.__qualname__} has no method {name!r}")
         _check_method(attr, f"methods[{name!r}]")
         base = found.get(name) or MethodOptions()
         found[name] = base.with_updates(**opts)
