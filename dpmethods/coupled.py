@@ -11,7 +11,7 @@ gathered batch), so it says so, once per output path.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -55,6 +55,7 @@ def check_coupled(
     dims: Sequence[int],
     modes: Sequence[str] | None,
     path: Callable[[int], str],
+    exempt: Container[int] = (),
 ) -> set[int]:
     """Warn (once per path) about batch-coupled tensor leaves and the losses reduced with them.
 
@@ -74,6 +75,8 @@ def check_coupled(
         dims: per leaf, the join dim.
         modes: per leaf, the gather mode (``None``: all ``"cat"``).
         path: the output path of a leaf index, for the message.
+        exempt: leaves whose top-level key the caller named in a ``gather`` or
+            ``gather_dim`` mapping: the user has said how they join, so they are trusted.
     """
     if not sizes or len(sizes) < 2 or max(sizes) < 2:
         return set()
@@ -86,6 +89,7 @@ def check_coupled(
         i
         for i, count in enumerate(counts)
         if count >= 2
+        and i not in exempt
         and all(map(isinstance, columns[i], itertools.repeat(Tensor)))
         and (modes is None or modes[i] not in ("mean", "sum", "list"))
         and _coupled(columns[i], sizes, dims[i])
@@ -93,6 +97,14 @@ def check_coupled(
     if not coupled:
         return set()
     names = [path(i) for i in coupled]
+    # With equal shares a dim can equal the share by chance (2 classes, 2 items each).
+    maybe = (
+        " With equal shares this can be a coincidence (a dim that happens to have the share's "
+        "size, such as 2 classes): if so, name this output in gather={...} or gather_dim={...} "
+        "to say how it joins, which silences this warning."
+        if len(set(sizes)) == 1
+        else ""
+    )
     for name in names:
         warn_once(
             f"gather: {name} has each replica's share of the batch ({list(sizes)}) in more "
@@ -100,7 +112,7 @@ def check_coupled(
             "replica only saw pairs within its own share, so the joined tensor is not what one "
             "device computes on the full batch. Gather the per-item features with dpmethods "
             "and compute batch-coupled results (similarities, contrastive losses) on the "
-            "gathered batch instead."
+            "gathered batch instead." + maybe
         )
     for i, m in enumerate(modes or ()):
         if m in ("mean", "sum"):

@@ -99,6 +99,19 @@ def _leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str
     return _per_key(spec, mode, "cat", "gather: a mapping of modes", "mode keys")
 
 
+def _named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:
+    """Leaves under a top-level key that a ``gather`` or ``gather_dim`` mapping names."""
+    names = {k for o in options if isinstance(o, Mapping) for k in o}
+    counts = _tree.top_level_leaf_counts(spec) if names else None
+    found: set[int] = set()
+    start = 0
+    for key, count in counts or ():
+        if key in names:
+            found.update(range(start, start + count))
+        start += count
+    return found
+
+
 def _leaf_dims(spec: _tree.Spec, dims: Mapping[str, int], dim: int) -> list[int]:
     return _per_key(spec, dims, dim, "gather_dim: a mapping of dims", "gather_dim keys")
 
@@ -251,7 +264,8 @@ def gather(
 
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
-    coupled = check_coupled(columns, sizes, dims, modes, path) if check else set()
+    named = _named_leaves(spec, mode, gather_dim) if check else set()
+    coupled = check_coupled(columns, sizes, dims, modes, path, named) if check else set()
 
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim

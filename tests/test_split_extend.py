@@ -384,3 +384,29 @@ def test_fixed_arity_tuple_as_long_as_the_share_is_not_taken_for_per_item() -> N
         ctx.__exit__(None, None, None)
     out = gather([(torch.ones(2, 3), torch.ones(2, 5)) for _ in range(4)], "cpu", sizes=[2] * 4)
     assert [t.shape[0] for t in out] == [8, 8]
+
+
+class _TwoClasses(nn.Module):
+    """A 2-class classifier: with 2 items per replica its logits are [2, 2] by chance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.head(x)}
+
+
+def test_equal_share_coincidence_warns_as_possible_and_a_named_output_is_trusted() -> None:
+    model = _TwoClasses()
+    x = torch.randn(8, 4)
+    with pytest.warns(UserWarning, match="can be a coincidence") as record:
+        out = DataParallel(model, ["cpu"] * 4)(x)
+    assert any("output['logits']" in str(w.message) for w in record)
+    torch.testing.assert_close(out["logits"], model(x)["logits"])
+    warn_once.reset()
+    named = DataParallel(model, ["cpu"] * 4, methods={"forward": {"gather": {"logits": "cat"}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = named(x)
+    torch.testing.assert_close(out["logits"], model(x)["logits"])
