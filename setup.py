@@ -2,12 +2,18 @@
 
 Project metadata lives in pyproject.toml; this file only declares the extension.
 
-Environment:
-    FORCE_CUDA=1               build the CUDA kernels even if no GPU / CUDA_HOME check fails
+The CUDA kernels are built when torch was built with CUDA and nvcc is found; no GPU is
+needed. Environment:
+    FORCE_CUDA=1               build the CUDA kernels; fail if nvcc is not found
     FORCE_CUDA=0               build the CPU kernels only
     TORCH_CUDA_ARCH_LIST       CUDA targets (default "8.0;9.0+PTX")
     DPMETHODS_SKIP_EXTENSION=1 install pure Python (ops fall back to torch.cat)
+    DPMETHODS_DEBUG=1          keep debug info (-g); the default -g0 halves the compile time
     MAX_JOBS                   parallel compile jobs (ninja)
+
+Object files are kept in build/temp.<platform>-<python>/ for every kind of install,
+editable ones included (setuptools would use a fresh temporary folder there), so
+reinstalling recompiles only what changed: ninja compares sources, headers and flags.
 """
 
 from __future__ import annotations
@@ -91,6 +97,12 @@ def _extensions() -> tuple[list, dict]:
     from torch.utils import cpp_extension
 
     if force == "1":
+        if cpp_extension.CUDA_HOME is None:
+            raise RuntimeError(
+                "FORCE_CUDA=1: expected a CUDA toolkit (nvcc and include/cuda_runtime.h) in "
+                "CUDA_HOME, CUDA_PATH, next to the nvcc on PATH or in /usr/local/cuda*, "
+                "found none; install it or build the CPU kernels only with FORCE_CUDA=0"
+            )
         with_cuda = True
     elif force == "0":
         with_cuda = False
@@ -111,17 +123,20 @@ def _extensions() -> tuple[list, dict]:
         with_cuda=with_cuda,
     )
     csrc = Path("csrc")
+    # Compile time is torch's headers, not our code: the unit_*.cpp files each include
+    # the sources that share an expensive header set, so it is parsed once per unit.
+    # module.cpp (plain CPython API) stays apart: it alone rebuilds when the build
+    # info changes.
     sources = [
         str(csrc / "module.cpp"),
-        str(csrc / "dpmethods.cpp"),
-        str(csrc / "autograd.cpp"),
-        str(csrc / "python_eager.cpp"),
-        str(csrc / "cpu" / "gather_coalesced_cpu.cpp"),
-        str(csrc / "cpu" / "gather_tiles_on_host.cpp"),
+        str(csrc / "unit_python_autograd.cpp"),
+        str(csrc / "unit_ops_cpu.cpp"),
     ]
     include_dirs = [str(_ROOT / "csrc"), str(gen_dir)]
     # No -std flag: torch adds the standard its headers need (C++20 for torch >= 2.10).
-    cxx = ["-O3"]
+    # -g0: Python's own CFLAGS (which the compile line starts with) usually carry -g,
+    # and debug info for torch's headers doubles the compile time of a unit.
+    cxx = ["-O3"] if _env("DPMETHODS_DEBUG") == "1" else ["-O3", "-g0"]
     if sys.platform == "win32":
         cxx = ["/O2"]
     extra_link: list[str] = []
@@ -134,7 +149,12 @@ def _extensions() -> tuple[list, dict]:
     extra: dict[str, list[str]] = {"cxx": cxx}
     library_dirs: list[str] = []
     if with_cuda:
-        sources.append(str(csrc / "cuda" / "gather_coalesced_cuda.cu"))
+        # The host side is C++ (compiled once); only the kernel goes through nvcc,
+        # which parses its file once per GPU architecture plus once for the host.
+        sources += [
+            str(csrc / "cuda" / "gather_coalesced_cuda.cpp"),
+            str(csrc / "cuda" / "gather_pieces_kernel.cu"),
+        ]
         include_dirs += _nvidia_dirs("include")
         library_dirs += _nvidia_dirs("lib")
         # -O3 for host code; device code is a single small kernel, so keep
@@ -152,9 +172,42 @@ def _extensions() -> tuple[list, dict]:
         extra_link_args=extra_link,
         py_limited_api=False,
     )
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
-    return [ext], {"build_ext": build_ext}
+    return [ext], {"build_ext": _persistent_build_ext(cpp_extension.BuildExtension)}
 
 
-_ext_modules, _cmdclass = _extensions()
+def _persistent_build_ext(base: type) -> type:
+    """``base`` (torch's BuildExtension) with its object files in ``build/`` for every install.
+
+    An editable install (``pip install -e .``) gives build_ext a new temporary
+    ``build_temp`` each time, so ninja would recompile everything on every reinstall;
+    an explicit ``--build-temp`` still wins.
+    """
+
+    class PersistentBuildExt(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("use_ninja", True)
+            super().__init__(*args, **kwargs)
+
+        def finalize_options(self) -> None:
+            if self.build_temp is None:
+                from sysconfig import get_platform
+
+                tag = f"temp.{get_platform()}-{sys.implementation.cache_tag}"
+                self.build_temp = str(_ROOT / "build" / tag)
+            super().finalize_options()
+
+    return PersistentBuildExt
+
+
+def _metadata_only() -> bool:
+    """True when setup.py only writes metadata (pip runs it so before every build).
+
+    The extension does not change the metadata, and skipping it spares importing torch,
+    seconds of each reinstall.
+    """
+    commands = [a for a in sys.argv[1:] if not a.startswith("-")]
+    return bool(commands) and commands[0] in ("egg_info", "dist_info")
+
+
+_ext_modules, _cmdclass = ([], {}) if _metadata_only() else _extensions()
 setup(ext_modules=_ext_modules, cmdclass=_cmdclass)

@@ -426,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = json.loads(args.from_json.read_text())
         figures = [Figure(**f) for f in saved["figures"]]
         print(table(figures))
-        plot(figures, args.from_json.with_suffix(".png"))
+        try:
+            plot(figures, args.from_json.with_suffix(".png"))
+        except ModuleNotFoundError as exc:  # the table is what --from-json is mostly for
+            print(f"no plot: {exc.name} is not installed (pip install matplotlib)")
         return 0
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # GPU check of the compiled gather: build in place for sm_90, run the CUDA
-# tests and a quick GPU benchmark, and collect everything under $OUT.
+# tests and quick GPU benchmarks (gather, dispatch, DataParallel.map), and
+# collect everything under $OUT.
 #
 # Expects torch (CUDA build), nvcc, ninja and pytest to be installed already
-# (no network). Budget: about 8 minutes; every step has its own timeout and a
-# failing step does not stop the later ones. Without a GPU the build and the
-# CPU tests still run, and the GPU steps are reported as skipped.
+# (no network); bench_map also needs transformers. Budget: about 10 minutes;
+# every step has its own timeout and a failing step does not stop the later
+# ones. Without a GPU the build and the CPU tests still run, and the GPU steps
+# are reported as skipped.
 #
 # Usage: OUT=out bash benchmarks/gpu_check.sh
 set -u
@@ -49,6 +51,8 @@ if [ "$HAS_GPU" = "1" ]; then
   step pytest_cpu 90 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
   step bench_gpu 150 python benchmarks/bench_gather.py --device cuda --quick --budget 0.05 --out "$OUT"
   step bench_dispatch 120 python benchmarks/bench_dispatch.py --quick --out "$OUT"
+  step pytest_map_cuda 90 python -m pytest -m cuda tests/test_map.py -q -p no:cacheprovider --junitxml="$OUT/pytest_map_cuda.xml"
+  step bench_map 150 python benchmarks/bench_map.py --device cuda --quick --out "$OUT"
 else
   echo "no GPU: skipping CUDA tests and GPU benchmark" | tee -a "$STATUS"
   step pytest_cuda_skip 60 python -m pytest -m cuda tests/test_ops_cuda.py tests/test_cuda.py -q -p no:cacheprovider

@@ -10,7 +10,12 @@
 
 #include "gather_index.h"
 
+// csrc/cuda/gather_pieces_kernel.cu defines DPMETHODS_KERNEL_ONLY: nvcc parses a
+// .cu file once per GPU architecture plus once for the host, so the kernel's file
+// leaves out the ATen-based packing helpers and the headers they need.
+#ifndef DPMETHODS_KERNEL_ONLY
 #include <ATen/core/Tensor.h>
+#endif
 
 #include <cstring>
 #include <vector>
@@ -154,6 +159,7 @@ inline int64_t slot_bytes(int64_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
+#ifndef DPMETHODS_KERNEL_ONLY
 // A piece that travels through a packed buffer before it reaches its output.
 struct StagedPiece {
   at::Tensor src;  // contiguous
@@ -195,5 +201,7 @@ inline void add_unpack(
     direct.push_back(make_piece(packed + offsets[i], items[i].dst, items[i].g));
   }
 }
+
+#endif  // DPMETHODS_KERNEL_ONLY
 
 }  // namespace dpmethods

@@ -3,6 +3,9 @@
 ``info`` reports what a bug report needs: versions, devices, GPU peer access and
 which gather implementation (compiled extension or pure PyTorch) is in use.
 ``demo`` shows, on 4 CPU replicas, the problem dpmethods solves and its answer.
+
+torch is imported inside the commands, not here, so ``--help`` answers at once
+(``dpmethods/__init__.py`` imports its names lazily for the same reason).
 """
 
 from __future__ import annotations
@@ -15,15 +18,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-from torch import Tensor, nn
-
-import dpmethods
-
 __all__ = ["collect_info", "main", "run_demo"]
 
 
 def _devices() -> dict[str, Any]:
+    import torch
+
     gpus: list[dict[str, Any]] = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
@@ -40,6 +40,8 @@ def _devices() -> dict[str, Any]:
 def _peer_access(n_gpus: int) -> list[list[bool]] | str:
     if n_gpus == 0:
         return "n/a: no GPU"
+    import torch
+
     return [
         [i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n_gpus)]
         for i in range(n_gpus)
@@ -47,6 +49,8 @@ def _peer_access(n_gpus: int) -> list[list[bool]] | str:
 
 
 def _extension() -> dict[str, Any]:
+    import dpmethods
+
     info_fn = getattr(dpmethods, "extension_info", None)
     if info_fn is None:
         return {"available": False, "in_use": "pure PyTorch",
@@ -77,6 +81,10 @@ def collect_info() -> dict[str, Any]:
         >>> sorted(collect_info())[:3]
         ['devices', 'dpmethods', 'extension']
     """
+    import torch
+
+    import dpmethods
+
     devices = _devices()
     return {
         "dpmethods": dpmethods.__version__,
@@ -87,7 +95,14 @@ def collect_info() -> dict[str, Any]:
         "devices": devices,
         "peer_access": _peer_access(len(devices["gpus"])),
         "extension": _extension(),
+        "registrations": _registrations(),
     }
+
+
+def _registrations() -> list[dict[str, Any]]:
+    from dpmethods.known_methods import registrations
+
+    return registrations()
 
 
 def _print_info(info: dict[str, Any]) -> None:
@@ -116,35 +131,52 @@ def _print_info(info: dict[str, Any]) -> None:
     ext = info["extension"]
     print(f"extension: in use: {ext.get('in_use', 'unknown')}")
     for key in sorted(ext):
-        if key != "in_use":
-            print(f"  {key}: {ext[key]}")
+        value = ext[key]
+        # Only what is there: no "reason: None" when nothing is wrong.
+        if key == "in_use" or value is None or (key == "reason" and not value):
+            continue
+        if isinstance(value, list):
+            value = ", ".join(map(str, value)) or "none"
+        print(f"  {key}: {value}")
+    # A library's methods become parallel as soon as the user's program imports it.
+    print("built-in parallel methods (active once the library is imported):")
+    for row in info.get("registrations", []):
+        state = "installed" if row["installed"] else "not installed"
+        print(f"  {row['library']} ({state}): {row['applies_to']}: {row['methods']}")
 
 
-class _DemoModel(nn.Module):
+def _demo_model() -> Any:
     """An encoder with a ragged ``generate``: each row yields a data-dependent number of ids."""
+    import torch
+    from torch import Tensor, nn
 
-    def __init__(self, features: int = 8, latent: int = 4, max_len: int = 6) -> None:
-        super().__init__()
-        self.enc = nn.Linear(features, latent)
-        self.max_len = max_len
+    import dpmethods
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.enc(x)
+    class DemoModel(nn.Module):
+        def __init__(self, features: int = 8, latent: int = 4, max_len: int = 6) -> None:
+            super().__init__()
+            self.enc = nn.Linear(features, latent)
+            self.max_len = max_len
 
-    @dpmethods.parallel_method
-    def encode(self, x: Tensor) -> Tensor:
-        return torch.tanh(self.enc(x))
+        def forward(self, x: Tensor) -> Tensor:
+            return self.enc(x)
 
-    @dpmethods.parallel_method(gather="pad", pad_value=-1)
-    def generate(self, x: Tensor) -> Tensor:
-        # Like an LM's generate: each row stops at its own length, and a call returns
-        # only as many columns as its longest row, so replicas return different widths.
-        z = self.encode(x)
-        lengths = (z.abs().sum(-1) * 10).long() % self.max_len + 1
-        width = int(lengths.max())
-        ids = (z.argmax(-1, keepdim=True) + torch.arange(width)).clone()
-        ids[torch.arange(width) >= lengths[:, None]] = -1
-        return ids
+        @dpmethods.parallel_method
+        def encode(self, x: Tensor) -> Tensor:
+            return torch.tanh(self.enc(x))
+
+        @dpmethods.parallel_method(gather="pad", pad_value=-1)
+        def generate(self, x: Tensor) -> Tensor:
+            # Like an LM's generate: each row stops at its own length, and a call returns
+            # only as many columns as its longest row, so replicas return different widths.
+            z = self.encode(x)
+            lengths = (z.abs().sum(-1) * 10).long() % self.max_len + 1
+            width = int(lengths.max())
+            ids = (z.argmax(-1, keepdim=True) + torch.arange(width)).clone()
+            ids[torch.arange(width) >= lengths[:, None]] = -1
+            return ids
+
+    return DemoModel()
 
 
 def run_demo(replicas: int = 4, batch: int = 10) -> dict[str, Any]:
@@ -155,11 +187,16 @@ def run_demo(replicas: int = 4, batch: int = 10) -> dict[str, Any]:
         batch: the number of items.
 
     Example:
-        >>> run_demo(replicas=2, batch=4)["encode_equal"]  # doctest: +SKIP
+        >>> run_demo(replicas=2, batch=4)["generate_equal"]  # doctest: +ELLIPSIS
+        torch.nn.DataParallel(model).encode -> AttributeError: ...
         True
     """
+    import torch
+
+    import dpmethods
+
     torch.manual_seed(0)
-    model = _DemoModel().eval()
+    model = _demo_model().eval()
     x = torch.randn(batch, 8)
     try:
         torch.nn.DataParallel(model).encode(x)  # type: ignore[operator]  # fails: the point
@@ -195,19 +232,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments (default ``sys.argv[1:]``).
 
     Example:
-        >>> main(["info", "--json"])  # doctest: +SKIP
+        >>> main(["demo", "--replicas", "2", "--batch", "4"])  # doctest: +ELLIPSIS
+        torch.nn.DataParallel(model).encode -> AttributeError: ...
+        demo: OK
         0
     """
+    formatter = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(
         prog="python -m dpmethods",
         description="dpmethods: data parallelism for model methods other than forward.",
+        formatter_class=formatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="{info,demo}")
-    info_p = sub.add_parser("info", help="versions, devices, GPU peer access, extension build")
+    info_p = sub.add_parser(
+        "info", help="versions, devices, GPU peer access, extension build",
+        description="Print what a bug report needs: versions, devices, GPU peer access "
+        "and which gather implementation (compiled extension or pure PyTorch) is in use.",
+        formatter_class=formatter,
+    )
     info_p.add_argument("--json", action="store_true", help="print the report as JSON")
-    demo_p = sub.add_parser("demo", help="parallel encode/generate on CPU replicas")
-    demo_p.add_argument("--replicas", type=int, default=4)
-    demo_p.add_argument("--batch", type=int, default=10)
+    demo_p = sub.add_parser(
+        "demo", help="parallel encode/generate on CPU replicas",
+        description="Show, on CPU replicas, that torch.nn.DataParallel cannot run "
+        "model.encode, and that dpmethods.DataParallel runs encode and a ragged generate "
+        "in parallel with the same result as one device.",
+        formatter_class=formatter,
+    )
+    demo_p.add_argument("--replicas", type=int, default=4, help="the number of CPU replicas")
+    demo_p.add_argument("--batch", type=int, default=10, help="the number of input rows")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

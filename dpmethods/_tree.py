@@ -5,6 +5,12 @@
 tuples, so comparing the structures of N replicas is one C-level ``==``. Tensor
 leaves are appended inline rather than through a recursive call, because the walk
 runs per call on every replica and its cost matters as much as the copy.
+
+Besides the built-in containers, dataclasses and namedtuples, a type is walked when it
+has a rule: one given to :func:`dpmethods.register_type` (or shipped for a library in
+:mod:`dpmethods.type_rules`), else one registered with ``torch.utils._pytree``. Those
+lookups happen only for objects that are none of the common kinds, so the fast paths
+for tensors, tuples, lists and dicts are unchanged.
 """
 
 from __future__ import annotations
@@ -12,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
-from torch import Tensor
+import torch.utils._pytree as _pytree
+from torch import Size, Tensor
 
 __all__: list[str] = []
 
@@ -24,9 +32,84 @@ __all__: list[str] = []
 LEAF, NONE, OTHER = "*", "-", "="
 _LEAVES = (LEAF, NONE, OTHER)
 _LEAF_SET = frozenset(_LEAVES)
-_TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS = range(5)
+_TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS, _NODE = range(6)
 _TENSORS = itertools.repeat(Tensor)
 Spec = Any
+
+
+class TypeRule(NamedTuple):
+    """How to take a type apart: ``flatten(obj) -> (children, context)`` and
+    ``unflatten(children, context) -> obj``, as in ``torch.utils._pytree``."""
+
+    flatten: Callable[[Any], tuple[list[Any], Any]]
+    unflatten: Callable[[list[Any], Any], Any]
+
+
+# Rules given to dpmethods (register_type, shipped library rules), by class; a rule
+# applies to subclasses too. Resolved lookups are cached per class.
+RULES: dict[type, TypeRule] = {}
+_resolved: dict[type, TypeRule | None] = {}
+# Called once per class not found in RULES, before torch's pytree registry is asked;
+# dpmethods.type_rules installs the shipped rules of libraries imported by then.
+on_miss: list[Callable[[type], None]] = []
+
+
+def set_rule(cls: type, rule: TypeRule | None) -> None:
+    """Add (or with ``None`` remove) the rule of ``cls``; forget resolved lookups."""
+    if rule is None:
+        RULES.pop(cls, None)
+    else:
+        RULES[cls] = rule
+    _resolved.clear()
+
+
+def rule_for(kind: type) -> TypeRule | None:
+    """The rule that walks objects of type ``kind``, or None."""
+    try:
+        return _resolved[kind]
+    except KeyError:
+        pass
+    if not on_miss:
+        # dpmethods imports its modules lazily: the shipped library rules register their
+        # hook on import, which must happen before the first class is looked up.
+        from . import type_rules  # noqa: F401
+    for hook in on_miss:
+        hook(kind)
+    rule = next((RULES[k] for k in kind.__mro__ if k in RULES), None)
+    _resolved[kind] = rule
+    return rule
+
+
+def _pytree_rule(kind: type) -> TypeRule | None:
+    # Read on every miss, not cached: libraries register their types at any time.
+    node = _pytree.SUPPORTED_NODES.get(kind)
+    return None if node is None else TypeRule(node.flatten_fn, node.unflatten_fn)
+
+
+class _DictOf(NamedTuple):
+    """A mapping type whose constructor takes more than the items (defaultdict)."""
+
+    cls: type
+    factory: Any
+
+    @property
+    def __name__(self) -> str:  # for messages, like a class
+        return self.cls.__name__
+
+    def __call__(self, items: dict[Any, Any]) -> Any:
+        return self.cls(self.factory, items)
+
+
+def _mapping(cls: Any, keys: tuple[Any, ...], values: list[Any]) -> Any:
+    # Rebuilt from a dict of the items rather than from pairs: Counter(pairs) would
+    # count the pairs, and mappingproxy takes only a mapping.
+    try:
+        return cls(dict(zip(keys, values)))
+    except TypeError as exc:
+        raise TypeError(
+            f"cannot rebuild a {cls.__name__} from its items ({exc}); tell dpmethods how with "
+            f"dpmethods.register_type({cls.__name__}, flatten, unflatten)"
+        ) from exc
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,18 +145,30 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
     if obj is None:
         leaves.append(obj)
         return NONE
+    rule = rule_for(kind)  # before dataclasses: a registered rule wins
+    if rule is not None:
+        children, context = rule.flatten(obj)
+        return (_NODE, kind, (rule, context), _children(list(children), leaves))
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = dataclasses.fields(obj)
         names = tuple(f.name for f in fields)
         init = tuple(f.init for f in fields)
         values = [getattr(obj, name) for name in names]
         return (_DATACLASS, kind, (names, init), _children(values, leaves))
+    if kind is Size:  # a shape is a value, not a container of batch items
+        leaves.append(obj)
+        return OTHER
     if isinstance(obj, tuple) and hasattr(kind, "_fields"):
         return (_NAMEDTUPLE, kind, None, _children(list(obj), leaves))
     if isinstance(obj, Mapping):
-        return (_DICT, kind, tuple(obj.keys()), _children(list(obj.values()), leaves))
+        cls: Any = _DictOf(kind, obj.default_factory) if isinstance(obj, defaultdict) else kind
+        return (_DICT, cls, tuple(obj.keys()), _children(list(obj.values()), leaves))
     if isinstance(obj, (tuple, list)):
         return (_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, _children(list(obj), leaves))
+    rule = _pytree_rule(kind)
+    if rule is not None:
+        children, context = rule.flatten(obj)
+        return (_NODE, kind, (rule, context), _children(list(children), leaves))
     leaves.append(obj)
     return OTHER
 
@@ -97,7 +192,9 @@ def _build(spec: Spec, it: Iterator[Any]) -> Any:
     if kind == _LIST:
         return values if cls is None else cls(values)
     if kind == _DICT:
-        return dict(zip(meta, values)) if cls is dict else cls(zip(meta, values))
+        return dict(zip(meta, values)) if cls is dict else _mapping(cls, meta, values)
+    if kind == _NODE:
+        return meta[0].unflatten(values, meta[1])
     if kind == _NAMEDTUPLE:
         return cls(*values)
     names, init = meta
@@ -152,6 +249,8 @@ def _describe(spec: Spec) -> str:
         return f"{name} with keys {list(meta)}"
     if kind == _DATACLASS:
         return f"{name} with fields {list(meta[0])}"
+    if kind == _NODE:
+        return f"{name} of {len(children)} parts"
     return f"{name} of length {len(children)}"
 
 
@@ -163,3 +262,9 @@ def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
         if ca != cb:
             return describe_mismatch(ca, cb, root + label)
     return f"{root}: structures differ"
+
+
+# The shipped rules (diffusers, transformers) hook into on_miss when type_rules is
+# imported. dpmethods/__init__.py imports its names lazily, so import it here, where
+# every walk starts: type_rules imports this module, which is complete by now.
+from . import type_rules as _type_rules  # noqa: E402, F401

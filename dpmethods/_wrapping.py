@@ -12,16 +12,23 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
+from .compiled import method_owner
 from .registry import MethodOptions, MethodsArg, resolve_methods
 
 __all__: list[str] = []
 
-_CLASS_CACHE: dict[tuple[type, type, tuple[str, ...]], type] = {}
+# Weak all ways: an entry lives while wrappers of its class do (the value), and its key
+# holds the wrapper base (maybe a user's subclass) and the module class only weakly, so
+# no class is kept alive by the cache, nor outlives its wrapper class by a gc pass.
+_CLASS_CACHE: weakref.WeakValueDictionary[
+    tuple[weakref.ref[type], weakref.ref[type], tuple[str, ...]], type
+] = weakref.WeakValueDictionary()
 
 
 def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
@@ -33,7 +40,7 @@ def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
 
 def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
-    key = (base, module_cls, names)
+    key = (weakref.ref(base), weakref.ref(module_cls), names)
     cls = _CLASS_CACHE.get(key)
     if cls is None:
         namespace: dict[str, Any] = {
@@ -54,6 +61,27 @@ def _rebuild(base: type, module_cls: type, names: tuple[str, ...]) -> Any:
     return object.__new__(_method_class(base, module_cls, names))
 
 
+def _module_and_methods(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``module`` and ``methods`` as ``cls(*args, **kwargs)`` passes them on.
+
+    A subclass's ``__init__(self, *a, **k)`` forwards to ours: bind against the first
+    ``__init__`` in the MRO that names ``module``.
+    """
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        if "module" not in params:
+            continue
+        try:
+            bound = inspect.signature(init).bind(None, *args, **kwargs)
+        except TypeError:
+            continue  # this __init__ doesn't take these arguments; a base's may
+        return bound.arguments.get("module"), bound.arguments.get("methods")
+    return (args[0] if args else kwargs.get("module")), kwargs.get("methods")
+
+
 class _MethodWrapper(nn.Module):
     """Mixin base of the dpmethods wrappers.
 
@@ -67,9 +95,7 @@ class _MethodWrapper(nn.Module):
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if not args and "module" not in kwargs:  # copy/pickle protocols call __new__ bare
             return super().__new__(cls)
-        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
-        module = bound.arguments.get("module")
-        methods = bound.arguments.get("methods")
+        module, methods = _module_and_methods(cls, args, kwargs)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"{cls.__name__}: module: expected an nn.Module, got {type(module).__name__}"
@@ -80,7 +106,7 @@ class _MethodWrapper(nn.Module):
             for name in resolve_methods(module, methods)
             if not hasattr(base, name)  # forward and the nn.Module API stay the wrapper's
         )
-        return super().__new__(_method_class(base, type(module), names))
+        return super().__new__(_method_class(base, method_owner(module), names))
 
     def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
         self._dpm_methods = resolve_methods(module, methods)
@@ -99,7 +125,7 @@ class _MethodWrapper(nn.Module):
         cls = type(self)
         if "_dpm_base" not in cls.__dict__:
             return super().__reduce_ex__(protocol)
-        module_cls = type(self.__dict__["_modules"]["module"])
+        module_cls = method_owner(self.__dict__["_modules"]["module"])
         base, names = cls.__dict__["_dpm_base"], cls.__dict__["_dpm_names"]
         # __getstate__ lets torch's wrappers drop what can't be pickled (DDP's logger).
         return (_rebuild, (base, module_cls, names), self.__getstate__())

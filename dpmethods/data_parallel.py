@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from . import generate as _generate
+from ._call import _Call, _current, _entered
 from ._wrapping import _MethodWrapper
+from .compiled import method_owner
+from .devices import DeviceId, _resolve_devices, _resolve_output
 from .gather import gather as _gather
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
@@ -24,53 +28,16 @@ from .registry import MethodOptions, MethodsArg
 from .replica_cache import CachedReplicas
 from .replicate import cpu_replicas_mode, fingerprint
 from .replicate import replicate as _replicate
-from .scatter import ScatterResult, _as_device, scatter_call
-from .utils import add_prefix
+from .scatter import _as_device, scatter_call
+from .streaming import map_batches
+from .utils import _load_fitted
 
 __all__ = ["DataParallel"]
 
-DeviceId = int | str | torch.device
+_T = TypeVar("_T", bound=nn.Module)
 
 
-def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device]:
-    if device_ids is None:
-        if not torch.cuda.is_available():
-            return []  # as torch: without GPUs the wrapper is a plain call
-        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-    if isinstance(device_ids, (str, int, torch.device)):
-        raise TypeError(
-            f"device_ids: expected a list of devices, got {type(device_ids).__name__} {device_ids!r}"
-        )
-    devices: list[torch.device] = []
-    for i, d in enumerate(device_ids):
-        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
-            raise TypeError(
-                f"device_ids[{i}]: expected an int, str or torch.device, got {type(d).__name__} {d!r}"
-            )
-        dev = _as_device(d)
-        if dev.type == "cuda":
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            count = torch.cuda.device_count()
-            if dev.index >= count:
-                raise ValueError(
-                    f"device_ids[{i}]: expected a CUDA device index below {count} "
-                    f"(torch.cuda.device_count()), got {dev.index}"
-                )
-        elif dev.type != "cpu":
-            raise ValueError(f"device_ids[{i}]: expected a CUDA or CPU device, got {dev}")
-        devices.append(dev)
-    if not devices:
-        raise ValueError("device_ids: expected at least one device, got []")
-    kinds = sorted({d.type for d in devices})
-    if len(kinds) > 1:
-        raise ValueError(
-            f"device_ids: expected devices of one type, got {kinds}: {[str(d) for d in devices]}"
-        )
-    return devices
-
-
-class DataParallel(_MethodWrapper, nn.DataParallel):
+class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     """Data parallelism for ``forward`` and every parallel method of the module.
 
     A drop-in replacement for ``torch.nn.DataParallel``: ``forward``, ``.module``,
@@ -97,6 +64,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
             buffer copies, through the autograd broadcast distinct GPUs get); default
             ``$DPMETHODS_CPU_REPLICAS``, else ``"shared"``. See docs/reliability.md.
 
+    Tensors are split along the method's ``dim``; other arguments go whole to every
+    replica, and an iterator or generator argument is read once, lazily, with every
+    replica getting its own iterator over all of its items. Without GPUs, CUDA
+    ``device_ids`` are ignored (with one warning) and the wrapper is a plain call, as
+    in torch; ``dim`` may be changed after construction, as in torch.
+
+    Every call goes through ``scatter(inputs, kwargs, device_ids)``,
+    ``replicate(module, device_ids)``, ``parallel_apply(replicas, inputs, kwargs)`` and
+    ``gather(outputs, output_device)`` with torch's signatures, so a subclass may
+    override any of them as for ``torch.nn.DataParallel`` and call ``super()``; which
+    method runs, and with what options, is carried by the call itself (a context
+    variable), so concurrent and nested calls keep theirs.
+
     Example:
         >>> import torch, dpmethods
         >>> class Net(torch.nn.Module):
@@ -113,7 +93,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
 
     def __init__(
         self,
-        module: nn.Module,
+        module: _T,
         device_ids: Sequence[DeviceId] | None = None,
         output_device: DeviceId | None = None,
         dim: int = 0,
@@ -126,12 +106,17 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         nn.Module.__init__(self)
         torch._C._log_api_usage_once("dpmethods.DataParallel")
         self.module = module
+        MethodOptions(dim=dim)  # checks dim
+        if not isinstance(cache_replicas, bool):
+            raise TypeError(
+                f"cache_replicas: expected a bool, got {type(cache_replicas).__name__} "
+                f"{cache_replicas!r}"
+            )
         self.dim = dim
-        self.cache_replicas = bool(cache_replicas)
+        self.cache_replicas = cache_replicas
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self._devices = _resolve_devices(device_ids)
         self._init_methods(module, methods)
-        self._forward_options = self._dpm_methods.get("forward", MethodOptions(dim=dim))
         self._check_broadcast_names()
         self._replica_cache: CachedReplicas | None = None
         self._warned_small: set[tuple[int, int]] = set()
@@ -141,7 +126,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         ]
         if not self._devices:
             return
-        out = self._devices[0] if output_device is None else _as_device(output_device)
+        out = _resolve_output(output_device, self._devices)
         self.output_device: int | torch.device = out.index if out.type == "cuda" else out  # type: ignore[assignment]
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
@@ -149,18 +134,19 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
 
     def _check_broadcast_names(self) -> None:
         for name, opts in self._dpm_methods.items():
-            if not opts.broadcast:
+            if not opts.broadcast and not opts.split:
                 continue
-            params = inspect.signature(getattr(type(self.module), name)).parameters
+            params = inspect.signature(getattr(method_owner(self.module), name)).parameters
             if any(p.kind == p.VAR_KEYWORD for p in params.values()):
                 continue
-            unknown = [b for b in opts.broadcast if b not in params]
-            if unknown:
-                raise ValueError(
-                    f"broadcast: {unknown} are not arguments of "
-                    f"{type(self.module).__name__}.{name}; its arguments are "
-                    f"{[p for p in params if p != 'self']}"
-                )
+            for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
+                unknown = [b for b in names if b not in params]
+                if unknown:
+                    raise ValueError(
+                        f"{option}: {unknown} are not arguments of "
+                        f"{type(self.module).__name__}.{name}; its arguments are "
+                        f"{[p for p in params if p != 'self']}"
+                    )
 
     def _undecorated_warning(self, name: str) -> str | None:
         if len(self._devices) < 2:
@@ -174,6 +160,53 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self._run_method("forward", inputs, kwargs)
 
+    def map(
+        self,
+        method: str,
+        batches: Iterable[Any],
+        /,
+        *,
+        ordered: bool = True,
+        progress: bool | str = False,
+        prefetch: int = 2,
+        shard: bool = False,
+        **kwargs: Any,
+    ) -> Iterator[Any]:
+        """Run ``method`` over many batches, each whole on whichever replica is free.
+
+        Unlike a loop of calls, no batch is split and no replica waits for the others,
+        so ragged work (``generate``) keeps every device busy. See docs/map.md.
+
+        Args:
+            method: a parallel method's name, or ``"forward"``.
+            batches: any iterable (a DataLoader too). A Mapping batch is passed as
+                keyword arguments, a tuple as positional arguments, anything else as
+                the one positional argument.
+            ordered: outputs in input order (through a bounded reorder buffer); if
+                False, ``(index, output)`` pairs as batches finish.
+            progress: a tqdm bar of batches and items per second; a str is its title.
+            prefetch: batches in flight per replica (memory stays bounded).
+            shard: under torch.distributed, run only batch i with
+                ``i % world_size == rank`` and yield only those outputs.
+            **kwargs: keyword arguments passed to every call.
+
+        Returns:
+            An iterator over the outputs, on ``output_device``; ``close()`` it (or use
+            it in a ``with`` block) to stop early.
+
+        Example:
+            >>> import torch, dpmethods
+            >>> dp = dpmethods.DataParallel(torch.nn.Linear(4, 2), device_ids=["cpu"] * 2)
+            >>> with torch.no_grad():
+            ...     outs = list(dp.map("forward", [torch.randn(3, 4) for _ in range(5)]))
+            >>> len(outs), outs[0].shape
+            (5, torch.Size([3, 2]))
+        """
+        return map_batches(
+            self, method, batches, kwargs,
+            ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
+        )
+
     def _check_source_device(self) -> None:
         src = self.src_device_obj
         for t in chain(self.module.parameters(), self.module.buffers()):
@@ -185,76 +218,89 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
                     f"{src} (device_ids[0]), but {where!r} is on {t.device}"
                 )
 
+    def _options(self, name: str) -> MethodOptions:
+        opts = self._dpm_methods.get(name)
+        if opts is not None:
+            return opts
+        # Undecorated forward: ``self.dim`` as it is now (torch reads it per call too).
+        cached = self.__dict__.get("_dim_options")
+        if cached is None or cached.dim != self.dim:
+            cached = self.__dict__["_dim_options"] = MethodOptions(dim=self.dim)
+        return cached
+
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         fn = getattr(self.module, name)
         call = self.module if name == "forward" else fn  # forward through __call__, so hooks run
-        if not self._devices:
+        if not self.device_ids:
             return call(*args, **kwargs)
-        opts = self._dpm_methods.get(name, self._forward_options)
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:
             self._check_source_device()  # a cache hit means the devices were checked
-        scattered = self.scatter(args, kwargs, self._devices, options=opts, fn=fn)
-        inputs, kwargs_tup = scattered
-        n = len(inputs)
-        if n < len(self._devices) and scattered.sizes != [0]:
-            small = (sum(scattered.sizes), len(self._devices))
-            if small not in self._warned_small:
-                self._warned_small.add(small)
-                warnings.warn(
-                    f"DataParallel: a batch of {small[0]} items on {small[1]} devices: only "
-                    f"{n} replicas run, the other devices stay idle",
-                    UserWarning,
-                    stacklevel=3,
-                )
-        if len(self._devices) == 1:
-            outputs = [call(*inputs[0], **kwargs_tup[0])]
-        else:
-            replicas = self.replicate(self.module, self._devices[:n], key=key)
-            outputs = self.parallel_apply(replicas, inputs, kwargs_tup, method=name)
-        total = sum(scattered.sizes)
-        weights = [s / total for s in scattered.sizes] if total else None
-        return self.gather(outputs, self.output_device, options=opts, weights=weights)
+        with _entered(
+            _Call(self, name, self._options(name), fn, key, args=args, kwargs=kwargs)
+        ) as ctx:
+            # torch's seams, with torch's signatures; the rest of the call is in ctx.
+            inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
+            if not inputs and not kwargs_tup:
+                inputs, kwargs_tup = ((),), ({},)
+            self._warn_small(ctx.sizes, len(inputs))
+            if len(self.device_ids) == 1:
+                outputs = [call(*inputs[0], **kwargs_tup[0])]
+            else:
+                replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
+                outputs = self.parallel_apply(replicas, inputs, kwargs_tup)
+            return self.gather(outputs, self.output_device)
 
-    # --- torch's seams, method-aware -------------------------------------------------
+    def _warn_small(self, sizes: list[int], n: int) -> None:
+        if n >= len(self.device_ids) or sum(sizes) == 0:
+            return
+        small = (sum(sizes), len(self.device_ids))
+        if small not in self._warned_small:
+            self._warned_small.add(small)
+            warnings.warn(
+                f"DataParallel: a batch of {small[0]} items on {small[1]} devices: only "
+                f"{n} replicas run, the other devices stay idle",
+                UserWarning,
+                stacklevel=4,
+            )
 
-    def scatter(  # type: ignore[override]
+    # --- torch's seams, torch's signatures, method-aware through the current call ----
+
+    def scatter(
         self,
         inputs: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
         device_ids: Sequence[DeviceId],
-        *,
-        options: MethodOptions | None = None,
-        fn: Any = None,
-    ) -> ScatterResult:
+    ) -> Any:
         """Split a call's arguments per device; see :func:`dpmethods.scatter.scatter_call`.
 
-        Returns ``(inputs, kwargs)`` per replica like torch, with ``.sizes`` (batch items
-        per replica) attached.
+        Returns ``(inputs, kwargs)``: per replica, a tuple of positional arguments and
+        a dict of keyword arguments, as torch's ``DataParallel.scatter``.
         """
-        opts = options or self._forward_options
-        return scatter_call(
-            tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast, fn
+        ctx = _current(self)
+        opts = ctx.options if ctx is not None else self._options("forward")
+        result = scatter_call(
+            tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast,
+            ctx.fn if ctx is not None else None, split=opts.split,
         )
+        if ctx is not None:
+            ctx.sizes = result.sizes
+        return result[0], result[1]
 
     def _caching(self) -> bool:
         return self.cache_replicas and not torch.is_grad_enabled()
 
-    def replicate(  # type: ignore[override]
-        self, module: nn.Module, device_ids: Sequence[DeviceId], *, key: Any = None
-    ) -> list[nn.Module]:
-        """Replicas of ``module`` on ``device_ids``; cached under no_grad if ``cache_replicas``.
-
-        ``key`` is ``fingerprint(module)`` when the caller has it already.
-        """
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceId]) -> list[nn.Module]:  # type: ignore[override]
+        """Replicas of ``module`` on ``device_ids``; cached under no_grad if ``cache_replicas``."""
         devices = [_as_device(d) for d in device_ids]
         prefix = devices == self._devices[: len(devices)]
         if not (self._caching() and module is self.module and prefix):
             return _replicate(
                 module, devices, not torch.is_grad_enabled(), cpu_replicas=self.cpu_replicas
             )
-        key = fingerprint(module) if key is None else key
+        ctx = _current(self)
+        key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
         cached = self._replica_cache
         loan = cached.lend(len(devices)) if cached is not None and cached.key == key else None
         if loan is None and (cached is None or not cached.lent()):
@@ -277,17 +323,17 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
         return state
 
     def parallel_apply(  # type: ignore[override]
-        self,
-        replicas: Sequence[nn.Module],
-        inputs: Sequence[tuple[Any, ...]],
-        kwargs: Sequence[dict[str, Any]],
-        *,
-        method: str = "forward",
+        self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any = None
     ) -> list[Any]:
-        """Run ``method`` on every replica in parallel; see :func:`dpmethods.parallel_apply`.
+        """Run the current method on every replica in parallel; see :func:`dpmethods.parallel_apply`.
 
-        With ``cache_replicas`` the worker threads are kept between calls too.
+        As torch: ``kwargs`` may be None, and an input that is not a tuple or list is
+        the replica's only argument. With ``cache_replicas`` the worker threads are kept.
         """
+        n = len(replicas)
+        inputs = [x if isinstance(x, (tuple, list)) else (x,) for x in inputs]
+        kwargs = [{}] * n if kwargs is None else kwargs
+        ctx = _current(self)
         workers = None
         if self.cache_replicas and len(self._devices) > 1:
             workers = self.__dict__.get("_workers")
@@ -295,28 +341,35 @@ class DataParallel(_MethodWrapper, nn.DataParallel):
                 workers = self.__dict__["_workers"] = WorkerPool(len(self._devices) - 1)
         try:
             return _parallel_apply(
-                replicas, method, inputs, kwargs, self._devices[: len(replicas)], workers
+                replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
+                self._devices[:n], workers,
             )
         finally:
             CachedReplicas.give_back(replicas)
 
-    def gather(  # type: ignore[override]
-        self,
-        outputs: Sequence[Any],
-        output_device: DeviceId,
-        *,
-        options: MethodOptions | None = None,
-        weights: Sequence[float] | None = None,
-    ) -> Any:
+    def gather(self, outputs: Any, output_device: DeviceId) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.gather`."""
-        opts = options or self._forward_options
+        ctx = _current(self)
+        opts = ctx.options if ctx is not None else self._options("forward")
+        weights = ctx.weights(len(outputs)) if ctx is not None else None
+        if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.generate
+            return _generate._gather_call(outputs, output_device, ctx)
+        sizes = ctx.sizes if ctx is not None else None
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
-            weights=weights,
+            weights=weights, gather_dim=opts.gather_dim,
+            sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
         )
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a state dict saved from this wrapper or from the bare module."""
-        return super().load_state_dict(add_prefix(state_dict, "module."), strict, assign)
+        """Load a state dict saved from this wrapper, the bare module or ``torch.compile``.
+
+        See :func:`dpmethods.load_state_dict`: wrapper prefixes are fitted to this
+        wrapper's own keys, once each.
+        """
+        return _load_fitted(
+            super().load_state_dict, self.state_dict(keep_vars=True).keys(), state_dict,
+            strict, assign=assign,
+        )

@@ -21,6 +21,7 @@ from torch import nn
 from ._redirect import _redirected_call
 from ._wrapping import _MethodWrapper
 from .registry import MethodsArg, parallel_methods, resolve_methods
+from .warn_once import warn_once
 
 __all__ = [
     "DistributedDataParallel",
@@ -70,9 +71,14 @@ class DistributedDataParallel(_MethodWrapper, torch.nn.parallel.DistributedDataP
         ...     @dpmethods.parallel_method
         ...     def training_step(self, x, y):
         ...         return torch.nn.functional.mse_loss(self.lin(x), y)
-        >>> # after torch.distributed.init_process_group(...):
-        >>> ddp = dpmethods.DistributedDataParallel(Net())  # doctest: +SKIP
-        >>> ddp.training_step(x, y).backward()  # gradients all-reduced  # doctest: +SKIP
+        >>> import torch.distributed as dist  # one process here; torchrun starts several
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> ddp = dpmethods.DistributedDataParallel(Net())
+        >>> x, y = torch.randn(8, 4), torch.randn(8, 1)
+        >>> ddp.training_step(x, y).backward()  # through DDP's forward: all-reduced
+        >>> ddp.module.lin.weight.grad is not None
+        True
+        >>> dist.destroy_process_group()
     """
 
     def __init__(
@@ -174,7 +180,9 @@ def route(wrapper: Callable[..., Any], module: nn.Module | None = None) -> Any:
 
     Args:
         wrapper: the wrapper to call; its ``forward`` must call ``module``.
-        module: the module whose methods are routed; defaults to ``wrapper.module``.
+        module: the module whose methods are routed; defaults to ``wrapper.module``, or
+            to ``wrapper`` itself when it is a module without ``.module`` (a model that
+            ``accelerator.prepare`` returned unwrapped in one process).
 
     Returns:
         An object whose attributes are the module's methods, routed through ``wrapper``.
@@ -199,6 +207,18 @@ def route(wrapper: Callable[..., Any], module: nn.Module | None = None) -> Any:
         raise TypeError(f"route: wrapper: expected a callable module, got {type(wrapper).__name__}")
     if module is None:
         module = getattr(wrapper, "module", None)
+        if module is None and isinstance(wrapper, nn.Module):
+            # A bare model (accelerator.prepare(model) in one process returns the model
+            # itself): route through its own __call__, so its hooks run.
+            module = wrapper
+            if "forward" in wrapper.__dict__:
+                warn_once(
+                    f"route: {type(wrapper).__name__} has no `.module`, so methods are routed "
+                    "through the model itself, and its instance-level forward (a patch such "
+                    "as Accelerate's mixed-precision wrapper) is not run around them; wrap "
+                    "the call yourself (e.g. in torch.autocast) if the patch matters",
+                    stacklevel=3,
+                )
         if module is None:
             raise TypeError(
                 f"route: expected the wrapper to have a `.module`, but "
@@ -254,10 +274,21 @@ def register_fsdp_methods(module: nn.Module, methods: MethodsArg = None) -> list
         The registered methods as dotted paths (``"generate"``, ``"decoder.step"``).
 
     Example:
-        >>> model = Net()  # doctest: +SKIP
-        >>> torch.distributed.fsdp.fully_shard(model)  # doctest: +SKIP
-        >>> dpmethods.register_fsdp_methods(model)  # doctest: +SKIP
+        >>> import torch, dpmethods, torch.distributed as dist
+        >>> from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.lin = torch.nn.Linear(4, 1)
+        ...     @dpmethods.parallel_method
+        ...     def training_step(self, x, y):
+        ...         return torch.nn.functional.mse_loss(self.lin(x), y)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = Net()
+        >>> _ = fully_shard(model)  # torch's own
+        >>> dpmethods.register_fsdp_methods(model)
         ['training_step']
+        >>> dist.destroy_process_group()
     """
     if not isinstance(module, nn.Module):
         raise TypeError(
@@ -311,10 +342,24 @@ def fully_shard(
         What ``fully_shard`` returns: the module, now an ``FSDPModule``.
 
     Example:
-        >>> for layer in model.layers:  # doctest: +SKIP
-        ...     dpmethods.fully_shard(layer)
-        >>> dpmethods.fully_shard(model)  # doctest: +SKIP
-        >>> model.training_step(batch).backward()  # doctest: +SKIP
+        >>> import torch, dpmethods, torch.distributed as dist
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)])
+        ...     def forward(self, x):
+        ...         return self.layers[1](self.layers[0](x))
+        ...     @dpmethods.parallel_method
+        ...     def training_step(self, x, y):
+        ...         return torch.nn.functional.mse_loss(self(x), y)
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> model = Net()
+        >>> for layer in model.layers:
+        ...     _ = dpmethods.fully_shard(layer)
+        >>> type(dpmethods.fully_shard(model)).__name__
+        'FSDPNet'
+        >>> model.training_step(torch.randn(8, 4), torch.randn(8, 1)).backward()
+        >>> dist.destroy_process_group()
     """
     if methods is not None and not isinstance(module, nn.Module):
         raise TypeError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _tree, ops
+from . import _tree, ops, per_item
+from .coupled import check_coupled, joinable
 from .registry import GATHER_MODES, GatherOption
 from .scatter import DeviceLike, _as_device
+from .values import join_values, reduce
 
 __all__ = ["gather"]
 
@@ -44,46 +47,81 @@ def _pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Ten
     return out
 
 
-def _same(values: Sequence[Any]) -> bool:
-    first = values[0]
-    try:
-        return all(v is first or bool(v == first) for v in values[1:])
-    except Exception:  # values whose == is not a bool (arrays): treat as different
-        return False
+def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
+    """channels_last(_3d) if every piece is in it (then torch.cat keeps it), else None."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(pieces[0].dim())
+    if fmt is None:
+        return None
+    for p in pieces:
+        if p.is_contiguous() or not p.is_contiguous(memory_format=fmt):
+            return None
+    return fmt
+
+
+def _coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
+    """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
+    out = ops.gather_coalesced(tensors, n, dim, device)
+    if max(map(Tensor.dim, out), default=0) < 4:  # the common case: one C-level pass
+        return out
+    out = list(out)
+    for i, t in enumerate(out):
+        if t.dim() >= 4:
+            fmt = _memory_format(tensors[i * n : (i + 1) * n])
+            if fmt is not None:
+                out[i] = t.contiguous(memory_format=fmt)
+    return out
+
+
+def _check_dim(dim: Any) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"gather: dim: expected an int, got {type(dim).__name__} {dim!r}")
+    if not -(2**63) <= dim < 2**63:
+        raise ValueError(f"gather: dim: expected an int that fits in 64 bits, got {dim}")
+
+
+def _align(ref: Any, obj: Any) -> Any:
+    """``obj`` with its dicts' keys in ``ref``'s order, where both have the same keys."""
+    if type(obj) is not type(ref):
+        return obj
+    if isinstance(obj, dict) and type(obj) in (dict, OrderedDict):
+        if obj.keys() != ref.keys():
+            return obj
+        return type(obj)((k, _align(ref[k], obj[k])) for k in ref)
+    if type(obj) in (list, tuple) and len(obj) == len(ref):
+        return type(obj)(_align(a, b) for a, b in zip(ref, obj))
+    return obj
 
 
 def _leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str]:
     if isinstance(mode, str):
         return [mode] * n_leaves
     assert isinstance(mode, Mapping)
+    return _per_key(spec, mode, "cat", "gather: a mapping of modes", "mode keys")
+
+
+def _leaf_dims(spec: _tree.Spec, dims: Mapping[str, int], dim: int) -> list[int]:
+    return _per_key(spec, dims, dim, "gather_dim: a mapping of dims", "gather_dim keys")
+
+
+def _per_key(spec: _tree.Spec, by_key: Mapping[str, Any], default: Any, what: str, keys: str) -> list[Any]:
     counts = _tree.top_level_leaf_counts(spec)
     if counts is None:
         raise ValueError(
-            f"gather: a mapping of modes {dict(mode)} needs outputs with keys or fields "
+            f"{what} {dict(by_key)} needs outputs with keys or fields "
             f"(dict, dataclass, namedtuple), got {_tree._describe(spec)}"
         )
-    unknown = sorted(set(mode) - {k for k, _ in counts})
+    unknown = sorted(set(by_key) - {k for k, _ in counts})
     if unknown:
         warnings.warn(
-            f"gather: mode keys {unknown} are not in the output, whose keys are "
+            f"gather: {keys} {unknown} are not in the output, whose keys are "
             f"{[k for k, _ in counts]}; those keys are ignored",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    modes: list[str] = []
+    values: list[Any] = []
     for key, count in counts:
-        modes += [mode.get(key, "cat")] * count
-    return modes
-
-
-def _reduce(values: Sequence[Any], weights: Sequence[float], device: torch.device, mean: bool) -> Any:
-    moved = [v.to(device) if isinstance(v, Tensor) else v for v in values]
-    if mean:  # weighted by batch share, so uneven chunks give the full-batch mean
-        moved = [w * v for w, v in zip(weights, moved)]
-    total = moved[0]
-    for v in moved[1:]:
-        total = total + v
-    return total
+        values += [by_key.get(key, default)] * count
+    return values
 
 
 def gather(
@@ -94,22 +132,32 @@ def gather(
     mode: GatherOption = "cat",
     pad_value: float = 0,
     weights: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
+    gather_dim: int | Mapping[str, int] | None = None,
 ) -> Any:
     """Gather the outputs of several replicas into one output on ``target_device``.
 
-    Nested tuples, lists, dicts, namedtuples, dataclasses and ``ModelOutput`` are
-    rebuilt with their own type. ``None`` stays ``None``; equal non-tensor values come
-    back once and differing ones as a list.
+    Nested tuples, lists, dicts, namedtuples, dataclasses, ``ModelOutput`` and types
+    with a rule (:func:`dpmethods.register_type`, ``torch.utils._pytree``) are rebuilt
+    with their own type. ``None`` stays ``None``; equal non-tensor values come back
+    once, numpy arrays are concatenated, and other differing values come back as a
+    list (with a warning).
 
     Args:
         outputs: one output per replica.
         target_device: where the result goes (``"cpu"``, a CUDA index or device).
         dim: the dimension tensors are joined along.
-        mode: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"``, a
-            mapping of top-level output keys to those (others use ``"cat"``), or a
-            callable ``fn(outputs, target_device)``.
+        mode: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"``,
+            ``"extend"``, a mapping of top-level output keys to those (others use
+            ``"cat"``), or a callable ``fn(outputs, target_device)``.
         pad_value: the fill value of ``"pad"``.
-        weights: each replica's share of the batch, for ``"mean"`` (default: equal).
+        weights: each replica's share of the batch, for ``"mean"`` (default: from
+            ``sizes``, else equal).
+        sizes: the number of batch items each replica got. With it, per-item lists are
+            recognised (see :mod:`dpmethods.per_item`) and batch-coupled outputs warned
+            about (see :mod:`dpmethods.coupled`).
+        gather_dim: the join dim when it is not ``dim``: an int, or a mapping of
+            top-level output keys to ints (others use ``dim``).
 
     Example:
         >>> import torch
@@ -118,25 +166,61 @@ def gather(
         >>> g = gather(outs, "cpu", mode={"loss": "mean"}, weights=[2 / 3, 1 / 3])
         >>> g["y"].tolist(), g["loss"].item()
         ([1.0, 1.0, 0.0], 2.0)
+        >>> gather([["a", "b"], ["c"]], "cpu", sizes=[2, 1])
+        ['a', 'b', 'c']
     """
     outputs = list(outputs)
     n = len(outputs)
     if n == 0:
         raise ValueError("gather: outputs: expected at least one replica output, got none")
     device = _as_device(target_device)
+    _check_dim(dim)
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
         raise ValueError(f"gather: mode: expected one of {list(GATHER_MODES)}, got {mode!r}")
+    if mode == "generate" or (isinstance(mode, Mapping) and "generate" in mode.values()):
+        raise ValueError(
+            "gather: mode: 'generate' needs the generate call's pad and eos ids, which only "
+            "a wrapper call has; here use dpmethods.gather_generate(outputs, device, "
+            f"fill_token_id=...), got mode={mode!r}"
+        )
+    if sizes is not None:
+        sizes = list(sizes)
+        if len(sizes) != n:
+            raise ValueError(
+                f"gather: sizes: expected {n} values (one per output), got {len(sizes)}"
+            )
     if weights is None:
-        weights = [1.0 / n] * n
+        total = sum(sizes) if sizes else 0
+        weights = [s / total for s in sizes] if sizes and total else [1.0 / n] * n
     elif len(weights) != n:
         raise ValueError(f"gather: weights: expected {n} values (one per output), got {len(weights)}")
+    key_dims: Mapping[str, int] | None = None
+    if isinstance(gather_dim, Mapping):
+        key_dims = gather_dim
+    elif gather_dim is not None:
+        dim = gather_dim
+    check = sizes is not None and n > 1
 
-    if mode == "cat" and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
-        return ops.gather_coalesced(outputs, n, dim, device)[0]  # one tensor per replica
+    if mode == "cat" and key_dims is None and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
+        if check and check_coupled([outputs], sizes, [dim], None, lambda i: "output"):
+            if not joinable(outputs, dim):  # warned: the pieces, rather than an error
+                return [t.to(device) for t in outputs]
+        return _coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
+    if any(f[0] != spec for f in flat[1:]):
+        # As torch, dicts are matched by key, not by order: put every replica's keys in
+        # replica 0's order, then compare again.
+        flat = [flat[0]] + [_tree.flatten(_align(outputs[0], o)) for o in outputs[1:]]
+    if n > 1 and (
+        per_item.wants_extend(mode)
+        or (check and any(f[0] != spec for f in flat[1:]))
+        or (check and per_item.needs_marking(spec, sizes[0]))  # type: ignore[index]
+    ):
+        flat = per_item.mark_items(flat, sizes, mode, dim)
+        spec = flat[0][0]
     for r in range(1, n):
         if flat[r][0] != spec:
             raise ValueError(
@@ -145,13 +229,6 @@ def gather(
             )
     columns = list(zip(*[leaves for _, leaves in flat]))
     leaves0 = flat[0][1]
-    # The common case, every leaf a tensor with a batch dim, in one call. Equal specs
-    # already say the other replicas have tensors in the same places.
-    if mode == "cat" and all(map(isinstance, leaves0, _TENSORS)) and all(map(Tensor.dim, leaves0)):
-        tensors = list(itertools.chain.from_iterable(columns))
-        return _tree.unflatten(spec, ops.gather_coalesced(tensors, n, dim, device))
-
-    modes = _leaf_modes(spec, mode, len(columns))
     paths: list[str] | None = None
 
     def path(i: int) -> str:
@@ -160,19 +237,30 @@ def gather(
             paths = _tree.leaf_paths(spec)
         return paths[i]
 
+    # The common case, every leaf a tensor with a batch dim, in one call. Equal specs
+    # already say the other replicas have tensors in the same places.
+    if (
+        mode == "cat"
+        and key_dims is None
+        and all(map(isinstance, leaves0, _TENSORS))
+        and all(map(Tensor.dim, leaves0))
+        and not (check and check_coupled(columns, sizes, [dim] * len(columns), None, path))
+    ):
+        tensors = list(itertools.chain.from_iterable(columns))
+        return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
+
+    modes = _leaf_modes(spec, mode, len(columns))
+    dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
+    coupled = check_coupled(columns, sizes, dims, modes, path) if check else set()
+
     result: list[Any] = [None] * len(columns)
-    joined: list[int] = []
-    pieces: list[Tensor] = []
-    for i, (col, m) in enumerate(zip(columns, modes)):
+    joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim
+    for i, (col, m, d) in enumerate(zip(columns, modes, dims)):
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
-            if m == "list":
-                result[i] = list(col)
-            elif m in ("mean", "sum") and all(isinstance(v, (int, float, complex)) for v in col):
-                result[i] = _reduce(col, weights, device, m == "mean")
-            else:
-                result[i] = col[0] if _same(col) else list(col)
+            result[i] = join_values(col, m, d, path(i), device, weights)
             continue
-        if m == "list":
+        if m == "list" or (i in coupled and not joinable(col, d)):
+            # A coupled leaf that cat can't join comes back in pieces: it was warned about.
             result[i] = [t.to(device) for t in col]
         elif m in ("mean", "sum"):
             if any(t.shape != col[0].shape for t in col):
@@ -180,8 +268,12 @@ def gather(
                     f"gather: {path(i)}: {m!r} needs the same shape on every replica, got "
                     f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
                 )
-            result[i] = _reduce(col, weights, device, m == "mean")
-        else:
+            result[i] = reduce(col, weights, device, m == "mean")
+        elif n == 1 and m != "stack":
+            # One replica ran (one device, or nothing to split): its output is the
+            # result, as torch returns it; a 0-dim value stays 0-dim.
+            result[i] = col[0].to(device)
+        else:  # "cat", "extend" (a tensor is a sequence of items), "stack", "pad"
             parts: Sequence[Tensor] = col
             if m == "stack" or col[0].dim() == 0:
                 if m != "stack":
@@ -192,13 +284,13 @@ def gather(
                         UserWarning,
                         stacklevel=2,
                     )
-                parts = [t.unsqueeze(dim) for t in col]
+                parts = [t.unsqueeze(d) for t in col]
             elif m == "pad":
-                parts = _pad(col, dim, pad_value, path(i))
-            joined.append(i)
+                parts = _pad(col, d, pad_value, path(i))
+            indices, pieces = joined.setdefault(d, ([], []))
+            indices.append(i)
             pieces.extend(parts)
-    if pieces:
-        for i, t in zip(joined, ops.gather_coalesced(pieces, n, dim, device)):
+    for d, (indices, pieces) in joined.items():
+        for i, t in zip(indices, _coalesced(pieces, n, d, device)):
             result[i] = t
     return _tree.unflatten(spec, result)
-

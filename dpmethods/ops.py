@@ -99,6 +99,13 @@ def _fake(
     tensors: list[torch.Tensor], num_replicas: int, dim: int, device: torch.device
 ) -> list[torch.Tensor]:
     _check_counts(len(tensors), num_replicas)
+    if device.type != "meta" and any(t.is_meta for t in tensors):
+        # Real meta tensors dispatch here too (this is the Meta kernel): as with
+        # torch.cat(...).to(device), there is no data to copy onto a real device.
+        raise NotImplementedError(
+            f"gather_coalesced(): Cannot copy out of meta tensor; no data! Expected pieces "
+            f"with data to gather onto {device}, got meta tensors"
+        )
     out = []
     for i in range(0, len(tensors), num_replicas):
         pieces = tensors[i : i + num_replicas]

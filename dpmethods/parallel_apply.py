@@ -270,6 +270,11 @@ def _entered(i: int, replicas: Sequence[nn.Module]) -> contextlib.AbstractContex
 def _annotate(exc: BaseException, index: int, device: torch.device) -> BaseException:
     note = f"dpmethods: raised in replica {index} on device {device}"
     if hasattr(exc, "add_note"):
+        # One note per exception object: one raised again in a later call (a cached
+        # exception) must not collect a note per call.
+        notes = getattr(exc, "__notes__", None)
+        if notes is not None:
+            notes[:] = [n for n in notes if not n.startswith("dpmethods: raised in replica ")]
         exc.add_note(note)
         return exc
     wrapped = ReplicaError(note)  # pragma: no cover - Python 3.10

@@ -29,8 +29,10 @@ __all__ = [
     "resolve_methods",
 ]
 
-GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list"]
-GATHER_MODES: tuple[str, ...] = ("cat", "stack", "mean", "sum", "pad", "list")
+GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "generate"]
+GATHER_MODES: tuple[str, ...] = (
+    "cat", "stack", "mean", "sum", "pad", "list", "extend", "generate",
+)
 GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]  # noqa: UP007 (runtime alias on 3.10)
 
 _OPTIONS_ATTR = "__dpmethods_options__"
@@ -49,34 +51,46 @@ class MethodOptions:
     Args:
         dim: the batch dimension that inputs are split along and outputs joined along.
         broadcast: names of arguments that every replica gets whole.
-        gather: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"`` or ``"list"``;
-            a mapping from output key or field name to one of those; or a callable
+        gather: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"`` or
+            ``"extend"`` (concatenate the replicas' per-item lists in order); a mapping
+            from output key or field name to one of those; or a callable
             ``fn(outputs, output_device)`` that receives the list of replica outputs.
         pad_value: the fill value of ``"pad"``.
+        split: names of arguments whose value is a Python sequence with one entry per
+            batch item (a list of images, of target dicts, of sentences); each replica
+            gets the contiguous run of items that lines up with its tensor chunk.
+        gather_dim: the dimension outputs are joined along, when it differs from ``dim``:
+            an int, or a mapping from top-level output key or field name to int (outputs
+            not named use ``dim``). ``None`` means ``dim``.
 
     Example:
         >>> MethodOptions(gather="pad", pad_value=-1).gather
         'pad'
+        >>> MethodOptions(split="images", gather_dim={"logits_per_text": 1}).split
+        ('images',)
     """
 
     dim: int = 0
     broadcast: tuple[str, ...] = ()
     gather: GatherOption = "cat"
     pad_value: float = 0
+    split: tuple[str, ...] = ()
+    gather_dim: int | Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise TypeError(f"dim: expected an int, got {type(self.dim).__name__} {self.dim!r}")
-        broadcast = self.broadcast
-        if isinstance(broadcast, str):
-            broadcast = (broadcast,)
-        broadcast = tuple(broadcast)
-        for name in broadcast:
-            if not isinstance(name, str):
-                raise TypeError(
-                    f"broadcast: expected argument names (str), got {type(name).__name__} {name!r}"
-                )
-        object.__setattr__(self, "broadcast", broadcast)
+        if not -(2**63) <= self.dim < 2**63:
+            raise ValueError(f"dim: expected an int that fits in 64 bits, got {self.dim}")
+        object.__setattr__(self, "broadcast", _names("broadcast", self.broadcast))
+        object.__setattr__(self, "split", _names("split", self.split))
+        both = sorted(set(self.broadcast) & set(self.split))
+        if both:
+            raise ValueError(
+                f"split: expected names not also in broadcast, got {both} in both "
+                "(an argument is either cut per item or given whole to every replica)"
+            )
+        object.__setattr__(self, "gather_dim", _check_gather_dim(self.gather_dim))
         _check_gather(self.gather)
         if isinstance(self.pad_value, bool) or not isinstance(self.pad_value, (int, float)):
             raise TypeError(
@@ -88,19 +102,69 @@ class MethodOptions:
         """Return a copy with ``changes`` applied (validated again).
 
         Args:
-            **changes: any of ``dim``, ``broadcast``, ``gather``, ``pad_value``.
+            **changes: any of ``dim``, ``broadcast``, ``gather``, ``pad_value``,
+                ``split``, ``gather_dim``.
 
         Example:
             >>> MethodOptions().with_updates(dim=1).dim
             1
         """
-        unknown = sorted(set(changes) - {"dim", "broadcast", "gather", "pad_value"})
+        unknown = sorted(set(changes) - set(_OPTION_NAMES))
         if unknown:
             raise TypeError(
-                f"unknown option(s) {unknown}; expected any of "
-                "['broadcast', 'dim', 'gather', 'pad_value']"
+                f"unknown option(s) {unknown}; expected any of {sorted(_OPTION_NAMES)}"
             )
         return replace(self, **changes)
+
+
+_OPTION_NAMES = ("dim", "broadcast", "gather", "pad_value", "split", "gather_dim")
+
+
+def _names(option: str, value: Any) -> tuple[str, ...]:
+    """Argument names as a tuple: one string, or an iterable of strings."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, Mapping) or not isinstance(value, Iterable):
+        raise TypeError(
+            f"{option}: expected an argument name or a tuple of names (str), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{option}: expected argument names (str), got {type(name).__name__} {name!r}"
+            )
+    return names
+
+
+def _check_dim_value(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _check_gather_dim(gather_dim: Any) -> int | Mapping[str, int] | None:
+    if gather_dim is None:
+        return None
+    if isinstance(gather_dim, Mapping):
+        checked: dict[str, int] = {}
+        for key, value in gather_dim.items():
+            if not isinstance(key, str):
+                raise TypeError(
+                    f"gather_dim: expected output keys or field names (str), got "
+                    f"{type(key).__name__} {key!r}"
+                )
+            checked[key] = _check_dim_value(f"gather_dim[{key!r}]", value)
+        # A copy, so later changes to the caller's dict don't change the options (a plain
+        # dict rather than a mappingproxy, which can't be pickled or deep-copied).
+        return checked
+    if isinstance(gather_dim, bool) or not isinstance(gather_dim, int):
+        raise TypeError(
+            f"gather_dim: expected an int, a mapping of output keys to ints, or None, got "
+            f"{type(gather_dim).__name__} {gather_dim!r}"
+        )
+    return gather_dim
 
 
 def _check_gather(gather: Any) -> None:
@@ -109,10 +173,10 @@ def _check_gather(gather: Any) -> None:
             raise ValueError(f"gather: expected one of {list(GATHER_MODES)}, got {gather!r}")
     elif isinstance(gather, Mapping):
         for key, mode in gather.items():
-            if not isinstance(mode, str) or mode not in GATHER_MODES:
-                raise ValueError(
-                    f"gather[{key!r}]: expected one of {list(GATHER_MODES)}, got {mode!r}"
-                )
+            if not isinstance(mode, str) or mode not in GATHER_MODES or mode == "generate":
+                # "generate" joins a whole generate output, not one of its keys.
+                per_key = [m for m in GATHER_MODES if m != "generate"]
+                raise ValueError(f"gather[{key!r}]: expected one of {per_key}, got {mode!r}")
     elif not callable(gather):
         raise TypeError(
             f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys to those, "
@@ -188,6 +252,8 @@ def parallel_method(
     broadcast: Iterable[str] = (),
     gather: GatherOption = "cat",
     pad_value: float = 0,
+    split: Iterable[str] = (),
+    gather_dim: int | Mapping[str, int] | None = None,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -198,6 +264,8 @@ def parallel_method(
     broadcast: Iterable[str] = (),
     gather: GatherOption = "cat",
     pad_value: float = 0,
+    split: Iterable[str] = (),
+    gather_dim: int | Mapping[str, int] | None = None,
 ) -> Any:
     """Mark a method of an ``nn.Module`` subclass to run data-parallel.
 
@@ -210,6 +278,8 @@ def parallel_method(
         broadcast: names of arguments that every replica gets whole (masks, tables).
         gather: how outputs are joined; see :class:`MethodOptions`.
         pad_value: the fill value of ``gather="pad"``.
+        split: names of arguments that are Python sequences with one entry per item.
+        gather_dim: the output join dimension(s), when not ``dim``.
 
     Example:
         >>> import torch
@@ -220,7 +290,14 @@ def parallel_method(
         >>> Net().generate(torch.ones(2)).tolist()
         [1.0, 1.0]
     """
-    options = MethodOptions(dim=dim, broadcast=tuple(broadcast), gather=gather, pad_value=pad_value)
+    options = MethodOptions(
+        dim=dim,
+        broadcast=_names("broadcast", broadcast),
+        gather=gather,
+        pad_value=pad_value,
+        split=_names("split", split),
+        gather_dim=gather_dim,
+    )
 
     def mark(f: Any) -> Any:
         _check_method(f, getattr(f, "__qualname__", repr(f)))
@@ -245,12 +322,16 @@ def register(cls: type, name: str, **options: Any) -> None:
     Args:
         cls: an ``nn.Module`` subclass.
         name: the name of a method defined on ``cls``.
-        **options: ``dim``, ``broadcast``, ``gather``, ``pad_value`` as in :func:`parallel_method`.
+        **options: ``dim``, ``broadcast``, ``gather``, ``pad_value``, ``split``,
+            ``gather_dim`` as in :func:`parallel_method`.
 
     Example:
         >>> import torch
-        >>> register(torch.nn.Linear, "extra_repr", gather="list")
-        >>> get_options(torch.nn.Linear, "extra_repr").gather
+        >>> class Tagger(torch.nn.Linear):  # a class of its own: registration is global
+        ...     def tag(self, x):
+        ...         return self(x).argmax(-1)
+        >>> register(Tagger, "tag", gather="list")
+        >>> get_options(Tagger, "tag").gather
         'list'
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
@@ -264,6 +345,9 @@ def register(cls: type, name: str, **options: Any) -> None:
 
 def get_options(cls: type, name: str) -> MethodOptions | None:
     """The options of ``cls.name`` if it is a parallel method, else ``None``.
+
+    Decorations and :func:`register` come first; then the built-in methods of imported
+    libraries (see :mod:`dpmethods.known_methods`).
 
     Args:
         cls: the class to look the method up on (its MRO is searched).
@@ -281,7 +365,13 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
         options = getattr(_unmarked(klass.__dict__.get(name)), _OPTIONS_ATTR, None)
         if options is not None:
             return options
-    return None
+    return _builtin(cls).get(name)  # libraries' methods, lowest precedence
+
+
+def _builtin(cls: type) -> dict[str, MethodOptions]:
+    from .known_methods import builtin_methods  # imported late: it imports this module
+
+    return builtin_methods(cls)
 
 
 def parallel_methods(cls: type) -> dict[str, MethodOptions]:
@@ -295,7 +385,7 @@ def parallel_methods(cls: type) -> dict[str, MethodOptions]:
         >>> parallel_methods(torch.nn.Linear)
         {}
     """
-    names: set[str] = set()
+    names: set[str] = set(_builtin(cls))
     for klass in cls.__mro__:
         names.update(_REGISTERED.get(klass, ()))
         names.update(
@@ -321,7 +411,10 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
         >>> sorted(resolve_methods(torch.nn.Linear(1, 1), ["forward"]))
         ['forward']
     """
-    found = parallel_methods(type(module))
+    from .compiled import method_owner  # imported late: compiled is imported by replicate
+
+    owner = method_owner(module)  # the model's class, through torch.compile's wrapper
+    found = parallel_methods(owner)
     if methods is None:
         return found
     if isinstance(methods, str):
@@ -329,6 +422,11 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
     items: Iterable[tuple[str, Mapping[str, Any]]]
     if isinstance(methods, Mapping):
         items = methods.items()
+    elif not isinstance(methods, Iterable):
+        raise TypeError(
+            f"methods: expected a list of method names or a dict of options per name, got "
+            f"{type(methods).__name__} {methods!r}"
+        )
     else:
         items = ((name, {}) for name in methods)
     for name, opts in items:
@@ -336,11 +434,9 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
             raise TypeError(f"methods: expected method names (str), got {name!r}")
         if not isinstance(opts, Mapping):
             raise TypeError(f"methods[{name!r}]: expected a dict of options, got {opts!r}")
-        attr = inspect.getattr_static(type(module), name, None)
+        attr = inspect.getattr_static(owner, name, None)
         if attr is None:
-            raise AttributeError(
-                f"methods: {type(module).__qualname__} has no method {name!r}"
-            )
+            raise AttributeError(f"methods: {owner.__qualname__} has no method {name!r}")
         _check_method(attr, f"methods[{name!r}]")
         base = found.get(name) or MethodOptions()
         found[name] = base.with_updates(**opts)

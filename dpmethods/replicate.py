@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from .compiled import bound_attributes, rebind, shallow_replica
 from .cpu_broadcast import broadcast_copies
 
 __all__ = ["CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "cpu_replicas_mode", "fingerprint", "replicate"]
@@ -168,12 +169,13 @@ def replicate(
         id(b): m.training for m in modules for b in m._buffers.values() if b is not None
     }
 
+    bound = bound_attributes(modules)
     seen: set[object] = set()
     replicas: list[nn.Module] = []
     for key in keys:
         shared = key not in seen
         seen.add(key)
-        clones = [m._replicate_for_data_parallel() for m in modules]
+        clones = [shallow_replica(m) for m in modules]  # never writes to `m`
         pc, bc = param_copies[key], buffer_copies[key]
         for m, clone in zip(modules, clones):
             for name, child in m._modules.items():
@@ -189,6 +191,7 @@ def replicate(
                 clone._buffers[name] = c if shared or not training[id(buf)] else c.clone()
             if "_flat_weights_names" in clone.__dict__:
                 _repoint_flat_weights(clone)
+        rebind(modules, clones, bound)  # compiled and patched code runs on the replica
         replicas.append(clones[0])
     return replicas
 

@@ -4,21 +4,29 @@ Unlike ``torch.nn.parallel.scatter``, chunks are balanced (sizes differ by at mo
 one, so every device works when the batch has at least one item per device),
 dataclasses are walked, 0-dim tensors and arguments named in ``broadcast`` go
 whole to every replica, and tensors that disagree on the batch size are an error
-that names them instead of a silent mis-split.
+that names them instead of a silent mis-split. Chunks on the source device are
+views (``narrow``) without autograd, and copies connected through autograd with it,
+so a method may update its input in place under autograd as on the bare model. Non-tensor values go to every replica; an iterator
+or generator argument is read once, lazily, and every replica gets an iterator of
+its own over all of its items (as every replica gets all of any other non-tensor
+argument), so no replica finds it emptied by another.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import inspect
+import io
 import itertools
-from collections.abc import Callable, Container, Sequence
+import threading
+import weakref
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from . import _tree
+from . import _tree, split_args
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
@@ -52,16 +60,65 @@ def _as_device(device: DeviceLike) -> torch.device:
     return torch.device(device)
 
 
+def _narrowed(t: Tensor, sizes: list[int], dim: int) -> list[Tensor]:
+    # Single-output views (not Tensor.split's multi-output ones), so a method may update
+    # its input in place under autograd (`h += 1`), as it may on the bare model.
+    out, start = [], 0
+    for size in sizes:
+        out.append(t.narrow(dim, start, size))
+        start += size
+    return out
+
+
 def _split(t: Tensor, sizes: list[int], dim: int, devices: Sequence[torch.device]) -> list[Tensor]:
     src = t.device
     if all(d == src for d in devices):
-        return list(t.split(sizes, dim))  # views: no copy, gradients flow back as one
+        if len(sizes) == 1:
+            return [t]  # one replica: the argument itself, as the bare model gets it
+        if torch.is_grad_enabled():
+            # Under autograd, sibling views share one version counter and a view of a
+            # leaf can't be updated in place, so `h += 1` or `h *= w` in one replica
+            # would break the others (or fail where the bare model works): copies,
+            # connected to the input through autograd, behave as the bare input does.
+            return [c.clone() for c in _narrowed(t, sizes, dim)]
+        return _narrowed(t, sizes, dim)  # views: no copy
     if t.is_cuda and all(d.type == "cuda" for d in devices):
         from torch.nn.parallel._functions import Scatter
 
         # torch's autograd-aware scatter copies on per-device streams.
         return list(Scatter.apply([d.index for d in devices], sizes, dim, t))
-    return [c.to(d, non_blocking=True) for c, d in zip(t.split(sizes, dim), devices)]
+    return [c.to(d, non_blocking=True) for c, d in zip(_narrowed(t, sizes, dim), devices)]
+
+
+class _ReplicaIterator:
+    """One replica's own pass over an iterator argument that all replicas share.
+
+    Every replica gets all items, as every replica gets all of a non-tensor argument,
+    so the results equal the bare model's. The items are read lazily and once from the
+    caller's iterator (``itertools.tee``); the lock makes the tee safe across the
+    replicas' threads.
+    """
+
+    __slots__ = ("_it", "_lock")
+
+    def __init__(self, it: Any, lock: threading.Lock) -> None:
+        self._it, self._lock = it, lock
+
+    def __iter__(self) -> _ReplicaIterator:
+        return self
+
+    def __next__(self) -> Any:
+        with self._lock:
+            return next(self._it)
+
+
+def _per_replica(leaf: Any, n: int) -> list[Any]:
+    """A non-tensor argument for each of ``n`` replicas: the object itself, or for an
+    iterator (not a file), an iterator of its own over the same items."""
+    if n > 1 and isinstance(leaf, Iterator) and not isinstance(leaf, io.IOBase):
+        lock = threading.Lock()
+        return [_ReplicaIterator(it, lock) for it in itertools.tee(leaf, n)]
+    return [leaf] * n
 
 
 def _batch_size(
@@ -71,10 +128,11 @@ def _batch_size(
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor) or leaf.dim() == 0 or i in whole:
             continue
-        if leaf.dim() <= dim:
+        if not -leaf.dim() <= dim < leaf.dim():
+            need = dim + 1 if dim >= 0 else -dim
             raise ValueError(
-                f"scatter: {names()[i]} has shape {list(leaf.shape)}, which has no dim {dim} "
-                f"to split; expected at least {dim + 1} dims, or name it in broadcast= to "
+                f"scatter: dim: {names()[i]} has shape {list(leaf.shape)}, which has no dim "
+                f"{dim} to split; expected at least {need} dims, or name it in broadcast= to "
                 "give it whole to every replica"
             )
         size = leaf.shape[dim]
@@ -85,7 +143,7 @@ def _batch_size(
             sizes = {
                 paths[j]: t.shape[dim]
                 for j, t in enumerate(leaves)
-                if isinstance(t, Tensor) and t.dim() > dim and j not in whole
+                if isinstance(t, Tensor) and -t.dim() <= dim < t.dim() and j not in whole
             }
             listing = ", ".join(f"{p} has {s}" for p, s in sizes.items())
             raise ValueError(
@@ -106,15 +164,14 @@ def _distribute(
     whole: Container[int],
     devices: Sequence[torch.device],
     dim: int,
-    names: Callable[[], list[str]],
+    batch: int | None,
 ) -> tuple[list[Any], list[int]]:
-    batch = _batch_size(leaves, whole, dim, names)
     sizes = [0] if batch is None else chunk_sizes(batch, len(devices))
     targets = devices[: len(sizes)]
     columns: list[list[Any]] = []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
-            columns.append([leaf] * len(targets))
+            columns.append(_per_replica(leaf, len(targets)))
         elif batch is None or leaf.dim() == 0 or i in whole:
             columns.append([leaf.to(d, non_blocking=True) for d in targets])
         else:
@@ -147,9 +204,8 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
         raise ValueError("scatter: devices: expected at least one device, got none")
     spec, leaves = _tree.flatten(inputs)
     targets = [_as_device(d) for d in devices]
-    per_replica, _ = _distribute(
-        spec, leaves, (), targets, dim, lambda: _tree.leaf_paths(spec, "inputs")
-    )
+    batch = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
+    per_replica, _ = _distribute(spec, leaves, (), targets, dim, batch)
     return per_replica
 
 
@@ -175,8 +231,23 @@ class _Params(NamedTuple):
     double_star: str | None  # the name of **kwargs
 
 
-@functools.lru_cache(maxsize=1024)
+# Weak keys: a cached signature must not keep a method (and, through its `super()`
+# cell, its class) alive after the class is gone.
+_PARAMETERS: weakref.WeakKeyDictionary[Callable[..., Any], _Params] = weakref.WeakKeyDictionary()
+
+
 def _parameters(func: Callable[..., Any]) -> _Params:
+    try:
+        return _PARAMETERS[func]
+    except (KeyError, TypeError):  # TypeError: not weakly referenceable
+        pass
+    params = _read_parameters(func)
+    with contextlib.suppress(TypeError):
+        _PARAMETERS[func] = params
+    return params
+
+
+def _read_parameters(func: Callable[..., Any]) -> _Params:
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
@@ -214,6 +285,7 @@ def scatter_call(
     dim: int = 0,
     broadcast: Sequence[str] = (),
     fn: Callable[..., Any] | None = None,
+    split: Sequence[str] = (),
 ) -> ScatterResult:
     """Scatter the arguments of one call, binding them by name through ``fn``'s signature.
 
@@ -225,21 +297,28 @@ def scatter_call(
         broadcast: names of ``fn``'s parameters (the name of ``*args`` or ``**kwargs``
             covers all of them) or of extra keyword arguments, that every replica gets whole.
         fn: the function called on each replica; used for argument names.
+        split: names of arguments that are Python sequences with one entry per batch
+            item; each replica gets the run of items that lines up with its tensor chunk
+            (see :mod:`dpmethods.split_args`).
 
     Example:
         >>> import torch
         >>> r = scatter_call((torch.ones(3, 2),), {"scale": 2.0}, ["cpu", "cpu"])
-        >>> r.sizes, r[1][1]
+        >>> r.sizes, r[1]  # r[0]: each replica's args, r[1]: each replica's kwargs
         ([2, 1], ({'scale': 2.0}, {'scale': 2.0}))
+        >>> def encode(texts): ...
+        >>> r = scatter_call((["a", "b", "c"],), {}, ["cpu", "cpu"], split=("texts",), fn=encode)
+        >>> r.sizes, [a for a, in r[0]]
+        ([2, 1], [['a', 'b'], ['c']])
     """
     if not devices:
         raise ValueError("scatter: devices: expected at least one device, got none")
     targets = [_as_device(d) for d in devices]
-    if not kwargs and not broadcast and args and all(map(isinstance, args, _TENSORS)):
+    if not kwargs and not broadcast and not split and args and all(map(isinstance, args, _TENSORS)):
         # Positional batch tensors only, the most common call: no structure to walk.
         first = args[0]
-        batch = first.shape[dim] if first.dim() > dim else 0
-        if batch and all(a.dim() > dim and a.shape[dim] == batch for a in args):
+        batch = first.shape[dim] if -first.dim() <= dim < first.dim() else 0
+        if batch and all(-a.dim() <= dim < a.dim() and a.shape[dim] == batch for a in args):
             sizes = chunk_sizes(batch, len(targets))
             columns = [_split(a, sizes, dim, targets[: len(sizes)]) for a in args]
             return ScatterResult(tuple(zip(*columns)), ({},) * len(sizes), sizes)
@@ -251,12 +330,14 @@ def scatter_call(
             _kw(p) for p in _tree.leaf_paths(spec[3][1], "kwargs")
         ]
 
-    whole: set[int] = set()
-    if broadcast:
-        wanted = set(broadcast)
-        params = _signature_of(fn)
+    params = _signature_of(fn)
+
+    def selected(names: Sequence[str]) -> list[tuple[bool, Any]]:
+        # Per positional then keyword argument: (named by `names`, value). The name of
+        # *args or **kwargs covers every argument that lands in it.
+        wanted = set(names)
         named = len(params.positional)
-        entries: list[tuple[bool, Any]] = [
+        entries = [
             (n in wanted or (i >= named and params.star in wanted), a)
             for i, (n, a) in enumerate(zip(_argument_names(params, len(args)), args))
         ]
@@ -264,16 +345,41 @@ def scatter_call(
             (k in wanted or (k not in params.names and params.double_star in wanted), v)
             for k, v in kwargs.items()
         ]
+        return entries
+
+    taken: list[Any] = []
+    if split:
+        args, kwargs, taken = split_args.take(
+            args, kwargs, split, selected, _argument_names(params, len(args))
+        )
+        spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
+    whole: set[int] = set()
+    if broadcast:
+        entries = selected(broadcast)
         offset = 0
         for is_whole, value in entries:
             count = len(_tree.flatten(value)[1])
             if is_whole:
                 whole.update(range(offset, offset + count))
             offset += count
-    per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, names)
+    batch = _batch_size(leaves, whole, dim, names)
+    if taken:
+        batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)
+    elif batch is None and len(targets) > 1:
+        split_args.warn_unsplit(fn, args, kwargs, _argument_names(params, len(args)), dim)
+    per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, batch)
+    if taken:
+        per_replica = split_args.put(per_replica, taken, sizes, targets)
     return ScatterResult(
         tuple(r[0] for r in per_replica), tuple(r[1] for r in per_replica), sizes
     )
+
+
+def _first_split(leaves: list[Any], whole: Container[int], names: Callable[[], list[str]]) -> str:
+    i = next(
+        i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() and i not in whole
+    )
+    return names()[i]
 
 
 def _rename(path: str, positional: list[str]) -> str:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-__all__ = ["add_prefix", "load_state_dict", "strip_prefix", "unwrap"]
+__all__ = ["add_prefix", "fit_state_dict", "load_state_dict", "strip_prefix", "unwrap"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -36,27 +39,41 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+# The prefixes that wrappers put on their module's keys: DataParallel, DDP, our
+# wrappers and AveragedModel ("module."), and torch.compile ("_orig_mod.").
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
 def strip_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict[str, Any]:
-    """A copy of ``state_dict`` with ``prefix`` removed from every key that has it.
+    """A copy of ``state_dict`` with ``prefix`` removed once from every key that has it.
+
+    Removed once only: a model with a child named ``module`` (``AveragedModel``, EMA
+    wrappers) has ``module.`` in its own keys. Uses torch's
+    ``consume_prefix_in_state_dict_if_present``, so ``_metadata`` follows.
 
     Args:
         state_dict: e.g. saved from a wrapped model.
-        prefix: the prefix to remove (repeatedly, for nested wrappers).
+        prefix: the prefix to remove.
 
     Example:
-        >>> list(strip_prefix({"module.w": 1, "b": 2}))
-        ['w', 'b']
+        >>> list(strip_prefix({"module.w": 1, "module.module.v": 2, "b": 3}))
+        ['w', 'module.v', 'b']
     """
-    out: OrderedDict[str, Any] = OrderedDict()
-    for key, value in state_dict.items():
-        while prefix and key.startswith(prefix):
-            key = key[len(prefix) :]
-        out[key] = value
-    return out
+    out = _copy(state_dict)
+    consume_prefix_in_state_dict_if_present(out, prefix)
+    # consume_prefix moves renamed keys to the end: keep the saved order.
+    ordered: OrderedDict[str, Any] = OrderedDict(
+        (k[len(prefix) :] if k.startswith(prefix) else k, None) for k in state_dict
+    )
+    for k in ordered:
+        ordered[k] = out[k]
+    if hasattr(out, "_metadata"):
+        ordered._metadata = out._metadata  # type: ignore[attr-defined]
+    return ordered
 
 
-def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> Mapping[str, Any]:
-    """``state_dict`` with ``prefix`` on every key, unless its keys already have it.
+def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> OrderedDict[str, Any]:
+    """A copy of ``state_dict`` with ``prefix`` on every key (and its ``_metadata``).
 
     Args:
         state_dict: e.g. saved from a bare model.
@@ -66,24 +83,134 @@ def add_prefix(state_dict: Mapping[str, Any], prefix: str = "module.") -> Mappin
         >>> list(add_prefix({"w": 1}))
         ['module.w']
     """
-    if not state_dict or all(k.startswith(prefix) for k in state_dict):
-        return state_dict
-    return OrderedDict((prefix + k, v) for k, v in strip_prefix(state_dict, prefix).items())
+    out: OrderedDict[str, Any] = OrderedDict((prefix + k, v) for k, v in state_dict.items())
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (prefix + k if k else prefix.rstrip("."), v) for k, v in metadata.items()
+        )
+    return out
+
+
+def _copy(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    out: OrderedDict[str, Any] = OrderedDict(state_dict)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = OrderedDict(metadata)  # type: ignore[attr-defined]
+    return out
+
+
+def _wrapper_prefixes(keys: list[str]) -> list[str]:
+    """``[""]`` and every chain of wrapper prefixes that all ``keys`` start with."""
+    chain = [""]
+    while keys:
+        for seg in _WRAPPER_PREFIXES:
+            if all(k.startswith(chain[-1] + seg) for k in keys):
+                chain.append(chain[-1] + seg)
+                break
+        else:
+            break
+    return chain
+
+
+def fit_state_dict(
+    state_dict: Mapping[str, Any], target_keys: Iterable[str]
+) -> tuple[OrderedDict[str, Any], int]:
+    """``state_dict`` with wrapper prefixes removed or added so its keys fit ``target_keys``.
+
+    Prefixes that every key shares (``module.``, ``_orig_mod.``, in any nesting) are
+    removed from the checkpoint and added for the target, each at most once, choosing
+    the change that makes the most keys match, and no change on a tie. Returns the
+    fitted copy and the number of its keys that the target has.
+
+    Args:
+        state_dict: the checkpoint.
+        target_keys: the keys of the module it is loaded into.
+
+    Example:
+        >>> sd, matched = fit_state_dict({"module.w": 1}, ["_orig_mod.w"])
+        >>> list(sd), matched
+        (['_orig_mod.w'], 1)
+    """
+    targets = set(target_keys)
+    keys = list(state_dict)
+    best = (sum(k in targets for k in keys), 0, "", "")
+    if best[0] < len(keys):
+        for i, strip in enumerate(_wrapper_prefixes(keys)):
+            for j, add in enumerate(_wrapper_prefixes(list(targets))):
+                score = sum(add + k[len(strip) :] in targets for k in keys)
+                best = max(best, (score, -(i + j), strip, add))
+    score, _, strip, add = best
+    out = _copy(state_dict)
+    for seg in strip.split(".")[:-1]:  # one wrapper at a time, so _metadata follows
+        out = strip_prefix(out, seg + ".")
+    if add:
+        out = add_prefix(out, add)
+    return out, score
+
+
+def _as_state_dict(state_dict: Any) -> Mapping[str, Any]:
+    """A mapping from a mapping, a path, bytes or a binary file object."""
+    source = state_dict
+    if isinstance(state_dict, (bytes, bytearray, memoryview)):
+        source = io.BytesIO(bytes(state_dict))
+    elif not isinstance(state_dict, (Mapping, str, os.PathLike)) and not (
+        hasattr(state_dict, "read") and hasattr(state_dict, "seek")
+    ):
+        raise TypeError(
+            "state_dict: expected a mapping, a path, bytes or a binary file object, got "
+            f"{type(state_dict).__name__} {state_dict!r:.80}"
+        )
+    if not isinstance(source, Mapping):
+        source = torch.load(source, map_location="cpu", weights_only=True)
+        if not isinstance(source, Mapping):
+            raise TypeError(
+                f"state_dict: expected the checkpoint to hold a mapping of names to tensors, "
+                f"got {type(source).__name__}"
+            )
+    return source
+
+
+def _load_fitted(
+    loader: Callable[..., Any],
+    target_keys: Iterable[str],
+    state_dict: Any,
+    strict: bool,
+    **kwargs: Any,
+) -> Any:
+    state_dict = _as_state_dict(state_dict)
+    fitted, matched = fit_state_dict(state_dict, target_keys)
+    if not strict and fitted and not matched:
+        keys = list(fitted)
+        warnings.warn(
+            f"load_state_dict: none of the {len(keys)} keys of the checkpoint (such as "
+            f"{keys[0]!r}) is a key of the model, so nothing was loaded (strict=False)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return loader(fitted, strict=strict, **kwargs)
 
 
 def load_state_dict(
     model: nn.Module,
-    state_dict: Mapping[str, Any] | str | os.PathLike[str],
+    state_dict: Mapping[str, Any] | str | os.PathLike[str] | bytes | BinaryIO,
     strict: bool = True,
 ) -> Any:
     """Load a checkpoint into ``model``, wrapped or not, whether it was saved wrapped or not.
 
-    A path is read with ``torch.load(..., weights_only=True)``.
+    Wrapper prefixes (``module.``, ``torch.compile``'s ``_orig_mod.``) are removed or
+    added once each, as the model's own keys call for (see :func:`fit_state_dict`),
+    so models with a child named ``module`` (``AveragedModel``) load too. A path,
+    bytes or a binary file object is read with ``torch.load(..., weights_only=True)``.
+    With ``strict=False``, a checkpoint of which no key matches warns.
 
     Args:
         model: the target, bare or wrapped.
-        state_dict: a state dict or the path of a saved one.
+        state_dict: a state dict, or a path, bytes or file object of a saved one.
         strict: as in ``nn.Module.load_state_dict``.
+
+    Returns:
+        torch's ``(missing_keys, unexpected_keys)``, in the model's key names.
 
     Example:
         >>> import torch
@@ -92,7 +219,6 @@ def load_state_dict(
         >>> torch.equal(a.weight, b.weight)
         True
     """
-    if isinstance(state_dict, (str, os.PathLike)):
-        state_dict = torch.load(state_dict, map_location="cpu", weights_only=True)
-    assert isinstance(state_dict, Mapping)
-    return unwrap(model).load_state_dict(strip_prefix(state_dict), strict=strict)
+    return _load_fitted(
+        model.load_state_dict, model.state_dict(keep_vars=True).keys(), state_dict, strict
+    )

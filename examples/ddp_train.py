@@ -44,10 +44,15 @@ def _say(line: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
-    parser.add_argument("--lr", type=float, default=0.1)
+    parser = argparse.ArgumentParser(
+        description="Train with DDP through a decorated training_step, under torchrun "
+        "(gloo on CPUs, nccl on GPUs); every rank prints the same parameter checksum. "
+        "Run: torchrun --nproc-per-node=2 examples/ddp_train.py",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="batch size per rank")
+    parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()

@@ -21,14 +21,14 @@ builds a batch where one replica's sequences all stop at once and others run to
 ``max_new_tokens``.
 
 ``dp(input_ids=..., attention_mask=...)`` gives back the model's own ``ModelOutput``
-type. Its KV cache (a ``transformers`` ``Cache`` object, not a tensor) is not
-merged: gather returns one cache per replica in a list, so pass ``use_cache=False``
-to ``forward`` unless you want those per-replica caches.
+type. Its KV cache (a ``transformers`` ``Cache`` object) is joined into one cache
+holding the whole batch, by the rule dpmethods ships for transformers' caches.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -74,6 +74,10 @@ def build_model(arch: str = "gpt2", vocab_size: int = 64, seed: int = 0) -> Any:
         model = transformers.LlamaForCausalLM(config)
     else:
         raise ValueError(f"arch: expected 'gpt2' or 'llama', got {arch!r}")
+    # A model built from a config has no loss_type, so transformers would log
+    # "`loss_type=None` was set in the config but it is unrecognized" at the first loss;
+    # ForCausalLM is the loss it falls back to, named here so the log does not appear.
+    model.loss_type = "ForCausalLM"
     return model.eval()
 
 
@@ -156,6 +160,23 @@ def _device_ids(devices: str, replicas: int | None) -> list[str] | list[int]:
     return ["cpu"] * (4 if replicas is None else replicas)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ModuleNotFoundError:
+        sys.exit("examples/hf_generate.py needs the transformers library, which is not "
+                 "installed: pip install transformers")
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Compare data-parallel ``generate`` and ``forward`` with the single-device model.
 
@@ -175,18 +196,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         >>> main(["--batch", "4", "--replicas", "2", "--quiet"])["tokens_equal"]
         True
     """
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
-    parser.add_argument("--devices", choices=["auto", "cpu", "cuda"], default="auto")
+    parser = argparse.ArgumentParser(
+        description="Run generate and forward of a tiny random Hugging Face causal LM (no "
+        "download) over several devices, and check the tokens against one device. "
+        "Needs transformers: pip install transformers.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2",
+                        help="the model class: GPT2LMHeadModel or LlamaForCausalLM")
+    parser.add_argument("--devices", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the replicas run; auto: every GPU if there is one, "
+                        "else CPU replicas")
     parser.add_argument("--replicas", type=int, default=None,
                         help="number of devices (default: 4 CPU replicas, or every GPU)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--batch", type=int, default=8, help="number of prompts")
+    parser.add_argument("--prompt-len", type=int, default=5, help="tokens per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=8,
+                        help="the most tokens generate adds to a prompt")
+    parser.add_argument("--vocab", type=int, default=64, help="vocabulary size of the model")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts")
+    parser.add_argument("--quiet", action="store_true", help="print nothing, return the summary")
     args = parser.parse_args(argv)
+    _require_transformers()
 
     def say(msg: str) -> None:
         if not args.quiet:

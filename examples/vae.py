@@ -132,6 +132,15 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return (a.detach().cpu() - b.detach().cpu()).abs().max().item()
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or "") or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train the VAE data-parallel and compare its methods with the single-device model.
 
@@ -148,17 +157,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         >>> summary["posterior_type"]
         'Posterior'
     """
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--devices", choices=["auto", "cpu", "cuda"], default="auto")
+    parser = argparse.ArgumentParser(
+        description="Train a small VAE through dp.training_step on synthetic data, and check "
+        "that dp.encode and dp.decode, split over several devices, match one device.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--devices", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the replicas run; auto: every GPU if there is one, "
+                        "else CPU replicas")
     parser.add_argument("--replicas", type=int, default=None,
                         help="number of devices (default: 4 CPU replicas, or every GPU)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--batch", type=int, default=66,
                         help="batch size; need not divide by --replicas")
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--features", type=int, default=32, help="input features per item")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights and data")
+    parser.add_argument("--quiet", action="store_true", help="print nothing, return the summary")
     args = parser.parse_args(argv)
 
     def say(msg: str) -> None:

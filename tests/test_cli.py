@@ -112,3 +112,48 @@ def test_demo(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
     assert "equal to model.encode(x): True" in out
     assert "equal to model.generate(x): True" in out
     assert "demo: OK" in out
+
+
+def test_info_prints_no_none(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    out = runs["info"].stdout
+    assert "None" not in out, out
+
+
+def test_help_does_not_import_torch() -> None:
+    # `python -m dpmethods --help` imports the package first: neither may import torch.
+    code = (
+        "import runpy, sys\n"
+        "sys.argv = ['dpmethods', '--help']\n"
+        "try:\n"
+        "    runpy.run_module('dpmethods', run_name='__main__', alter_sys=True)\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=_ROOT, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: python -m dpmethods" in proc.stdout
+    assert proc.stdout.rstrip().endswith("torch imported: False"), proc.stdout
+
+
+def test_subcommand_help_gives_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from dpmethods.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "the number of CPU replicas (default: 4)" in out
+    assert "(default: 10)" in out
+
+
+def test_main_docstring_examples() -> None:
+    # pytest --doctest-modules skips __main__.py files: run its examples here.
+    import doctest
+
+    import dpmethods.__main__ as cli
+
+    result = doctest.testmod(cli, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0, result

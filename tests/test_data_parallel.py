@@ -311,8 +311,8 @@ def test_device_id_errors() -> None:
     with pytest.raises(TypeError, match="device_ids: expected a list of devices, got str 'cpu'"):
         DataParallel(VAE(), device_ids="cpu")  # type: ignore[arg-type]
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"device_ids\[0\]: expected a CUDA device index below {count}"):
-        DataParallel(VAE(), device_ids=[count + 3])
+    with pytest.raises(ValueError, match=rf"output_device: expected a CUDA device index below {count}"):
+        DataParallel(VAE(), device_ids=["cpu", "cpu"], output_device=count + 3)
     with pytest.raises(TypeError, match="module: expected an nn.Module, got int"):
         DataParallel(3)  # type: ignore[arg-type]
 

@@ -13,6 +13,16 @@ import torch
 _EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+def _env() -> dict[str, str]:
+    """The environment of an example run as a script: this checkout's dpmethods first."""
+    import os
+
+    env = dict(os.environ)
+    root = str(_EXAMPLES.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
 def _load(name: str) -> ModuleType:
     # examples/ is not a package; load the file so the test needs no sys.path setup.
     spec = importlib.util.spec_from_file_location(f"_dpm_example_{name}", _EXAMPLES / f"{name}.py")
@@ -108,6 +118,52 @@ def test_hf_forward_keeps_model_output_type(hf_summary: dict[str, object]) -> No
     assert isinstance(loss_diff, float) and loss_diff < 1e-5
 
 
-def test_hf_cache_is_not_merged(hf_summary: dict[str, object]) -> None:
-    # A transformers Cache is an opaque object to gather: one per replica, in a list.
-    assert str(hf_summary["cache_type"]).startswith("list of 3 ")
+def test_hf_cache_is_merged(hf_summary: dict[str, object]) -> None:
+    # The shipped transformers Cache rule joins the replicas' caches into one.
+    assert hf_summary["cache_type"] == "DynamicCache"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in _EXAMPLES.glob("*.py")))
+def test_example_help_gives_every_option_a_help_and_default(name: str) -> None:
+    import re
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(_EXAMPLES / f"{name}.py"), "--help"],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "``" not in out and ":func:" not in out, out  # no docstring markup
+    options = sorted(set(re.findall(r"^\s+(--[a-z-]+)", out, re.M)))
+    assert options, out
+    # Each option's help text, up to the next option: it says its default.
+    for option, text in re.findall(r"^\s+(--[a-z-]+)(.*?)(?=^\s+--|\Z)", out, re.M | re.S):
+        assert "default:" in text, f"{name} --help: {option} has no default:\n{out}"
+
+
+def test_hf_generate_without_transformers_says_how_to_install() -> None:
+    import subprocess
+
+    code = (
+        "import runpy, sys\n"
+        "sys.modules['transformers'] = None  # as if it were not installed\n"
+        f"sys.argv = [{str(_EXAMPLES / 'hf_generate.py')!r}, '--quiet']\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=_env())
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "pip install transformers" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_hf_generate_does_not_log_loss_type(hf: ModuleType) -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, str(_EXAMPLES / "hf_generate.py"), "--devices", "cpu", "--replicas",
+         "2", "--batch", "4", "--max-new-tokens", "4"],
+        capture_output=True, text=True, timeout=240, env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "dp.generate == model.generate: True" in proc.stdout
+    assert "loss_type" not in proc.stderr, proc.stderr

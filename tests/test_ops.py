@@ -395,7 +395,7 @@ def test_small_outputs_own_their_storage() -> None:
 def test_shared_blocks_are_freed_with_their_last_output() -> None:
     # The CPU allocator reports every allocation and free to the profiler.
     gen = torch.Generator().manual_seed(11)
-    tensors = [_rand([64, 8], torch.float32, gen) for _ in range(600 * 2)]  # 2.4 MB: 3 blocks
+    tensors = [_rand([16, 8], torch.float32, gen) for _ in range(600 * 2)]  # 1 KiB outputs: 38 blocks
     with torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     ) as prof:

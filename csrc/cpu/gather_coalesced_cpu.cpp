@@ -26,11 +26,14 @@ constexpr int64_t kGrainBytes = int64_t{1} << 20;
 // most kPackBlockBytes: with hundreds of small leaves, one malloc and free per
 // output cost more than the copy. Each output still owns a Storage of its own,
 // so no two outputs alias (torch.compile and opcheck require that, and saving
-// one output writes only its bytes); a block is freed with its last output, so
-// the bounds cap what one kept output can hold on to. Slices start at the CPU
-// allocator's alignment, so kernels see the addresses a fresh tensor would have.
-constexpr int64_t kPackLeafBytes = int64_t{1} << 14;
-constexpr int64_t kPackBlockBytes = int64_t{1} << 20;
+// one output writes only its bytes); a block is freed with its last output. A
+// block holds outputs of one call only, and both bounds are small, so an output
+// kept alive holds at most kPackBlockBytes (4 pages) of its call's outputs: keeping
+// a few small outputs of every call keeps about their own bytes, not the calls'.
+// Slices start at the CPU allocator's alignment, so kernels see the addresses a
+// fresh tensor would have.
+constexpr int64_t kPackLeafBytes = int64_t{1} << 11;
+constexpr int64_t kPackBlockBytes = int64_t{1} << 14;
 constexpr int64_t kAlignBytes = 64;
 
 struct SharedBlock {

@@ -1,4 +1,7 @@
-// CUDA kernel of dpmethods::gather_coalesced.
+// CUDA kernel of dpmethods::gather_coalesced: the host side. The kernel itself is
+// in gather_pieces_kernel.cu, so that nvcc, which parses a .cu file once per GPU
+// architecture, never parses torch's headers; this file is compiled by the C++
+// compiler.
 //
 // Direct path (sources on the target device, or readable over peer access):
 // one launch copies every (leaf, replica) piece. The launch reads a table of
@@ -37,12 +40,12 @@
 #include <vector>
 
 namespace dpmethods {
-namespace {
 
-__global__ void __launch_bounds__(kTileThreads)
-    gather_pieces_kernel(const Piece* __restrict__ pieces, int64_t n, int64_t tile_base) {
-  copy_tile(pieces, n, tile_base + blockIdx.x, static_cast<int>(threadIdx.x));
-}
+// csrc/cuda/gather_pieces_kernel.cu
+cudaError_t launch_gather_pieces(
+    const Piece* pieces, int64_t n, int64_t tile_base, unsigned int blocks, cudaStream_t stream);
+
+namespace {
 
 // Uploads `pieces` to `device` and runs the copy on the current stream there.
 void launch_pieces(std::vector<Piece>& pieces, c10::Device device) {
@@ -64,8 +67,7 @@ void launch_pieces(std::vector<Piece>& pieces, c10::Device device) {
   // gridDim.x is limited to 2^31 - 1 blocks; launch in chunks beyond that.
   for (int64_t base = 0; base < tiles; base += INT_MAX) {
     const auto blocks = static_cast<unsigned int>(std::min<int64_t>(tiles - base, INT_MAX));
-    gather_pieces_kernel<<<blocks, kTileThreads, 0, stream.stream()>>>(dev_pieces, n, base);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    C10_CUDA_CHECK(launch_gather_pieces(dev_pieces, n, base, blocks, stream.stream()));
   }
 }
 

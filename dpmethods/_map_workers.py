@@ -1,0 +1,204 @@
+"""The workers behind ``DataParallel.map``: one thread per replica, and the shared state.
+
+A worker takes a batch from the shared queue when its replica is free, runs it whole
+and puts the output, moved to ``output_device``, on the results queue. On CUDA it also
+holds up to ``prefetch`` batches whose copies to its device run on a copy stream of its
+own while it computes on another. The state (:class:`Run`) never refers to the
+iterator the caller holds, so dropping that iterator lets its finalizer stop them.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import _tree
+from .parallel_apply import _ThreadState
+
+__all__: list[str] = []
+
+END = object()  # the iterable is exhausted, or the map stopped: a worker takes no more
+
+
+def move(obj: Any, device: torch.device | None, non_blocking: bool = False) -> Any:
+    """``obj`` with its tensor leaves on ``device``; ``obj`` itself when none has to move."""
+    if device is None:
+        return obj
+    spec, leaves = _tree.flatten(obj)
+    if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
+        return obj
+    moved = [t.to(device, non_blocking=non_blocking) if isinstance(t, Tensor) else t for t in leaves]
+    return _tree.unflatten(spec, moved)
+
+
+def pin(obj: Any) -> Any:
+    """``obj`` with its CPU tensor leaves in pinned memory, for asynchronous uploads."""
+    spec, leaves = _tree.flatten(obj)
+    if not any(isinstance(t, Tensor) and t.device.type == "cpu" for t in leaves):
+        return obj
+    pinned = [
+        t.pin_memory() if isinstance(t, Tensor) and t.device.type == "cpu" and not t.is_pinned() else t
+        for t in leaves
+    ]
+    return _tree.unflatten(spec, pinned)
+
+
+def _record(obj: Any, stream: Any) -> None:
+    # Memory made on one stream and read on another must not be reused too early.
+    for t in _tree.flatten(obj)[1]:
+        if isinstance(t, Tensor) and t.is_cuda:
+            t.record_stream(stream)
+
+
+class Run:
+    """What the workers share with the iterator; it never refers to the iterator itself,
+    so dropping the iterator lets its finalizer stop them."""
+
+    def __init__(
+        self,
+        replicas: list[nn.Module],
+        devices: list[torch.device | None],
+        method: str,
+        output_device: torch.device | None,
+        depth: int,
+    ) -> None:
+        self.replicas, self.devices, self.method = replicas, devices, method
+        self.output_device, self.depth = output_device, depth
+        self.state = _ThreadState.capture()
+        cuda = {d for d in [*devices, output_device] if d is not None and d.type == "cuda"}
+        self.cuda = any(d is not None and d.type == "cuda" for d in devices)
+        # Current streams are per thread: the workers order their own streams after the
+        # caller's (which made the replicas), and outputs are recorded on the caller's.
+        self.caller_streams = {d: torch.cuda.current_stream(d) for d in cuda}
+        self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.bar: Any = None
+
+    def start(self) -> None:
+        for r in range(len(self.replicas)):
+            t = threading.Thread(target=_serve, args=(self, r), name=f"dpmethods-map-{r}", daemon=True)
+            self.threads.append(t)
+            t.start()
+
+
+def produced(obj: Any) -> list[Any]:
+    """Events on the caller's current streams after the batch's CUDA tensors were made."""
+    events = []
+    for d in {t.device for t in _tree.flatten(obj)[1] if isinstance(t, Tensor) and t.is_cuda}:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(d))
+        events.append(event)
+    return events
+
+
+def _stage(item: Any, device: torch.device | None, streams: Any) -> Any:
+    """Start moving one batch to the replica's device; on CUDA, asynchronously."""
+    seq, index, args, kwargs, produced = item
+    if streams is None:
+        return seq, index, move(args, device), move(kwargs, device), None
+    copy, compute = streams
+    for event in produced:
+        copy.wait_event(event)
+    _record((args, kwargs), copy)  # the caller may free them while the copy is pending
+    with torch.cuda.device(device), torch.cuda.stream(copy):  # type: ignore[arg-type]
+        args, kwargs = move((args, kwargs), device, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(copy)
+    _record((args, kwargs), compute)
+    return seq, index, args, kwargs, ready
+
+
+def _run_cuda(run: Run, fn: Any, device: torch.device, stream: Any, batch: Any) -> Any:
+    args, kwargs, ready = batch
+    out_dev = run.output_device
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        out = move(fn(*args, **kwargs), out_dev)
+        # Simple and safe: the output is complete before the caller sees it.
+        stream.synchronize()
+        if out_dev is not None and out_dev.type == "cuda" and out_dev != device:
+            torch.cuda.current_stream(out_dev).synchronize()
+    if out_dev in run.caller_streams:
+        _record(out, run.caller_streams[out_dev])
+    return out
+
+
+def _serve(run: Run, r: int) -> None:
+    """One replica's worker: take batches while free, run them, hand back the outputs."""
+    replica, device = run.replicas[r], run.devices[r]
+    streams = None
+    try:
+        fn = replica if run.method == "forward" else getattr(replica, run.method)
+        if device is not None and device.type == "cuda":
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # copy, compute
+            for s in streams:
+                s.wait_stream(run.caller_streams[device])
+    except BaseException as exc:  # the caller re-raises it, naming no batch
+        run.stop.set()
+        run.results.put((None, None, None, exc, r))
+        return
+    # Only CUDA gains from holding batches ahead (their copies overlap the compute);
+    # elsewhere a batch stays in the shared queue, free for whichever replica is idle.
+    depth = run.depth if streams is not None else 1
+    held: collections.deque[Any] = collections.deque()
+    ended = False
+    with run.state.applied():
+        while not run.stop.is_set():
+            while not ended and len(held) < depth:
+                try:
+                    item = run.work.get(block=not held)
+                except queue.Empty:
+                    break
+                if item is END:
+                    ended = True
+                    break
+                try:
+                    held.append(_stage(item, device, streams))
+                except BaseException as exc:
+                    held.append((item[0], item[1], exc, None, None))
+            if not held or run.stop.is_set():
+                return
+            seq, index, args, kwargs, ready = held.popleft()
+            try:
+                if isinstance(args, BaseException):
+                    raise args
+                if streams is None:
+                    out = move(fn(*args, **kwargs), run.output_device)
+                else:
+                    out = _run_cuda(run, fn, device, streams[1], (args, kwargs, ready))  # type: ignore[arg-type]
+                run.results.put((seq, index, out, None, r))
+            except BaseException as exc:
+                run.stop.set()  # the other workers take nothing more
+                run.results.put((seq, index, None, exc, r))
+            out = args = kwargs = None  # drop this batch before waiting for the next
+
+
+def shutdown(run: Run) -> None:
+    """Stop the workers, drop pending batches and join every thread (idempotent)."""
+    run.stop.set()
+    while True:
+        try:
+            run.work.get_nowait()
+        except queue.Empty:
+            break
+    for _ in run.threads:
+        run.work.put(END)
+    me = threading.current_thread()
+    for t in run.threads:
+        if t is not me:  # the garbage collector may run this finalizer in a worker
+            t.join()
+    if run.bar is not None:
+        run.bar.close()
+        run.bar = None
+    while True:
+        try:
+            run.results.get_nowait()
+        except queue.Empty:
+            break

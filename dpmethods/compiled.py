@@ -1,0 +1,168 @@
+"""Compiled and patched modules: replicas that run their own code on their own parameters.
+
+Three kinds of module hold code bound to *their own instance*, which a shallow replica
+(``_replicate_for_data_parallel`` copies ``__dict__``) would keep calling:
+
+- ``torch.compile(model)`` returns an ``OptimizedModule`` whose ``__setattr__`` writes
+  through to the wrapped ``_orig_mod``, so torch's replication empties the *original*
+  model's ``_parameters``; its ``forward`` is compiled around ``_orig_mod.__call__``.
+  Its replica is made at the ``__dict__`` level and its ``forward`` is compiled again
+  (``_initialize``, with the same dynamo context) around the replica's own ``_orig_mod``.
+- ``model.compile()`` stores ``_compiled_call_impl``, a compiled wrapper of the
+  module's bound ``_call_impl``; each replica gets the same dynamo context around its
+  own ``_call_impl``. Compiled graphs are cached by code, so replicas reuse them (with
+  torch's default inlining of module parameters as graph inputs).
+- An instance attribute that is a method bound to the module (a patched ``forward``,
+  Accelerate's mixed-precision wrapper, its ``_original_forward``) is bound to the
+  replica.
+
+Decorated methods of a compiled model are looked up on the wrapped model's class
+(:func:`method_owner`).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+__all__ = ["method_owner"]
+
+
+def _optimized_module_class() -> type | None:
+    # Only present once torch._dynamo is imported, which torch.compile does.
+    cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    return cls if isinstance(cls, type) else None
+
+
+def _is_compiled_wrapper(module: Any) -> bool:
+    cls = _optimized_module_class()
+    return cls is not None and isinstance(module, cls)
+
+
+def method_owner(module: nn.Module) -> type:
+    """The class whose methods are ``module``'s: the model's, through ``torch.compile``.
+
+    Args:
+        module: a module, possibly the ``OptimizedModule`` of ``torch.compile(model)``.
+
+    Example:
+        >>> import torch
+        >>> method_owner(torch.compile(torch.nn.Linear(1, 1))).__name__
+        'Linear'
+    """
+    while _is_compiled_wrapper(module):
+        module = module.__dict__["_modules"]["_orig_mod"]
+    return type(module)
+
+
+def shallow_replica(module: nn.Module) -> nn.Module:
+    """A replica as torch's ``_replicate_for_data_parallel`` makes it, never writing to ``module``.
+
+    Example:
+        >>> import torch
+        >>> m = torch.compile(torch.nn.Linear(1, 1))
+        >>> _ = shallow_replica(m)
+        >>> len(list(m.parameters()))
+        2
+    """
+    if not _is_compiled_wrapper(module):
+        return module._replicate_for_data_parallel()
+    # OptimizedModule.__setattr__ forwards to _orig_mod: torch's replication would
+    # empty the original model's _parameters. Work on the replica's own __dict__.
+    replica = object.__new__(type(module))
+    state = dict(module.__dict__)
+    state["_parameters"] = {}
+    state["_buffers"] = dict(state["_buffers"])
+    state["_modules"] = dict(state["_modules"])
+    state["_is_replica"] = True
+    object.__setattr__(replica, "__dict__", state)
+    return replica
+
+
+def _dynamo_context(fn: Any) -> Any:
+    """The dynamo context (``torch.compile``'s options) that made the wrapper ``fn``."""
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or ()):
+        if name == "self" and callable(cell.cell_contents):
+            return cell.cell_contents
+    return None
+
+
+def _rebound(value: Any, clone_of: Mapping[int, nn.Module], where: str) -> Any:
+    """``value`` bound to the replica instead of the source module, or ``value`` itself."""
+    if isinstance(value, types.MethodType):
+        target = clone_of.get(id(value.__self__))
+        return value if target is None else types.MethodType(value.__func__, target)
+    orig = getattr(value, "_torchdynamo_orig_callable", None)
+    if orig is None or not callable(value):
+        return value
+    inner = _rebound(orig, clone_of, where)
+    if inner is orig:
+        return value
+    context = _dynamo_context(value)
+    if context is None:
+        raise RuntimeError(
+            f"replicate: {where} is code compiled for the source module, and this torch "
+            "does not say how it was compiled, so a replica cannot compile its own; use "
+            "torch.compile(model) (an OptimizedModule) or compile inside forward"
+        )
+    return context(inner)
+
+
+def bound_attributes(modules: list[nn.Module]) -> list[tuple[int, str]]:
+    """``(index, name)`` of the instance attributes that may hold code bound to a module.
+
+    Computed once per replication; :func:`rebind` then visits only these.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(1, 1)
+        >>> m.forward = m.forward
+        >>> bound_attributes([m])
+        [(0, 'forward')]
+    """
+    kinds = (types.MethodType, types.FunctionType)  # compiled wrappers are functions
+    found = []
+    for i, m in enumerate(modules):
+        if _is_compiled_wrapper(m):
+            found.append((i, ""))
+            continue
+        found += [(i, k) for k, v in m.__dict__.items() if type(v) in kinds]
+    return found
+
+
+def rebind(
+    modules: list[nn.Module], clones: list[nn.Module], bound: list[tuple[int, str]]
+) -> None:
+    """Point each replica's instance-bound code at the replica (see the module doc).
+
+    Args:
+        modules: the source modules.
+        clones: their replicas, in the same order.
+        bound: :func:`bound_attributes` of ``modules``.
+
+    Example:
+        >>> import torch
+        >>> src = torch.nn.Linear(1, 1)
+        >>> src.forward = src.forward  # a method bound to the instance
+        >>> copy = src._replicate_for_data_parallel()
+        >>> rebind([src], [copy], bound_attributes([src]))
+        >>> copy.__dict__["forward"].__self__ is copy
+        True
+    """
+    if not bound:
+        return
+    clone_of = {id(m): clone for m, clone in zip(modules, clones)}
+    for i, key in bound:
+        m, clone = modules[i], clones[i]
+        if not key:
+            clone._initialize()  # type: ignore[operator]  # compiles forward for clone._orig_mod
+            continue
+        value = m.__dict__[key]
+        new = _rebound(value, clone_of, f"{type(m).__name__}.{key}")
+        if new is not value:
+            clone.__dict__[key] = new

@@ -1,0 +1,113 @@
+"""Batch-coupled outputs: tensors that mix items of the batch with each other.
+
+A replica's similarity matrix ``[n_r, n_r]`` (CLIP's ``logits_per_text`` with both
+texts and images split, a contrastive loss's scores) holds only the pairs within its
+own share of the batch; the full ``[n, n]`` matrix cannot be rebuilt from the pieces,
+and a loss averaged over replicas is not the full-batch loss. dpmethods can't fix that
+(the right pattern is to gather the features with dpmethods and compute the loss on the
+gathered batch), so it says so, once per output path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from .warn_once import warn_once
+
+__all__ = ["check_coupled", "joinable"]
+
+
+def joinable(column: Sequence[Tensor], dim: int) -> bool:
+    """Whether the tensors agree on every dim but ``dim`` (so ``cat`` can join them).
+
+    Example:
+        >>> import torch
+        >>> joinable([torch.ones(3, 3), torch.ones(2, 2)], 0)
+        False
+    """
+    d = dim % column[0].dim()
+    shape = list(column[0].shape)
+    del shape[d]
+    for t in column[1:]:
+        other = list(t.shape)
+        del other[d]
+        if other != shape:
+            return False
+    return True
+
+def _coupled(column: Sequence[Tensor], sizes: Sequence[int], dim: int) -> bool:
+    for t, share in zip(column, sizes):
+        if t.dim() < 2:
+            return False
+        shape = t.shape
+        if shape[dim % t.dim()] != share or shape.count(share) < 2:
+            return False
+    return True
+
+
+def check_coupled(
+    columns: Sequence[Sequence[Any]],
+    sizes: Sequence[int] | None,
+    dims: Sequence[int],
+    modes: Sequence[str] | None,
+    path: Callable[[int], str],
+) -> set[int]:
+    """Warn (once per path) about batch-coupled tensor leaves and the losses reduced with them.
+
+    Returns the indices of the batch-coupled leaves.
+
+    Example:
+        >>> import warnings, torch
+        >>> cols = [(torch.ones(3, 3), torch.ones(2, 2)), (torch.ones(3, 5), torch.ones(2, 5))]
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     check_coupled(cols, [3, 2], [0, 0], None, lambda i: f"output[{i}]")
+        {0}
+
+    Args:
+        columns: per leaf, the replicas' values.
+        sizes: each replica's share of the batch; nothing is checked without it.
+        dims: per leaf, the join dim.
+        modes: per leaf, the gather mode (``None``: all ``"cat"``).
+        path: the output path of a leaf index, for the message.
+    """
+    if not sizes or len(sizes) < 2 or max(sizes) < 2:
+        return set()
+    share = sizes[0]
+    # Replica 0 first, one cheap test per leaf, so outputs with many leaves pay little.
+    counts = [c[0].shape.count(share) if isinstance(c[0], Tensor) else 0 for c in columns]
+    if max(counts, default=0) < 2:
+        return set()
+    coupled = [
+        i
+        for i, count in enumerate(counts)
+        if count >= 2
+        and all(map(isinstance, columns[i], itertools.repeat(Tensor)))
+        and (modes is None or modes[i] not in ("mean", "sum", "list"))
+        and _coupled(columns[i], sizes, dims[i])
+    ]
+    if not coupled:
+        return set()
+    names = [path(i) for i in coupled]
+    for name in names:
+        warn_once(
+            f"gather: {name} has each replica's share of the batch ({list(sizes)}) in more "
+            "than one dim, like a similarity matrix: it couples items of the batch, and each "
+            "replica only saw pairs within its own share, so the joined tensor is not what one "
+            "device computes on the full batch. Gather the per-item features with dpmethods "
+            "and compute batch-coupled results (similarities, contrastive losses) on the "
+            "gathered batch instead."
+        )
+    for i, m in enumerate(modes or ()):
+        if m in ("mean", "sum"):
+            warn_once(
+                f"gather: {path(i)} is reduced with {m!r} across replicas alongside the "
+                f"batch-coupled {', '.join(names)}: such a loss is computed per replica on "
+                "its share of the batch and is NOT the full-batch loss. Gather the features "
+                "with dpmethods and compute the loss outside on the whole batch."
+            )
+    return set(coupled)

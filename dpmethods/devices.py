@@ -1,0 +1,94 @@
+"""Device arguments of ``DataParallel``: ``device_ids`` and ``output_device``, checked at
+construction, as torch resolves them plus CPU devices.
+
+Without GPUs, CUDA ``device_ids`` make the wrapper a plain call, as in torch, with one
+warning that they were ignored. ``"cpu:0"`` is the CPU (tensors report ``cpu``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from .scatter import _as_device
+
+__all__: list[str] = []
+
+DeviceId = int | str | torch.device
+
+_warned_no_gpu = False
+
+
+def _check_device(dev: torch.device, where: str) -> torch.device:
+    if dev.type == "cpu":
+        return torch.device("cpu")  # "cpu:0" is the one CPU device; tensors say "cpu"
+    if dev.type != "cuda":
+        raise ValueError(f"{where}: expected a CUDA or CPU device, got {dev}")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    count = torch.cuda.device_count()
+    if dev.index >= count:
+        raise ValueError(
+            f"{where}: expected a CUDA device index below {count} "
+            f"(torch.cuda.device_count()), got {dev.index}"
+        )
+    return dev
+
+
+def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device]:
+    if device_ids is None:
+        if not torch.cuda.is_available():
+            return []  # as torch: without GPUs the wrapper is a plain call
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    if isinstance(device_ids, (str, int, torch.device)):
+        raise TypeError(
+            f"device_ids: expected a list of devices, got {type(device_ids).__name__} {device_ids!r}"
+        )
+    parsed: list[torch.device] = []
+    for i, d in enumerate(device_ids):
+        if isinstance(d, bool) or not isinstance(d, (int, str, torch.device)):
+            raise TypeError(
+                f"device_ids[{i}]: expected an int, str or torch.device, got {type(d).__name__} {d!r}"
+            )
+        try:
+            parsed.append(_as_device(d))
+        except RuntimeError as exc:
+            raise ValueError(f"device_ids[{i}]: expected a device, got {d!r} ({exc})") from None
+    if parsed and not torch.cuda.is_available() and all(d.type == "cuda" for d in parsed):
+        # As torch: without GPUs the wrapper is a plain call, whatever the ids say.
+        global _warned_no_gpu
+        if not _warned_no_gpu:
+            _warned_no_gpu = True
+            warnings.warn(
+                f"DataParallel: device_ids {list(device_ids)} were ignored because no GPU is "
+                "available; the module runs as a plain call, as in torch.nn.DataParallel",
+                UserWarning,
+                stacklevel=3,
+            )
+        return []
+    devices = [_check_device(d, f"device_ids[{i}]") for i, d in enumerate(parsed)]
+    if not devices:
+        raise ValueError("device_ids: expected at least one device, got []")
+    kinds = sorted({d.type for d in devices})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"device_ids: expected devices of one type, got {kinds}: {[str(d) for d in devices]}"
+        )
+    return devices
+
+
+def _resolve_output(output_device: DeviceId | None, devices: list[torch.device]) -> torch.device:
+    if output_device is None:
+        return devices[0]
+    if isinstance(output_device, bool) or not isinstance(output_device, (int, str, torch.device)):
+        raise TypeError(
+            f"output_device: expected an int, str or torch.device, got "
+            f"{type(output_device).__name__} {output_device!r}"
+        )
+    try:
+        dev = _as_device(output_device)
+    except RuntimeError as exc:
+        raise ValueError(f"output_device: expected a device, got {output_device!r} ({exc})") from None
+    return _check_device(dev, "output_device")

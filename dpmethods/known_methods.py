@@ -1,0 +1,204 @@
+"""Built-in parallel methods of popular libraries, so their models need no configuration.
+
+When a module's methods are resolved, each rule below whose library is already
+imported (``sys.modules`` is checked; dpmethods imports none of them) adds the
+methods it knows for the module's class:
+
+- transformers: ``generate`` of every ``GenerationMixin`` model, with the gather mode
+  ``"generate"``; every ``get_*_features`` method of a ``PreTrainedModel``
+  (``get_text_features``, ``get_image_features``, ...);
+- sentence-transformers: ``SentenceTransformer.encode`` (and ``encode_query``,
+  ``encode_document``), with ``split`` on the sentences (numpy results are joined too);
+- diffusers: ``AutoencoderKL.encode`` and ``decode``;
+- timm: ``forward_features`` and ``forward_head`` of timm models;
+- open_clip: ``encode_image`` and ``encode_text``.
+
+They have the lowest precedence: a method decorated with ``@parallel_method`` or
+registered with :func:`dpmethods.register` on the class (or a closer base) wins, and
+``methods={"generate": {...}}`` overrides their options. ``python -m dpmethods info``
+lists them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from .registry import MethodOptions
+
+__all__ = ["KnownMethods", "builtin_methods", "known_methods"]
+
+_FEATURES = re.compile(r"get_\w+_features\Z")
+
+
+@dataclass(frozen=True)
+class KnownMethods:
+    """One built-in rule: the methods a library's classes get without configuration.
+
+    Args:
+        library: the import name checked in ``sys.modules``.
+        applies_to: the classes the rule covers, in words.
+        methods: the method names (patterns in words), with their options in words.
+        find: ``find(cls)`` returns ``{name: MethodOptions}`` for a class.
+
+    Example:
+        >>> sorted(r.library for r in known_methods())[:2]
+        ['diffusers', 'open_clip']
+    """
+
+    library: str
+    applies_to: str
+    methods: str
+    find: Callable[[type], dict[str, MethodOptions]]
+
+    def active(self) -> bool:
+        """Whether the library is imported, so the rule applies.
+
+        Example:
+            >>> KnownMethods("no_such_lib", "", "", lambda cls: {}).active()
+            False
+        """
+        return self.library in sys.modules
+
+
+def _class_in(module: str, name: str) -> type | None:
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def _defines(cls: type, name: str) -> bool:
+    return inspect.isfunction(inspect.getattr_static(cls, name, None))
+
+
+def _transformers(cls: type) -> dict[str, MethodOptions]:
+    found: dict[str, MethodOptions] = {}
+    mixin = _class_in("transformers.generation.utils", "GenerationMixin")
+    if mixin is not None and issubclass(cls, mixin) and _defines(cls, "generate"):
+        found["generate"] = MethodOptions(gather="generate")
+    pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
+    if pretrained is not None and issubclass(cls, pretrained):
+        for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):
+            if _defines(cls, name):
+                found[name] = MethodOptions()
+    return found
+
+
+def _sentence_transformers(cls: type) -> dict[str, MethodOptions]:
+    st = getattr(sys.modules.get("sentence_transformers"), "SentenceTransformer", None)
+    if not (isinstance(st, type) and issubclass(cls, st)):
+        return {}
+    found = {}
+    for name in ("encode", "encode_query", "encode_document"):
+        if not _defines(cls, name):
+            continue
+        # The sentences are the first argument: `sentences` in 2.x-5.x, `inputs` in 6.x.
+        first = next(iter(list(inspect.signature(getattr(cls, name)).parameters)[1:]), None)
+        if first is not None:
+            found[name] = MethodOptions(split=(first,))
+    return found
+
+
+def _diffusers(cls: type) -> dict[str, MethodOptions]:
+    vae = _class_in("diffusers.models.autoencoders.autoencoder_kl", "AutoencoderKL")
+    if vae is None or not issubclass(cls, vae):
+        return {}
+    return {name: MethodOptions() for name in ("encode", "decode") if _defines(cls, name)}
+
+
+def _by_module(prefix: str, names: tuple[str, ...]) -> Callable[[type], dict[str, MethodOptions]]:
+    def find(cls: type) -> dict[str, MethodOptions]:
+        # timm and open_clip models share no base class: their classes are theirs by module.
+        owners = (k for k in cls.__mro__ if k.__module__.split(".")[0] == prefix)
+        if next(owners, None) is None:
+            return {}
+        return {name: MethodOptions() for name in names if _defines(cls, name)}
+
+    return find
+
+
+_RULES = (
+    KnownMethods(
+        "transformers", "GenerationMixin models; PreTrainedModel",
+        "generate (gather='generate'); get_*_features", _transformers,
+    ),
+    KnownMethods(
+        "sentence_transformers", "SentenceTransformer",
+        "encode, encode_query, encode_document (split on the sentences)",
+        _sentence_transformers,
+    ),
+    KnownMethods("diffusers", "AutoencoderKL", "encode, decode", _diffusers),
+    KnownMethods(
+        "timm", "timm models", "forward_features, forward_head",
+        _by_module("timm", ("forward_features", "forward_head")),
+    ),
+    KnownMethods(
+        "open_clip", "open_clip models", "encode_image, encode_text",
+        _by_module("open_clip", ("encode_image", "encode_text")),
+    ),
+)
+
+_CACHE: dict[tuple[type, tuple[str, ...]], dict[str, MethodOptions]] = {}
+
+
+def known_methods() -> tuple[KnownMethods, ...]:
+    """Every built-in rule, active or not.
+
+    Example:
+        >>> [r.library for r in known_methods()][0]
+        'transformers'
+    """
+    return _RULES
+
+
+def _active() -> Iterator[KnownMethods]:
+    return (rule for rule in _RULES if rule.library in sys.modules)
+
+
+def builtin_methods(cls: type) -> dict[str, MethodOptions]:
+    """The built-in parallel methods of ``cls`` from the libraries imported now.
+
+    Args:
+        cls: a module class.
+
+    Example:
+        >>> import torch
+        >>> builtin_methods(torch.nn.Linear)
+        {}
+    """
+    active = tuple(rule.library for rule in _active())
+    if not active:
+        return {}
+    key = (cls, active)  # a library imported later makes a new key
+    found = _CACHE.get(key)
+    if found is None:
+        found = {}
+        for rule in _active():
+            found.update(rule.find(cls))
+        _CACHE[key] = found
+    return found
+
+
+def registrations() -> list[dict[str, Any]]:
+    """The rules as ``python -m dpmethods info`` reports them, installed or not.
+
+    Example:
+        >>> registrations()[0]["library"]
+        'transformers'
+    """
+    import importlib.util
+
+    rows = []
+    for rule in _RULES:
+        try:
+            installed = importlib.util.find_spec(rule.library) is not None
+        except (ImportError, ValueError):
+            installed = False
+        rows.append({
+            "library": rule.library, "installed": installed, "imported": rule.active(),
+            "applies_to": rule.applies_to, "methods": rule.methods,
+        })
+    return rows

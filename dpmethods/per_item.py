@@ -1,0 +1,223 @@
+"""Outputs that are Python lists with one entry per batch item.
+
+Detection models return one dict per image, vision-language models one feature
+tensor per image. Gathered element by element (as ``"cat"`` joins containers) such a
+list comes back wrong: entries of different items are concatenated together, or the
+replicas' lists differ in length and cannot be joined at all. They must be
+*extended*: replica 0's entries, then replica 1's, and so on.
+
+:func:`mark_items` walks the replicas' flattened specs (no second walk of the
+outputs) and replaces each list to extend with a single :class:`Items` leaf:
+
+- gather mode ``"extend"`` (for the whole output or a top-level key) extends the first
+  list or tuple found;
+- with ``"cat"``, a list whose length on every replica equals that replica's share of
+  the batch, while the shares differ, is extended: it cannot be anything else;
+- with equal shares the same list might be per-item or a list of batch tensors. A list
+  of tensors that carry the batch on the join dim is joined element by element as
+  before; any other one is joined element by element too, with a one-time warning
+  naming the output path and ``"extend"``. Tuples with equal shares are taken for
+  fixed-arity returns (``(loss, logits)``) and joined element by element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _tree
+from .warn_once import warn_once
+
+__all__ = ["Items", "extend", "mark_items", "needs_marking", "wants_extend"]
+
+_SEQUENCES = (_tree._TUPLE, _tree._LIST)
+_KEYED = (_tree._DICT, _tree._DATACLASS, _tree._NAMEDTUPLE)
+
+
+class Items(list):  # type: ignore[type-arg]
+    """One replica's per-item entries, standing in the flat leaves for the whole list.
+
+    Example:
+        >>> Items([1, 2]) + [3]
+        [1, 2, 3]
+    """
+
+
+def _count(spec: _tree.Spec) -> int:
+    if spec in _tree._LEAVES:
+        return 1
+    return sum(1 if c in _tree._LEAVES else _count(c) for c in spec[3])
+
+
+def _keys(spec: _tree.Spec) -> Sequence[Any]:
+    kind, cls, meta, _ = spec
+    return meta if kind == _tree._DICT else meta[0] if kind == _tree._DATACLASS else cls._fields
+
+
+def _is_sequence(spec: _tree.Spec) -> bool:
+    if spec in _tree._LEAVES or spec[0] not in _SEQUENCES:
+        return False
+    return spec[1] is None or spec[1] in (list, tuple)
+
+
+def _batched(entries: Sequence[Any], share: int, dim: int) -> bool:
+    # A list of batch outputs (hidden states, one per layer) is a list of tensors that
+    # carry the share on the join dim; per-item entries are containers (one dict per
+    # image) or tensors without it (one feature map per image).
+    return all(
+        isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == share for t in entries
+    )
+
+
+def wants_extend(mode: Any) -> bool:
+    """Whether the gather option asks for ``"extend"`` anywhere.
+
+    Example:
+        >>> wants_extend({"boxes": "extend"}), wants_extend("cat")
+        (True, False)
+    """
+    if isinstance(mode, str):
+        return mode == "extend"
+    return isinstance(mode, Mapping) and "extend" in mode.values()
+
+
+def needs_marking(spec: _tree.Spec, share: int) -> bool:
+    """Whether replica 0's spec holds a list as long as its share (cheap).
+
+    Only equal shares need this: with shares that differ, per-item lists differ in
+    length across replicas, and so do the specs.
+
+    Example:
+        >>> needs_marking(_tree.flatten((1, [2, 3]))[0], 2)
+        True
+        >>> needs_marking(_tree.flatten((1, (2, 3)))[0], 2)
+        False
+    """
+    if spec in _tree._LEAVES:
+        return False
+    children = spec[3]
+    if spec[0] == _tree._LIST and _is_sequence(spec) and len(children) == share:
+        return True
+    if _tree._LEAF_SET.issuperset(children):  # in C: no Python step per leaf
+        return False
+    return any(needs_marking(c, share) for c in children if c not in _tree._LEAVES)
+
+
+def mark_items(
+    flat: list[tuple[_tree.Spec, list[Any]]],
+    sizes: Sequence[int] | None,
+    mode: Any,
+    dim: int,
+) -> list[tuple[_tree.Spec, list[Any]]]:
+    """Replace each per-item list in every replica's ``(spec, leaves)`` by one :class:`Items` leaf.
+
+    Args:
+        flat: ``_tree.flatten`` of each replica's output.
+        sizes: each replica's share of the batch (``None``: only ``"extend"`` applies).
+        mode: the gather option (a mode or a mapping of top-level keys to modes).
+        dim: the join dim (for telling batch tensors from per-item entries).
+
+    Example:
+        >>> flat = [_tree.flatten(["a", "b"]), _tree.flatten(["c"])]
+        >>> [leaves for _, leaves in mark_items(flat, [2, 1], "cat", 0)]
+        [[['a', 'b']], [['c']]]
+    """
+    n = len(flat)
+    # Per replica: (start, end, spec) of each list replaced, in leaf order.
+    cuts: list[list[tuple[int, int, _tree.Spec]]] = [[] for _ in range(n)]
+
+    def walk(specs: list[_tree.Spec], starts: list[int], path: str, m: Any, top: bool) -> list[Any]:
+        first = specs[0]
+        if any(s in _tree._LEAVES for s in specs):
+            return specs
+        if all(_is_sequence(s) for s in specs):
+            lengths = [len(s[3]) for s in specs]
+            if m == "extend":
+                return cut(specs, starts)
+            if m == "cat" and sizes is not None and lengths == list(sizes):
+                if len(set(sizes)) > 1:
+                    return cut(specs, starts)
+                # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)),
+                # lists of batch tensors for lists of batch outputs; other lists warn.
+                if first[0] == _tree._LIST and not all(
+                    _batched(e, sizes[r], dim) for r, e in enumerate(entries(specs, starts))
+                ):
+                    warn_once(
+                        f"gather: {path} is a list with one entry per batch item on every "
+                        f"replica ({sizes[0]} each), or a list of batch outputs: with equal "
+                        "shares dpmethods cannot tell, so it was joined entry by entry "
+                        "('cat'). If its entries are per item (one dict per image, say), pass "
+                        f"gather='extend' (or gather={{key: 'extend'}} for that output key) "
+                        "to concatenate the replicas' lists in order."
+                    )
+        if any(s[:3] != first[:3] or len(s[3]) != len(first[3]) for s in specs[1:]):
+            return specs  # differing structures: reported by gather
+        labels = _tree._children_labels(first)
+        keys = list(_keys(first)) if top and first[0] in _KEYED else None
+        offsets = list(starts)
+        children: list[list[Any]] = [[] for _ in range(n)]
+        for i, label in enumerate(labels):
+            column = [s[3][i] for s in specs]
+            child_mode = m
+            if keys is not None and isinstance(m, Mapping):
+                child_mode = m.get(str(keys[i]), "cat")
+            new = walk(column, offsets, path + label, child_mode, False)
+            for r in range(n):
+                children[r].append(new[r])
+                offsets[r] += _count(column[r])
+        return [(*s[:3], tuple(c)) for s, c in zip(specs, children)]
+
+    def entries(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+        return [
+            _tree.unflatten(s, flat[r][1][starts[r] : starts[r] + _count(s)])
+            for r, s in enumerate(specs)
+        ]
+
+    def cut(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+        for r, s in enumerate(specs):
+            cuts[r].append((starts[r], starts[r] + _count(s), s))
+        return [_tree.OTHER] * n
+
+    top_mode = mode if isinstance(mode, (str, Mapping)) else "cat"
+    if isinstance(top_mode, Mapping) and not (
+        flat[0][0] not in _tree._LEAVES and flat[0][0][0] in _KEYED
+    ):
+        top_mode = "cat"  # reported by gather's own check of the mapping
+    new_specs = walk([s for s, _ in flat], [0] * n, "output", top_mode, True)
+    result = []
+    for r, ((spec, leaves), spec_new) in enumerate(zip(flat, new_specs)):
+        if not cuts[r]:
+            result.append((spec, leaves))
+            continue
+        out: list[Any] = []
+        pos = 0
+        for start, end, sub in cuts[r]:
+            out.extend(leaves[pos:start])
+            out.append(Items(_tree.unflatten(sub, leaves[start:end])))
+            pos = end
+        out.extend(leaves[pos:])
+        result.append((spec_new, out))
+    return result
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    spec, leaves = _tree.flatten(obj)
+    if not any(isinstance(t, Tensor) for t in leaves):
+        return obj
+    return _tree.unflatten(spec, [t.to(device) if isinstance(t, Tensor) else t for t in leaves])
+
+
+def extend(column: Sequence[Any], device: torch.device) -> list[Any]:
+    """The replicas' entries in order, with the tensors in them moved to ``device``.
+
+    Example:
+        >>> import torch
+        >>> extend([Items([torch.ones(1)]), Items([{"a": torch.zeros(2)}])], torch.device("cpu"))
+        [tensor([1.]), {'a': tensor([0., 0.])}]
+    """
+    return [_to(entry, device) for items in column for entry in items]

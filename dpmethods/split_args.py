@@ -1,0 +1,171 @@
+"""Arguments that are Python sequences with one entry per batch item (``split=``).
+
+torchvision detection models take a list of images of different sizes and a list of
+target dicts; sentence-transformers ``encode`` takes a list of strings; peft takes one
+adapter name per row. Walked as containers, such a list would have every image cut
+along its channel dim, or go whole to one replica. Named in ``split=``, the list is
+cut into contiguous runs of items that line up with the tensor chunks (same balanced
+sizes), and the tensors inside each item are moved to its replica's device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .per_item import _to
+from .warn_once import warn_once
+
+__all__: list[str] = []
+
+
+class _Taken(NamedTuple):
+    name: str  # the argument name, for messages
+    where: int | str  # positional index or keyword
+    value: Any  # the sequence
+
+
+def _is_items(value: Any) -> bool:
+    if isinstance(value, (str, bytes, bytearray, Mapping)):
+        return False
+    return hasattr(value, "__len__") and hasattr(value, "__getitem__")
+
+
+def take(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    split: Sequence[str],
+    selected: Callable[[Sequence[str]], list[tuple[bool, Any]]],
+    arg_names: list[str],
+) -> tuple[tuple[Any, ...], dict[str, Any], list[_Taken]]:
+    """Take the ``split`` sequences out of the call (``None`` left in their place).
+
+    ``selected(names)`` says, per positional argument then keyword argument, whether it
+    is named by ``names`` (through the signature, as for ``broadcast``). Tensors and
+    ``None`` named in ``split`` stay: tensors are split along ``dim`` anyway.
+    """
+    flags = selected(split)
+    positional = list(args)
+    keyword = dict(kwargs)
+    taken: list[_Taken] = []
+    keys: list[int | str] = [*range(len(args)), *kwargs]
+    names = [*arg_names, *kwargs]
+    for (is_split, value), where, name in zip(flags, keys, names):
+        if not is_split or value is None or isinstance(value, Tensor):
+            continue
+        if not _is_items(value):
+            raise TypeError(
+                f"split: argument {name!r}: expected a list, tuple or other sequence with "
+                f"one entry per batch item, got {type(value).__name__} {_short(value)}"
+            )
+        taken.append(_Taken(name, where, value))
+        if isinstance(where, int):
+            positional[where] = None
+        else:
+            keyword[where] = None
+    return tuple(positional), keyword, taken
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def batch_size(taken: list[_Taken], tensor_batch: int | None, tensor_name: Callable[[], str], dim: int) -> int:
+    """The batch size: the sequences' common length, which must equal the tensors' batch."""
+    first = taken[0]
+    length = len(first.value)
+    for other in taken[1:]:
+        if len(other.value) != length:
+            raise ValueError(
+                f"split: arguments must have one entry per batch item, but argument "
+                f"{first.name!r} has {length} items and argument {other.name!r} has "
+                f"{len(other.value)}"
+            )
+    if tensor_batch is not None and tensor_batch != length:
+        raise ValueError(
+            f"split: argument {first.name!r} has {length} items, but the tensors split along "
+            f"dim {dim} have a batch of {tensor_batch} ({tensor_name()} has {tensor_batch}); "
+            "they must agree, or name the tensor in broadcast= if every replica needs it whole"
+        )
+    if length == 0:
+        raise ValueError(
+            f"split: argument {first.name!r} is empty: expected at least 1 item to split"
+        )
+    return length
+
+
+def _chunk(value: Any, start: int, stop: int, device: torch.device) -> Any:
+    try:
+        part = value[start:stop]
+    except (TypeError, KeyError):  # a sequence without slicing
+        part = [value[i] for i in range(start, stop)]
+    if isinstance(part, (list, tuple)):
+        moved = [_to(item, device) for item in part]
+        if type(part) is list:
+            return moved
+        if type(part) is tuple:
+            return tuple(moved)
+        try:
+            return type(part)(moved)
+        except TypeError:
+            return moved
+    return part  # numpy arrays and other sequences: sliced as they are
+
+
+def put(
+    per_replica: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    taken: list[_Taken],
+    sizes: list[int],
+    devices: Sequence[torch.device],
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Put each replica's run of items back where the sequences were taken out."""
+    out = []
+    start = 0
+    for (args, kwargs), size, device in zip(per_replica, sizes, devices):
+        positional, keyword = list(args), dict(kwargs)
+        for t in taken:
+            chunk = _chunk(t.value, start, start + size, device)
+            if isinstance(t.where, int):
+                positional[t.where] = chunk
+            else:
+                keyword[t.where] = chunk
+        out.append((tuple(positional), keyword))
+        start += size
+    return out
+
+
+def warn_unsplit(
+    fn: Callable[..., Any] | None,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    arg_names: list[str],
+    dim: int,
+) -> None:
+    """Warn once per method that a call on several devices had nothing to split."""
+    func = getattr(fn, "__func__", fn)
+    method = getattr(func, "__qualname__", None)
+    where = f"scatter: {method}:" if method else "scatter:"
+    batches = [
+        name
+        for name, value in zip([*arg_names, *kwargs], [*args, *kwargs.values()])
+        if isinstance(value, (list, tuple)) and len(value) > 0
+    ]
+    looks = (
+        f"Arguments that look like batches (lists or tuples): {batches}; if they hold one "
+        f"entry per item, pass split={tuple(batches)!r} (in @parallel_method(split=...), "
+        "dpmethods.register(..., split=...) or methods={name: {'split': ...}}) so their "
+        "items are shared out."
+        if batches
+        else "Pass split=(names of arguments with one entry per item) if the batch is a "
+        "Python sequence."
+    )
+    warn_once(
+        f"{where} nothing in this call was split along dim {dim} (no tensor with "
+        f"a batch dim, no split= argument), so one replica runs the whole call on one "
+        f"device. {looks}",
+        stacklevel=5,
+    )

@@ -1,0 +1,235 @@
+"""Compiled and patched models: every replica runs compiled code on its own parameters,
+and the original model is never damaged. The backends are eager ones (a counting
+backend): the default inductor took over 60 s on the 2-core CI-like machine here.
+
+Replicas share the module's hook dicts, so a forward pre-hook sees which module
+instance each call ran on; a counting dynamo backend sees each run of compiled code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dpmethods
+from dpmethods import DataParallel
+
+SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.lin(x)))
+
+    @dpmethods.parallel_method
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+class Counter:
+    """A dynamo backend that runs the graph eagerly and counts the runs."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        def run(*args: Any) -> Any:
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def _instances(module: nn.Module) -> list[nn.Module]:
+    seen: list[nn.Module] = []
+    module.register_forward_pre_hook(lambda m, args: seen.append(m))
+    return seen
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _unharmed(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert len(list(model.parameters())) == 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_compile_around(n: int, devices: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    before = _snapshot(model)
+    backend = Counter()
+    compiled = torch.compile(model, backend=backend)
+    seen = _instances(model.out)
+    x = torch.randn(n, 4)
+    want = model(x)
+    seen.clear()
+    dp = DataParallel(compiled, device_ids=["cpu"] * devices)
+    got = dp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert backend.runs == devices  # every replica ran compiled code
+    assert len(seen) == devices and len({id(m) for m in seen}) == devices
+    assert all(m is not model.out for m in seen[1:])  # the replicas' own modules
+    # Decorated methods are found through the OptimizedModule.
+    torch.testing.assert_close(dp.encode(x), model.encode(x), rtol=1e-5, atol=1e-5)
+    # Gradients reach the original parameters, which are intact.
+    got.sum().backward()
+    assert model.lin.weight.grad is not None
+    model.zero_grad()
+    _unharmed(model, before)
+    torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_compile_in_place(n: int, devices: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(n, 4)
+    want = model(x)
+    before = _snapshot(model)
+    backend = Counter()
+    model.compile(backend=backend)
+    seen = _instances(model)
+    got = DataParallel(model, device_ids=["cpu"] * devices)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert backend.runs == devices
+    # Each replica's compiled _call_impl ran on that replica, not on the source.
+    assert len({id(m) for m in seen}) == devices and model not in seen
+    _unharmed(model, before)
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_compile_inside(n: int, devices: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(n, 4)
+    want = model(x)
+    before = _snapshot(model)
+    backend = Counter()
+    inner = model.out
+    model.out = torch.compile(inner, backend=backend)  # type: ignore[assignment]
+    seen = _instances(inner)
+    got = DataParallel(model, device_ids=["cpu"] * devices)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert backend.runs == devices
+    assert len({id(m) for m in seen}) == devices and inner not in seen
+    model.out = inner
+    _unharmed(model, before)
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_patched_forward_is_bound_to_each_replica(n: int, devices: int) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(n, 4)
+    want = model(x) * 2
+    calls: list[nn.Module] = []
+    original = model.forward
+
+    def patched(self: Net, x: torch.Tensor) -> torch.Tensor:
+        calls.append(self)
+        return type(self).forward(self, x) * 2
+
+    model.forward = patched.__get__(model)  # type: ignore[method-assign]
+    got = DataParallel(model, device_ids=["cpu"] * devices)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len({id(m) for m in calls}) == devices and model not in calls
+    assert model.forward.__self__ is model  # the source keeps its own patch
+    del original
+
+
+def _accelerate_model() -> tuple[Any, nn.Module]:
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="no")
+    return accelerator, accelerator.prepare(Net())
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_accelerate_prepared_model(n: int, devices: int) -> None:
+    _, model = _accelerate_model()
+    x = torch.randn(n, 4)
+    want, want_enc = model(x), model.encode(x)
+    seen = _instances(model)
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    torch.testing.assert_close(dp(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dp.encode(x), want_enc, rtol=1e-5, atol=1e-5)
+    assert len({id(m) for m in seen}) == devices
+
+
+def test_accelerate_mixed_precision_forward_runs_on_replicas() -> None:
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    # Accelerate keeps one global state; its own tests reset it the same way.
+    AcceleratorState._reset_state(True)
+    try:
+        accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+        torch.manual_seed(0)
+        model = accelerator.prepare(Net())
+        assert "forward" in model.__dict__  # the instance's forward is Accelerate's wrapper
+        seen = _instances(model.out)
+        x = torch.randn(7, 4)
+        want = model(x)
+        seen.clear()
+        got = DataParallel(model, device_ids=["cpu"] * 3)(x)
+    finally:
+        AcceleratorState._reset_state(True)
+    assert got.dtype == want.dtype == torch.float32  # the wrapper's fp32 conversion ran
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # bf16 autocast
+    # The wrapper ran on each replica's own modules, not on the source's.
+    assert len({id(m) for m in seen}) == 3 and model.out not in seen[1:]
+
+
+def test_route_on_a_model_without_module() -> None:
+    _, model = _accelerate_model()
+    seen: list[str] = []
+    model.register_forward_pre_hook(lambda m, args: seen.append("hook"))
+    x = torch.randn(5, 4)
+    got = dpmethods.route(model).encode(x)
+    torch.testing.assert_close(got, model.lin(x))
+    assert seen == ["hook"]  # routed through the model's own __call__
+    assert "forward" not in model.__dict__  # restored
+
+
+def test_route_warns_about_a_patched_forward() -> None:
+    model = Net()
+    model.forward = model.forward  # type: ignore[method-assign]
+    dpmethods.warn_once.reset()
+    with pytest.warns(UserWarning, match="instance-level forward"):
+        dpmethods.route(model)
+
+
+def test_unknown_compiled_wrapper_raises_before_running_and_leaves_the_model() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    before = _snapshot(model)
+
+    def opaque(*args: Any, **kwargs: Any) -> Any:  # a wrapper whose options can't be read
+        return model._call_impl(*args, **kwargs)
+
+    opaque._torchdynamo_orig_callable = model._call_impl  # type: ignore[attr-defined]
+    model._compiled_call_impl = opaque  # type: ignore[assignment]
+    ran = _instances(model)
+    with pytest.raises(RuntimeError, match=r"Net._compiled_call_impl is code compiled for the source module"):
+        DataParallel(model, device_ids=["cpu"] * 3)(torch.randn(7, 4))
+    assert ran == []
+    _unharmed(model, before)

@@ -1,0 +1,255 @@
+"""``generate`` through DataParallel equals one device, token for token.
+
+Tiny random transformers models (GPT-2, Llama, T5, Whisper). Random weights rarely
+emit a given token, so each test picks eos ids from the model's own greedy output
+without eos: a set of tokens that ends the rows at different steps, so that the
+replicas stop at different steps and their outputs must be padded as one device pads
+them. Greedy and beam search, ``pad_token_id`` 0 (where beam search fills with eos)
+and non-zero, left-padded prompts, 7 items on 3 replicas and 8 on 4.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+import dpmethods
+from dpmethods import DataParallel
+from dpmethods.scatter import chunk_sizes
+
+transformers = pytest.importorskip("transformers")
+
+NEW = 10
+
+
+def _gpt2() -> Any:
+    cfg = transformers.GPT2Config(
+        vocab_size=48, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama() -> Any:
+    cfg = transformers.LlamaConfig(
+        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _t5() -> Any:
+    cfg = transformers.T5Config(
+        vocab_size=48, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        decoder_start_token_id=0, eos_token_id=None, pad_token_id=0, initializer_factor=8.0,
+    )
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _whisper() -> Any:
+    cfg = transformers.WhisperConfig(
+        vocab_size=48, num_mel_bins=8, d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_source_positions=16, max_target_positions=32,
+        decoder_start_token_id=1, bos_token_id=1, eos_token_id=None, pad_token_id=None,
+        suppress_tokens=[], begin_suppress_tokens=[], init_std=1.0,
+    )
+    return transformers.WhisperForConditionalGeneration(cfg)
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama, "t5": _t5, "whisper": _whisper}
+
+
+def _inputs(name: str, n: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(n)
+    if name == "whisper":
+        return {"input_features": torch.randn(n, 8, 32, generator=g)}
+    ids = torch.randint(4, 48, (n, 6), generator=g)
+    mask = torch.ones_like(ids)
+    if name != "t5":  # left-padded prompts of different lengths
+        for row, width in ((0, 2), (2, 1), (n - 1, 3)):
+            mask[row, :width] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _eos_ids(model: Any, inputs: dict[str, Any], sizes: list[int]) -> list[int]:
+    """Tokens that end the greedy rows at steps that differ between the replicas' chunks."""
+    with torch.no_grad():
+        full = model.generate(**inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=2)
+    new = full[:, -NEW:]
+    counts = Counter(t for t in new.flatten().tolist() if t not in (0, 2, 3))
+    for k in range(1, 4):
+        eos = [t for t, _ in counts.most_common(k)]
+        stops = [
+            next((i + 1 for i, t in enumerate(row) if t in eos), NEW) for row in new.tolist()
+        ]
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        widths = {max(stops[a : a + s]) for a, s in zip(starts, sizes)}
+        if len(widths) > 1:
+            return eos
+    pytest.fail(f"no eos ids make the replicas stop at different steps: {new.tolist()}")
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def built(request: Any) -> tuple[str, Any]:
+    torch.manual_seed(0)
+    return request.param, MODELS[request.param]().eval()
+
+
+@pytest.mark.parametrize("n,replicas", [(7, 3), (8, 4)])
+@pytest.mark.parametrize("pad", [0, 2])
+@pytest.mark.parametrize("beams", [1, 3])
+def test_sequences_equal_one_device(built: tuple[str, Any], n: int, replicas: int, pad: int, beams: int) -> None:
+    name, model = built
+    inputs = _inputs(name, n)
+    eos = _eos_ids(model, inputs, chunk_sizes(n, replicas))
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=NEW, eos_token_id=eos, pad_token_id=pad, num_beams=beams,
+        num_return_sequences=2 if beams > 1 else 1, do_sample=False,
+    )
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * replicas)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model.generate(**inputs, **kwargs)
+        got = dp.generate(**inputs, **kwargs)
+    assert got.shape == want.shape
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # fp32 1e-5, relative to the tensor's scale: the big random weights give logits of
+    # tens, whose last bits differ with the batch size (BLAS blocking), as on one device.
+    finite = torch.isfinite(want)
+    scale = float(want[finite].abs().max()) if finite.any() else 1.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, scale))
+
+
+def _dict_call(name: str, n: int, replicas: int, beams: int, **extra: Any) -> tuple[Any, Any, Any, list[int]]:
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    inputs = _inputs(name, n)
+    eos = _eos_ids(model, inputs, chunk_sizes(n, replicas))
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0, num_beams=beams,
+        num_return_sequences=2 if beams > 1 else 1, do_sample=False,
+        return_dict_in_generate=True, output_scores=True, output_logits=True, **extra,
+    )
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * replicas)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*caches hold")
+        want = model.generate(**inputs, **kwargs)
+        got = dp.generate(**inputs, **kwargs)
+    return model, want, got, eos
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
+@pytest.mark.parametrize("n,replicas", [(7, 3), (8, 4)])
+def test_greedy_dict_scores_and_transition_scores(name: str, n: int, replicas: int) -> None:
+    model, want, got, eos = _dict_call(name, n, replicas, beams=1)
+    assert type(got) is type(want)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == len(got.logits)
+    new = want.sequences[:, -len(want.scores):]
+    # A row is live up to and including its first eos; after that one device scores the
+    # pad it appends (a value no replica computes), and the gather fills a forced pad.
+    is_eos = torch.isin(new, torch.tensor(eos))
+    live = (is_eos.long().cumsum(1) - is_eos.long()) == 0
+    assert not live.all()  # some rows finished early: the padded steps are exercised
+    for field in ("scores", "logits"):
+        ts_want = model.compute_transition_scores(want.sequences, getattr(want, field))
+        ts_got = model.compute_transition_scores(got.sequences, getattr(got, field))
+        _close(ts_got[live], ts_want[live])
+        for t, (g, w) in enumerate(zip(getattr(got, field), getattr(want, field))):
+            _close(g[live[:, t]], w[live[:, t]])
+    # Filled steps of finished rows score the fill token 0 (log-prob 0), others -inf.
+    ts = model.compute_transition_scores(got.sequences, got.scores, normalize_logits=True)
+    assert torch.isfinite(ts[live]).all()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "t5", "whisper"])
+@pytest.mark.parametrize("n,replicas", [(7, 3), (8, 4)])
+def test_beam_dict_beam_indices_and_transition_scores(name: str, n: int, replicas: int) -> None:
+    model, want, got, _ = _dict_call(name, n, replicas, beams=3)
+    assert torch.equal(got.sequences, want.sequences)
+    assert torch.equal(got.beam_indices, want.beam_indices)  # offset to the full batch
+    _close(got.sequences_scores, want.sequences_scores)
+    assert len(got.scores) == len(want.scores)
+    if name == "whisper":  # its scores are per returned sequence, not per beam row
+        return
+    ts_want = model.compute_transition_scores(want.sequences, want.scores, want.beam_indices)
+    ts_got = model.compute_transition_scores(got.sequences, got.scores, got.beam_indices)
+    _close(ts_got, ts_want)
+
+
+def test_attentions_and_hidden_states_padded_per_step() -> None:
+    _, want, got, _ = _dict_call(
+        "gpt2", 7, 3, beams=1, output_attentions=True, output_hidden_states=True
+    )
+    assert len(got.attentions) == len(want.attentions)
+    for g_step, w_step in zip(got.attentions, want.attentions):
+        assert [t.shape for t in g_step] == [t.shape for t in w_step]
+    for g_step, w_step in zip(got.hidden_states, want.hidden_states):
+        assert [t.shape for t in g_step] == [t.shape for t in w_step]
+    for g, w in zip(got.hidden_states[0], want.hidden_states[0]):  # the prompt's step
+        _close(g, w)
+
+
+def test_caches_of_different_lengths_come_back_per_replica_with_a_warning() -> None:
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    inputs = _inputs("gpt2", 7)
+    eos = _eos_ids(model, inputs, chunk_sizes(7, 3))
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
+    dpmethods.generate._warned.clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"cache: the replicas stopped at different steps"):
+        got = dp.generate(
+            **inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0,
+            return_dict_in_generate=True,
+        )
+    assert isinstance(got.cache, list) and len(got.cache) == 3
+    assert len({c.get_seq_length() for c in got.cache}) > 1
+
+
+def test_gather_generate_plain_and_errors() -> None:
+    a, b = torch.tensor([[4, 5, 6]]), torch.tensor([[7, 8]])
+    assert dpmethods.gather_generate([a, b], "cpu", fill_token_id=9).tolist() == [
+        [4, 5, 6], [7, 8, 9],
+    ]
+    with pytest.raises(ValueError, match="the fill token is unknown"):
+        dpmethods.gather_generate([a, b], "cpu", fill_token_id=None)
+    with pytest.raises(ValueError, match="mode: 'generate' needs the generate call"):
+        dpmethods.gather([a, a], "cpu", mode="generate")
+    class Custom(torch.nn.Module):
+        @dpmethods.parallel_method(gather="generate")
+        def generate(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(ValueError, match="Custom has no generation_config"):
+        DataParallel(Custom(), device_ids=["cpu"] * 2).generate(torch.ones(3, 2))
+    with pytest.raises(ValueError, match=r"gather\['x'\]: expected one of"):
+        dpmethods.MethodOptions(gather={"x": "generate"})
+
+
+def test_caches_of_equal_lengths_are_joined() -> None:
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    inputs = _inputs("gpt2", 7)
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=4, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True
+    )
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        want = model.generate(**inputs, **kwargs)
+        got = dp.generate(**inputs, **kwargs)
+    assert type(got.cache) is type(want.cache)
+    assert got.cache.get_seq_length() == want.cache.get_seq_length()
+    for g, w in zip(got.cache.layers, want.cache.layers):
+        _close(g.keys, w.keys)
+        _close(g.values, w.values)

@@ -1,0 +1,245 @@
+"""Built-in registrations: popular libraries' methods run data-parallel with no configuration.
+
+Real models from tiny configs (random weights, nothing downloaded), CPU replicas,
+compared with the bare model on the full batch: 7 items on 3 replicas and 8 on 4.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dpmethods
+from dpmethods import DataParallel
+from dpmethods.known_methods import builtin_methods, known_methods
+
+SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
+
+
+def _close(got: Any, want: Any) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _counting(module: nn.Module) -> list[int]:
+    """Batch sizes seen by ``module``'s forward, one per call (replicas share the hooks)."""
+    seen: list[int] = []
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first = args[0] if args else next(iter(kwargs.values()))
+        if not isinstance(first, torch.Tensor):  # sentence-transformers' features dict
+            first = first["input_ids"]
+        seen.append(int(first.shape[0]))
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def _shares(n: int, devices: int) -> list[int]:
+    return sorted(dpmethods.chunk_sizes(n, devices))
+
+
+# --- transformers ----------------------------------------------------------------
+
+
+def _clip() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                num_hidden_layers=2, max_position_embeddings=32)
+    vision = dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=37,
+                  num_attention_heads=4, num_hidden_layers=2)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    torch.manual_seed(0)
+    return transformers.CLIPModel(config).eval()
+
+
+def test_transformers_rules_by_class() -> None:
+    transformers = pytest.importorskip("transformers")
+    found = builtin_methods(transformers.GPT2LMHeadModel)
+    assert found["generate"].gather == "generate"
+    assert sorted(n for n in builtin_methods(transformers.CLIPModel) if n.startswith("get_")) == [
+        "get_image_features", "get_text_features",
+    ]
+    assert "generate" not in builtin_methods(transformers.GPT2Model)  # no GenerationMixin
+    assert builtin_methods(nn.Linear) == {}
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_clip_get_features_without_configuration(n: int, devices: int) -> None:
+    model = _clip()
+    ids = torch.randint(3, 99, (n, 7))
+    pixels = torch.randn(n, 3, 16, 16)
+    seen = _counting(model.vision_model)
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        want_t, want_i = model.get_text_features(input_ids=ids), model.get_image_features(pixels)
+        seen.clear()
+        got_t, got_i = dp.get_text_features(input_ids=ids), dp.get_image_features(pixels)
+    assert sorted(seen) == _shares(n, devices)  # every replica ran its share
+    for got, want in ((got_t, want_t), (got_i, want_i)):
+        if not isinstance(want, torch.Tensor):  # transformers 5 returns a ModelOutput
+            got, want = got.pooler_output, want.pooler_output
+        _close(got, want)
+
+
+def test_methods_list_takes_the_registered_options_and_a_dict_overrides_them() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg)
+    devices = ["cpu", "cpu"]
+    assert DataParallel(model, devices)._dpm_methods["generate"].gather == "generate"
+    listed = DataParallel(model, devices, methods=["generate"])._dpm_methods["generate"]
+    assert listed.gather == "generate"
+    given = DataParallel(model, devices, methods={"generate": {"gather": "pad", "pad_value": 5}})
+    assert (given._dpm_methods["generate"].gather, given._dpm_methods["generate"].pad_value) == (
+        "pad", 5,
+    )
+
+
+def test_decorations_and_registrations_win_over_builtins() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    class Decorated(transformers.GPT2LMHeadModel):
+        @dpmethods.parallel_method(gather="list")
+        def generate(self, *args: Any, **kwargs: Any) -> Any:
+            return super().generate(*args, **kwargs)
+
+    class Registered(transformers.GPT2LMHeadModel):
+        pass
+
+    dpmethods.register(Registered, "generate", gather="pad")
+    assert dpmethods.get_options(Decorated, "generate").gather == "list"  # type: ignore[union-attr]
+    assert dpmethods.get_options(Registered, "generate").gather == "pad"  # type: ignore[union-attr]
+
+
+# --- sentence-transformers -------------------------------------------------------
+
+_WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
+
+
+@pytest.fixture(scope="module")
+def sentence_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    st = pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from sentence_transformers import models
+    transformer = models.Transformer(str(path))
+    pooling = models.Pooling(transformer.auto_model.config.hidden_size, "mean")
+    return st.SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_sentence_transformers_encode_without_configuration(
+    sentence_model: Any, n: int, devices: int
+) -> None:
+    np = pytest.importorskip("numpy")
+    first = list(inspect.signature(type(sentence_model).encode).parameters)[1]
+    assert builtin_methods(type(sentence_model))["encode"].split == (first,)
+    g = torch.Generator().manual_seed(n)
+    sentences = [
+        " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (1 + k % 5,), generator=g))
+        for k in range(n)
+    ]
+    seen = _counting(sentence_model[0])
+    want = sentence_model.encode(sentences)
+    seen.clear()
+    got = DataParallel(sentence_model, device_ids=["cpu"] * devices).encode(sentences)
+    assert sorted(seen) == _shares(n, devices)
+    assert isinstance(got, np.ndarray) and got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+# --- diffusers, timm, open_clip ---------------------------------------------------
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_diffusers_autoencoder_encode_decode_without_configuration(n: int, devices: int) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, sample_size=16,
+    ).eval()
+    x = torch.randn(n, 3, 16, 16)
+    seen = _counting(vae.encoder)
+    dp = DataParallel(vae, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        want = vae.encode(x).latent_dist
+        seen.clear()
+        got = dp.encode(x).latent_dist
+        assert sorted(seen) == _shares(n, devices)
+        _close(got.mode(), want.mode())
+        z = want.mode()
+        _close(dp.decode(z).sample, vae.decode(z).sample)
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_timm_forward_features_and_head_without_configuration(n: int, devices: int) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+        num_classes=5,
+    ).eval()
+    assert set(builtin_methods(type(model))) >= {"forward_features", "forward_head"}
+    x = torch.randn(n, 3, 32, 32)
+    seen = _counting(model.patch_embed)
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        want = model.forward_features(x)
+        seen.clear()
+        got = dp.forward_features(x)
+        assert sorted(seen) == _shares(n, devices)
+        _close(got, want)
+        _close(dp.forward_head(want), model.forward_head(want))
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_open_clip_encode_image_and_text_without_configuration(n: int, devices: int) -> None:
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    model = open_clip.CLIP(
+        embed_dim=16,
+        vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
+        text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=99, width=32, heads=2, layers=1),
+    ).eval()
+    images, texts = torch.randn(n, 3, 16, 16), torch.randint(1, 99, (n, 12))
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        _close(dp.encode_image(images), model.encode_image(images))
+        _close(dp.encode_text(texts), model.encode_text(texts))
+
+
+# --- the CLI ---------------------------------------------------------------------
+
+
+def test_info_lists_the_registrations() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "dpmethods", "info"], capture_output=True, text=True, check=True,
+        timeout=120, cwd=Path(__file__).resolve().parents[1],  # this checkout's dpmethods
+    ).stdout
+    for rule in known_methods():
+        assert rule.library in out
+    assert "generate (gather='generate')" in out

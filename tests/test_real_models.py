@@ -1,0 +1,291 @@
+"""Real third-party models (tiny configs, random weights, nothing downloaded) through
+dpmethods.DataParallel on CPU devices, against the bare model on the full batch:
+uneven (7 items on 3 replicas) and even (8 on 4) batches."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dpmethods import DataParallel, warn_once
+
+SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    warn_once.reset()
+
+
+def _close(got: Any, ref: Any) -> None:
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
+
+
+# --- torchvision detection: a list of images of different sizes, a list of targets --
+
+
+def _detector() -> nn.Module:
+    detection = pytest.importorskip("torchvision.models.detection")
+    # Small images; every anchor and proposal sampled (huge per-image batch sizes) and a
+    # fixed number of proposals per image, so the training losses are deterministic and
+    # each image weighs the same in them, as the "mean" gather assumes.
+    return detection.fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None,
+        weights_backbone=None,
+        num_classes=3,
+        min_size=64,
+        max_size=96,
+        rpn_pre_nms_top_n_train=200,
+        rpn_post_nms_top_n_train=10,
+        rpn_pre_nms_top_n_test=200,
+        rpn_post_nms_top_n_test=20,
+        rpn_batch_size_per_image=100_000,
+        box_batch_size_per_image=100_000,
+        box_score_thresh=0.0,
+    )
+
+
+def _images(n: int) -> list[torch.Tensor]:
+    # Different widths, one padded canvas (64 x 96) for any subset of them, so the
+    # batched backbone sees the same pixels on one device and on a replica.
+    return [torch.rand(3, 64, 66 + 4 * i) for i in range(n)]
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_torchvision_detection_eval(batch: int, devices: int) -> None:
+    model = _detector().eval()
+    images = _images(batch)
+    dp = DataParallel(
+        model,
+        device_ids=["cpu"] * devices,
+        methods={"forward": {"split": ("images", "targets"), "gather": "extend"}},
+    )
+    with torch.no_grad():
+        ref = model(images)
+        got = dp(images)
+    assert isinstance(got, list) and len(got) == batch
+    for g, r in zip(got, ref):
+        assert g.keys() == r.keys()
+        for key in r:
+            _close(g[key], r[key])
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_torchvision_detection_training_with_targets(batch: int, devices: int) -> None:
+    model = _detector().train()
+    for m in model.modules():  # batch statistics would couple the items (see docs)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    images = _images(batch)
+    targets = [
+        {
+            "boxes": torch.tensor([[5.0, 5.0, 30.0, 40.0], [10.0 + i, 20.0, 50.0, 60.0]]),
+            "labels": torch.tensor([1, 1 + i % 2]),
+        }
+        for i in range(batch)
+    ]
+    dp = DataParallel(
+        model,
+        device_ids=["cpu"] * devices,
+        methods={"forward": {"split": ("images", "targets"), "gather": "mean"}},
+    )
+    ref = model(images, targets)
+    ref_grad = torch.autograd.grad(sum(ref.values()), model.roi_heads.box_predictor.cls_score.weight)[0]
+    got = dp(images, targets)
+    assert got.keys() == ref.keys()
+    for key in ref:
+        _close(got[key], ref[key])
+    grad = torch.autograd.grad(sum(got.values()), model.roi_heads.box_predictor.cls_score.weight)[0]
+    _close(grad, ref_grad)
+
+
+# --- sentence-transformers: encode(list of strings) -> numpy -------------------------
+
+_WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
+
+
+@pytest.fixture(scope="module")
+def sentence_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    st = pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("tiny-bert")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from sentence_transformers import models
+    transformer = models.Transformer(str(path))
+    pooling = models.Pooling(transformer.auto_model.config.hidden_size, "mean")
+    return st.SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
+
+
+def _sentences(n: int) -> list[str]:
+    g = torch.Generator().manual_seed(n)
+    return [
+        " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (1 + k % 5,), generator=g))
+        for k in range(n)
+    ]
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_sentence_transformers_encode_list_of_strings(sentence_model: Any, batch: int, devices: int) -> None:
+    np = pytest.importorskip("numpy")
+    import inspect
+
+    # The argument is "sentences" in older versions, "inputs" in newer ones.
+    name = list(inspect.signature(type(sentence_model).encode).parameters)[1]
+    sentences = _sentences(batch)
+    seen: list[int] = []
+    hook = sentence_model[0].register_forward_pre_hook(
+        lambda m, args: seen.append(len(args[0]["input_ids"]))
+    )
+    try:
+        ref = sentence_model.encode(sentences)
+        seen.clear()
+        dp = DataParallel(sentence_model, device_ids=["cpu"] * devices, methods={"encode": {"split": (name,)}})
+        got = dp.encode(sentences)
+    finally:
+        hook.remove()
+    assert isinstance(got, np.ndarray) and got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, atol=ATOL, rtol=0)
+    assert sorted(seen) == sorted([batch // devices + (i < batch % devices) for i in range(devices)])
+
+
+# --- diffusers AutoencoderKL: encode(...).latent_dist is a DiagonalGaussianDistribution --
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_diffusers_autoencoder_latent_dist(batch: int, devices: int) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    vae = diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, sample_size=16,
+    ).eval()
+    x = torch.randn(batch, 3, 16, 16)
+    dp = DataParallel(vae, device_ids=["cpu"] * devices, methods=["encode"])
+    with torch.no_grad():
+        ref = vae.encode(x).latent_dist
+        got = dp.encode(x).latent_dist
+    assert type(got) is type(ref)
+    _close(got.sample(torch.Generator().manual_seed(3)), ref.sample(torch.Generator().manual_seed(3)))
+    _close(got.mode(), ref.mode())
+    _close(got.kl(), ref.kl())
+    _close(got.std, ref.std)
+
+
+# --- CLIP: logits_per_image has the texts on dim 1 --------------------------------
+
+
+def _clip() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                num_hidden_layers=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=2,
+                pad_token_id=1)
+    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=37,
+                  num_attention_heads=4, num_hidden_layers=2)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    return transformers.CLIPModel(config).eval()
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_clip_logits_per_text_and_per_image_with_gather_dim(batch: int, devices: int) -> None:
+    clip = _clip()
+    ids, pixels = torch.randint(3, 99, (batch, 6)), torch.randn(5, 3, 16, 16)
+    dp = DataParallel(clip, device_ids=["cpu"] * devices, methods={"forward": {
+        "broadcast": ("pixel_values",),  # every replica scores its texts against all images
+        "gather_dim": {"logits_per_image": 1},  # [images, texts]: the texts are on dim 1
+        "gather": {"image_embeds": "mean", "vision_model_output": "mean"},  # same on every replica
+    }})
+    with torch.no_grad():
+        ref = clip(input_ids=ids, pixel_values=pixels)
+        got = dp(input_ids=ids, pixel_values=pixels)
+    for key in ("logits_per_text", "logits_per_image", "text_embeds", "image_embeds"):
+        _close(got[key], ref[key])
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_clip_contrastive_loss_split_per_replica_is_warned(batch: int, devices: int) -> None:
+    clip = _clip()
+    ids, pixels = torch.randint(3, 99, (batch, 6)), torch.randn(batch, 3, 16, 16)
+    dp = DataParallel(clip, device_ids=["cpu"] * devices, methods={"forward": {"gather": {"loss": "mean"}}})
+    with torch.no_grad(), pytest.warns(UserWarning) as record:
+        got = dp(input_ids=ids, pixel_values=pixels, return_loss=True)
+    messages = [str(w.message) for w in record]
+    assert any("gather: output.logits_per_image has each replica's share" in m for m in messages)
+    assert any(
+        "output.loss is reduced with 'mean' across replicas alongside the batch-coupled" in m
+        and "NOT the full-batch loss" in m
+        for m in messages
+    )
+    # The right pattern: gather the embeddings, compute the loss on the whole batch.
+    with torch.no_grad():
+        ref = clip(input_ids=ids, pixel_values=pixels, return_loss=True)
+        logits = clip.logit_scale.exp() * got.text_embeds @ got.image_embeds.T
+        labels = torch.arange(batch)
+        loss = (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+    _close(loss, ref.loss)
+
+
+# --- GPT-2: the forward cache is joined and used for one more step -----------------
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_gpt2_cache_joined_and_used_for_the_next_step(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    gpt = transformers.GPT2LMHeadModel(config).eval()
+    ids, nxt = torch.randint(0, 99, (batch, 5)), torch.randint(0, 99, (batch, 1))
+    import inspect
+
+    # transformers 5.x renamed past_key_values to cache.
+    cache_arg = "cache" if "cache" in inspect.signature(gpt.forward).parameters else "past_key_values"
+    dp = DataParallel(gpt, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        ref1 = gpt(ids, use_cache=True)
+        ref_cache = ref1[cache_arg] if cache_arg in ref1 else ref1.past_key_values
+        ref2 = gpt(nxt, use_cache=True, **{cache_arg: ref_cache})
+        got1 = dp(ids, use_cache=True)
+        cache = got1[cache_arg] if cache_arg in got1 else got1.past_key_values
+        assert type(cache) is type(ref_cache) and cache.get_seq_length() == 5
+        assert cache.layers[0].keys.shape[0] == batch
+        got2 = dp(nxt, use_cache=True, **{cache_arg: cache})
+    _close(got1.logits, ref1.logits)
+    _close(got2.logits, ref2.logits)
+    next_cache = got2[cache_arg] if cache_arg in got2 else got2.past_key_values
+    assert next_cache.get_seq_length() == 6 and next_cache.layers[1].keys.shape[0] == batch
+
+
+def test_no_library_is_imported_by_dpmethods() -> None:
+    # The shipped rules are installed only for libraries the user imported.
+    code = (
+        "import sys, torch, dpmethods; "
+        "dpmethods.gather([{'a': torch.ones(1)}, {'a': torch.ones(1)}], 'cpu'); "
+        "print(sorted(m for m in ('diffusers', 'transformers', 'sentence_transformers') if m in sys.modules))"
+    )
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,183 @@
+"""Types beyond containers: dpmethods.register_type, torch pytree types, and the shipped
+rules for transformers caches (DynamicCache is in test_real_models.py)."""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+import dpmethods
+from dpmethods import DataParallel, parallel_method, warn_once
+from dpmethods.gather import gather
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    warn_once.reset()
+
+
+class Gaussian:
+    """A user type holding batch tensors and a flag."""
+
+    def __init__(self, mean: torch.Tensor, logvar: torch.Tensor, tag: str) -> None:
+        self.mean, self.logvar, self.tag = mean, logvar, tag
+
+    def sample(self, g: torch.Generator) -> torch.Tensor:
+        return self.mean + (0.5 * self.logvar).exp() * torch.randn(self.mean.shape, generator=g)
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    @parallel_method
+    def encode(self, x: torch.Tensor) -> dict[str, Any]:
+        h = self.lin(x)
+        return {"dist": Gaussian(h[:, :3], h[:, 3:], "g"), "h": h}
+
+    @parallel_method
+    def decode(self, dist: Gaussian) -> torch.Tensor:
+        return dist.mean * 2
+
+
+def test_register_type_splits_and_joins_without_touching_torch_registry() -> None:
+    before = set(pytree.SUPPORTED_NODES)
+    dpmethods.register_type(
+        Gaussian,
+        lambda d: ([d.mean, d.logvar], d.tag),
+        lambda children, tag: Gaussian(*children, tag),
+    )
+    assert set(pytree.SUPPORTED_NODES) == before
+    model, x = Encoder(), torch.randn(7, 4)
+    dp = DataParallel(model, device_ids=["cpu"] * 3)
+    got, ref = dp.encode(x), model.encode(x)
+    assert type(got["dist"]) is Gaussian and got["dist"].tag == "g"
+    torch.testing.assert_close(
+        got["dist"].sample(torch.Generator().manual_seed(1)),
+        ref["dist"].sample(torch.Generator().manual_seed(1)),
+    )
+    # ... and as an input: the tensors inside are split per replica.
+    torch.testing.assert_close(dp.decode(ref["dist"]), model.decode(ref["dist"]))
+
+
+def test_register_type_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match=r"register_type: cls: expected a class, got int 3"):
+        dpmethods.register_type(3, lambda o: ([], None), lambda c, x: None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"register_type: unflatten: expected a callable, got str 'x'"):
+        dpmethods.register_type(Gaussian, lambda o: ([], None), "x")  # type: ignore[arg-type]
+
+
+class Pair:
+    """A type its own library registered with torch's pytree."""
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+
+pytree.register_pytree_node(Pair, lambda p: ([p.a, p.b], None), lambda c, _: Pair(*c))
+
+
+def test_torch_pytree_types_are_walked() -> None:
+    class M(nn.Module):
+        @parallel_method
+        def f(self, p: Pair) -> Any:
+            return Pair(p.a + 1, p.b * 2), deque([p.a])
+
+    a, b = torch.randn(7, 2), torch.randn(7)
+    got, dq = DataParallel(M(), device_ids=["cpu"] * 3).f(Pair(a, b))
+    assert type(got) is Pair and type(dq) is deque
+    torch.testing.assert_close(got.a, a + 1)
+    torch.testing.assert_close(got.b, b * 2)
+    torch.testing.assert_close(dq[0], a)
+
+
+def test_mismatching_rule_contexts_are_a_structure_error() -> None:
+    dpmethods.register_type(Gaussian, lambda d: ([d.mean], d.tag), lambda c, tag: Gaussian(c[0], c[0], tag))
+    outs = [Gaussian(torch.ones(1), torch.ones(1), "a"), Gaussian(torch.ones(1), torch.ones(1), "b")]
+    with pytest.raises(ValueError, match=r"replica outputs differ in structure.*Gaussian"):
+        gather(outs, "cpu")
+
+
+# --- transformers caches besides DynamicCache --------------------------------------
+
+
+def _cache_arg(model: nn.Module) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _cache_of(out: Any, name: str) -> Any:
+    return out[name] if name in out else out.past_key_values
+
+
+@pytest.mark.parametrize("batch,devices", [(7, 3), (8, 4)])
+def test_t5_encoder_decoder_cache_joined_and_used_for_the_next_step(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                                   num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+                                   eos_token_id=1)
+    t5 = transformers.T5ForConditionalGeneration(config).eval()
+    ids, dec, nxt = (torch.randint(2, 99, (batch, n)) for n in (6, 3, 1))
+    name = _cache_arg(t5)
+    dp = DataParallel(t5, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        ref1 = t5(input_ids=ids, decoder_input_ids=dec, use_cache=True)
+        ref2 = t5(encoder_outputs=(ref1.encoder_last_hidden_state,), decoder_input_ids=nxt,
+                  use_cache=True, **{name: _cache_of(ref1, name)})
+        got1 = dp(input_ids=ids, decoder_input_ids=dec, use_cache=True)
+        cache = _cache_of(got1, name)
+        assert type(cache) is transformers.EncoderDecoderCache
+        got2 = dp(encoder_outputs=(got1.encoder_last_hidden_state,), decoder_input_ids=nxt,
+                  use_cache=True, **{name: cache})
+    torch.testing.assert_close(got1.logits, ref1.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got2.logits, ref2.logits, atol=1e-5, rtol=0)
+
+
+def test_gpt2_static_cache() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    gpt = transformers.GPT2LMHeadModel(config).eval()
+    name = _cache_arg(gpt)
+    ids, nxt = torch.randint(0, 99, (7, 5)), torch.randint(0, 99, (7, 1))
+    dp = DataParallel(gpt, device_ids=["cpu"] * 3)
+    with torch.no_grad():
+        ref1 = gpt(ids, use_cache=True, **{name: transformers.StaticCache(config=config, max_cache_len=16)})
+        ref2 = gpt(nxt, use_cache=True, **{name: _cache_of(ref1, name)})
+        got1 = dp(ids, use_cache=True, **{name: transformers.StaticCache(config=config, max_cache_len=16)})
+        cache = _cache_of(got1, name)
+        assert type(cache) is transformers.StaticCache and cache.layers[0].keys.shape[0] == 7
+        got2 = dp(nxt, use_cache=True, **{name: cache})
+    torch.testing.assert_close(got1.logits, ref1.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(got2.logits, ref2.logits, atol=1e-5, rtol=0)
+
+
+def test_shipped_rules_apply_in_a_fresh_process_without_touching_type_rules() -> None:
+    # dpmethods imports its modules lazily; the shipped rules must still be found.
+    pytest.importorskip("transformers")
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import torch, dpmethods\n"
+        "from transformers import DynamicCache\n"
+        "def cache(n):\n"
+        "    c = DynamicCache()\n"
+        "    c.update(torch.ones(n, 2, 3, 4), torch.ones(n, 2, 3, 4), 0)\n"
+        "    return c\n"
+        "g = dpmethods.gather([cache(3), cache(2)], 'cpu')\n"
+        "print(type(g).__name__, g.layers[0].keys.shape[0])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "DynamicCache 5"
