@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -141,7 +142,10 @@ _RULES = (
     ),
 )
 
-_CACHE: dict[tuple[type, tuple[str, ...]], dict[str, MethodOptions]] = {}
+# Weak by class, so a wrapped class can be freed (a module class defined in a function).
+_CACHE: weakref.WeakKeyDictionary[type, dict[tuple[str, ...], dict[str, MethodOptions]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def known_methods() -> tuple[KnownMethods, ...]:
@@ -172,13 +176,13 @@ def builtin_methods(cls: type) -> dict[str, MethodOptions]:
     active = tuple(rule.library for rule in _active())
     if not active:
         return {}
-    key = (cls, active)  # a library imported later makes a new key
-    found = _CACHE.get(key)
+    per_class = _CACHE.setdefault(cls, {})
+    found = per_class.get(active)  # a library imported later makes a new key
     if found is None:
         found = {}
         for rule in _active():
             found.update(rule.find(cls))
-        _CACHE[key] = found
+        per_class[active] = found
     return found
 
 
