@@ -77,12 +77,13 @@ def _serve(tasks: queue.SimpleQueue[Any]) -> None:
         task = tasks.get()
         if task is None:
             return
-        fn, i, done = task
+        fn, i, done, finished = task
         del task
         try:
             fn(i)
         finally:
             del fn  # drop the call's replicas, inputs and outputs before waiting again
+            finished[i] = True  # before the token: _wait trusts flags, not token counts
             done.put(i)
 
 
@@ -91,24 +92,23 @@ def _stop(tasks: list[queue.SimpleQueue[Any]]) -> None:
         q.put(None)
 
 
-def _wait(done: queue.SimpleQueue[int], pending: int) -> None:
-    """Take ``pending`` completion tokens; if interrupted, still wait for the rest, then raise.
+def _wait(done: queue.SimpleQueue[int], finished: list[bool], queued: int) -> None:
+    """Wait for tasks ``1..queued``; if interrupted, still wait for them, then raise.
 
     Ctrl-C lands in the caller's thread while the workers still run the call's
     replicas. Returning at once would let the next call race them on the same
-    replicas and leave their tokens behind, so the interrupt waits for them first.
-    A second interrupt while waiting gives up waiting: tokens are per call, so the
-    next call can't take them, and each worker runs its tasks in order.
+    replicas, so the interrupt waits for them first. The wait after an interrupt
+    reads the workers' flags, not the tokens: the interrupt may land just after a
+    token was taken. A second interrupt while waiting propagates; tokens are per
+    call and each worker runs its tasks in order, so later calls are still right.
     """
     try:
-        while pending:
+        for _ in range(queued):
             done.get()
-            pending -= 1
     except BaseException:
-        with contextlib.suppress(BaseException):
-            while pending:
-                done.get()
-                pending -= 1
+        while not all(finished[1 : queued + 1]):
+            with contextlib.suppress(queue.Empty):
+                done.get(timeout=0.05)
         raise
 
 
@@ -118,9 +118,8 @@ def _join(threads: Sequence[threading.Thread]) -> None:
         for t in threads:
             t.join()
     except BaseException:
-        with contextlib.suppress(BaseException):
-            for t in threads:
-                t.join()
+        for t in threads:
+            t.join()
         raise
 
 
@@ -196,14 +195,15 @@ class WorkerPool:
             if not self._finalizer.alive:
                 return False
             done: queue.SimpleQueue[int] = queue.SimpleQueue()
-            pending = 0
+            finished = [False] * n
+            queued = 0
             try:
                 for i in range(1, n):
-                    self._tasks[i - 1].put((fn, i, done))
-                    pending += 1
+                    self._tasks[i - 1].put((fn, i, done, finished))
+                    queued = i
                 fn(0)
             finally:
-                _wait(done, pending)
+                _wait(done, finished, queued)
         finally:
             self._lock.release()
         return True

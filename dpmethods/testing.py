@@ -87,6 +87,10 @@ class IsolationReport:
         checked_runs: those whose replica had tensors no other replica shared, so the
             check could fail (0 with shared CPU replicas: then there is nothing to check).
         violations: one line per replica that touched another replica's tensor.
+
+    Example:
+        >>> IsolationReport()
+        IsolationReport(replica_runs=0, checked_runs=0, violations=[])
     """
 
     replica_runs: int = 0
@@ -139,7 +143,7 @@ def assert_replicas_isolated(*, require_checks: bool = True) -> Iterator[Isolati
         >>> import torch, dpmethods
         >>> from dpmethods.testing import assert_replicas_isolated
         >>> dp = dpmethods.DataParallel(
-        ...     torch.nn.Linear(3, 2), device_ids=["cpu"] * 2, cpu_replicas="distinct")
+        ...     torch.nn.Linear(3, 5), device_ids=["cpu"] * 2, cpu_replicas="distinct")
         >>> with assert_replicas_isolated() as report:
         ...     _ = dp(torch.randn(4, 3))
         >>> report.replica_runs, report.violations
