@@ -9,12 +9,12 @@ from __future__ import annotations
 import inspect
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
 import dpmethods
@@ -121,30 +121,9 @@ def test_decorations_and_registrations_win_over_builtins() -> None:
 
 # --- sentence-transformers -------------------------------------------------------
 
-_WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
-
-
 @pytest.fixture(scope="module")
 def sentence_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    st = pytest.importorskip("sentence_transformers")
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
-    config = transformers.BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from sentence_transformers import models
-    transformer = models.Transformer(str(path))
-    pooling = models.Pooling(transformer.auto_model.config.hidden_size, "mean")
-    return st.SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
+    return tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
@@ -154,11 +133,7 @@ def test_sentence_transformers_encode_without_configuration(
     np = pytest.importorskip("numpy")
     first = list(inspect.signature(type(sentence_model).encode).parameters)[1]
     assert builtin_methods(type(sentence_model))["encode"].split == (first,)
-    g = torch.Generator().manual_seed(n)
-    sentences = [
-        " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (1 + k % 5,), generator=g))
-        for k in range(n)
-    ]
+    sentences = random_sentences(n)
     seen = _counting(sentence_model[0])
     want = sentence_model.encode(sentences)
     seen.clear()

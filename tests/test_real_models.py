@@ -5,12 +5,12 @@ uneven (7 items on 3 replicas) and even (8 on 4) batches."""
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
 from dpmethods import DataParallel, warn_once
@@ -108,38 +108,9 @@ def test_torchvision_detection_training_with_targets(batch: int, devices: int) -
 
 # --- sentence-transformers: encode(list of strings) -> numpy -------------------------
 
-_WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
-
-
 @pytest.fixture(scope="module")
 def sentence_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    st = pytest.importorskip("sentence_transformers")
-    transformers = pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("tiny-bert")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
-    config = transformers.BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from sentence_transformers import models
-    transformer = models.Transformer(str(path))
-    pooling = models.Pooling(transformer.auto_model.config.hidden_size, "mean")
-    return st.SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
-
-
-def _sentences(n: int) -> list[str]:
-    g = torch.Generator().manual_seed(n)
-    return [
-        " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (1 + k % 5,), generator=g))
-        for k in range(n)
-    ]
+    return tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.mark.parametrize("batch,devices", SPLITS)
@@ -149,7 +120,7 @@ def test_sentence_transformers_encode_list_of_strings(sentence_model: Any, batch
 
     # The argument is "sentences" in older versions, "inputs" in newer ones.
     name = list(inspect.signature(type(sentence_model).encode).parameters)[1]
-    sentences = _sentences(batch)
+    sentences = random_sentences(batch)
     seen: list[int] = []
     hook = sentence_model[0].register_forward_pre_hook(
         lambda m, args: seen.append(len(args[0]["input_ids"]))
