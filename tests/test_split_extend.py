@@ -4,9 +4,11 @@ devices against the bare module on the full batch."""
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 from collections import Counter, OrderedDict, defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,11 +27,11 @@ def _fresh_warnings() -> None:
     warn_once.reset()
 
 
-def _no_warnings() -> Any:
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.simplefilter("error")
-    return ctx
+@contextlib.contextmanager
+def _no_warnings() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
 
 
 class PerItem(nn.Module):
@@ -90,11 +92,8 @@ def test_split_uneven_shares_extend_automatically_with_cat() -> None:
     model = PerItem()
     images, scale = _images(7), torch.randn(7)
     dp = DataParallel(model, device_ids=["cpu"] * 3)  # gather stays "cat"
-    ctx = _no_warnings()
-    try:
+    with _no_warnings():
         got = dp.score(images, scale)
-    finally:
-        ctx.__exit__(None, None, None)
     _assert_items_equal(got, model.score(images, scale))
 
 
@@ -106,21 +105,15 @@ def test_equal_shares_per_item_list_warns_naming_the_path_and_extend() -> None:
         dp.score(images, scale)
     # With "extend" it is right and quiet.
     dp = DataParallel(model, device_ids=["cpu"] * 4, methods={"score": {"gather": "extend"}})
-    ctx = _no_warnings()
-    try:
+    with _no_warnings():
         got = dp.score(images, scale)
-    finally:
-        ctx.__exit__(None, None, None)
     _assert_items_equal(got, model.score(images, scale))
 
 
 def test_list_of_batch_tensors_with_equal_shares_is_joined_entry_by_entry_quietly() -> None:
     outs = [[torch.randn(2, 3), torch.randn(2, 5)] for _ in range(4)]
-    ctx = _no_warnings()
-    try:
+    with _no_warnings():
         got = gather(outs, "cpu", sizes=[2, 2, 2, 2])
-    finally:
-        ctx.__exit__(None, None, None)
     assert [t.shape for t in got] == [torch.Size([8, 3]), torch.Size([8, 5])]
     torch.testing.assert_close(got[1], torch.cat([o[1] for o in outs]))
 
@@ -162,11 +155,8 @@ def test_nothing_split_on_several_devices_warns_once_naming_method_and_lists() -
     dp = DataParallel(Enc(), device_ids=["cpu"] * 2)
     with pytest.warns(UserWarning, match=r"scatter: .*Enc.encode: nothing in this call was split.*\['sentences'\].*split=\('sentences',\)"):
         assert dp.encode(["a", "bb"]) == [1, 2]
-    ctx = _no_warnings()
-    try:
+    with _no_warnings():
         dp.encode(["a", "bb"])  # once
-    finally:
-        ctx.__exit__(None, None, None)
     dp = DataParallel(Enc(), device_ids=["cpu"] * 2, methods={"encode": {"split": "sentences"}})
     assert dp.encode(["a", "bb", "ccc"]) == [1, 2, 3]
 
@@ -376,12 +366,9 @@ def test_fixed_arity_tuple_as_long_as_the_share_is_not_taken_for_per_item() -> N
 
     x = torch.randn(8, 3)
     dp = DataParallel(M(), device_ids=["cpu"] * 4)
-    ctx = _no_warnings()
-    try:
+    with _no_warnings():
         with pytest.raises(UserWarning, match="0-dim on every replica"):
             dp.f(x)  # the only warning is the existing one about a 0-dim output
-    finally:
-        ctx.__exit__(None, None, None)
     out = gather([(torch.ones(2, 3), torch.ones(2, 5)) for _ in range(4)], "cpu", sizes=[2] * 4)
     assert [t.shape[0] for t in out] == [8, 8]
 
