@@ -322,7 +322,6 @@ def scatter_call(
             sizes = chunk_sizes(batch, len(targets))
             columns = [_split(a, sizes, dim, targets[: len(sizes)]) for a in args]
             return ScatterResult(tuple(zip(*columns)), ({},) * len(sizes), sizes)
-    spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
 
     def names() -> list[str]:
         positional = _argument_names(_signature_of(fn), len(args))
@@ -352,7 +351,8 @@ def scatter_call(
         args, kwargs, taken = split_args.take(
             args, kwargs, split, selected, _argument_names(params, len(args))
         )
-        spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
+    # After the split sequences are taken out: they are not walked as containers.
+    spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
     whole: set[int] = set()
     if broadcast:
         entries = selected(broadcast)
