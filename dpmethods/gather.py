@@ -252,20 +252,23 @@ def gather(
 
     # The common case, every leaf a tensor with a batch dim, in one call. Equal specs
     # already say the other replicas have tensors in the same places.
+    coupled: set[int] | None = None
     if (
         mode == "cat"
         and key_dims is None
         and all(map(isinstance, leaves0, _TENSORS))
         and all(map(Tensor.dim, leaves0))
-        and not (check and check_coupled(columns, sizes, [dim] * len(columns), None, path))
     ):
-        tensors = list(itertools.chain.from_iterable(columns))
-        return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
+        coupled = check_coupled(columns, sizes, [dim] * len(columns), None, path) if check else set()
+        if not coupled:
+            tensors = list(itertools.chain.from_iterable(columns))
+            return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
 
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
-    named = _named_leaves(spec, mode, gather_dim) if check else set()
-    coupled = check_coupled(columns, sizes, dims, modes, path, named) if check else set()
+    if coupled is None:  # not checked above (the same check, once)
+        named = _named_leaves(spec, mode, gather_dim) if check else set()
+        coupled = check_coupled(columns, sizes, dims, modes, path, named) if check else set()
 
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim
