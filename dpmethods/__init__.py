@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,19 @@ _EXPORTS: dict[str, str] = {
     "register_type": "type_rules",
     "unwrap": "utils",
 }
+
+class _TorchBeforeExtension(importlib.abc.MetaPathFinder):
+    """Imports torch before ``dpmethods._C``: the extension links against libtorch, which
+    only ``import torch`` loads, and this package no longer imports torch itself."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname == "dpmethods._C":
+            import torch  # noqa: F401
+        return None  # the ordinary finders load it
+
+
+sys.meta_path.insert(0, _TorchBeforeExtension())
+
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel

@@ -57,3 +57,9 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
         assert "no_such_name" in str(exc)
     else:
         raise AssertionError("dpmethods.no_such_name did not raise")
+
+
+def test_the_extension_module_imports_first_thing() -> None:
+    # dpmethods/__init__ does not import torch, but the extension links against libtorch.
+    out = _run("import dpmethods._C, torch\nprint(hasattr(torch.ops.dpmethods, 'gather_coalesced'))")
+    assert out.strip() == "True"
