@@ -54,6 +54,31 @@ def _instances(module: nn.Module) -> list[nn.Module]:
     return seen
 
 
+def _count_calls(module: nn.Module) -> None:
+    """Count calls on each module object (source or replica) in its own attribute.
+
+    Compiled code replays a hook's side effects after the graph; appending to a list
+    shared by the replicas' threads would be rebuilt by each thread and lose updates,
+    while each replica's own attribute is written by its thread alone.
+    """
+    module.register_forward_pre_hook(
+        lambda m, args: setattr(m, "_calls", getattr(m, "_calls", 0) + 1)
+    )
+
+
+def _calls(module: nn.Module) -> int:
+    return module.__dict__.get("_calls", 0)
+
+
+class _Recording(DataParallel):
+    """Keeps the replicas of the last call (through torch's replicate seam)."""
+
+    def replicate(self, module: nn.Module, device_ids: Any) -> list[nn.Module]:  # type: ignore[override]
+        replicas = super().replicate(module, device_ids)
+        self.__dict__["last_replicas"] = list(replicas)
+        return replicas
+
+
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -78,16 +103,18 @@ def test_compile_around(n: int, devices: int) -> None:
     before = _snapshot(model)
     backend = Counter()
     compiled = torch.compile(model, backend=backend)
-    seen = _instances(model.out)
     x = torch.randn(n, 4)
     want = model(x)
-    seen.clear()
-    dp = DataParallel(compiled, device_ids=["cpu"] * devices)
+    _count_calls(model.out)
+    dp = _Recording(compiled, device_ids=["cpu"] * devices)
     got = dp(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert backend.runs == devices  # every replica ran compiled code
-    assert len(seen) == devices and len({id(m) for m in seen}) == devices
-    assert all(m is not model.out for m in seen[1:])  # the replicas' own modules
+    # Once on each replica's own modules, never on the source's.
+    replicas = dp.last_replicas
+    assert len(replicas) == devices and len({id(dpmethods.unwrap(r).out) for r in replicas}) == devices
+    assert [_calls(dpmethods.unwrap(r).out) for r in replicas] == [1] * devices
+    assert _calls(model.out) == 0
     # Decorated methods are found through the OptimizedModule.
     torch.testing.assert_close(dp.encode(x), model.encode(x), rtol=1e-5, atol=1e-5)
     # Gradients reach the original parameters, which are intact.
@@ -107,12 +134,15 @@ def test_compile_in_place(n: int, devices: int) -> None:
     before = _snapshot(model)
     backend = Counter()
     model.compile(backend=backend)
-    seen = _instances(model)
-    got = DataParallel(model, device_ids=["cpu"] * devices)(x)
+    _count_calls(model)
+    dp = _Recording(model, device_ids=["cpu"] * devices)
+    got = dp(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert backend.runs == devices
     # Each replica's compiled _call_impl ran on that replica, not on the source.
-    assert len({id(m) for m in seen}) == devices and model not in seen
+    replicas = dp.last_replicas
+    assert len({id(r) for r in replicas}) == devices and model not in replicas
+    assert [_calls(r) for r in replicas] == [1] * devices and _calls(model) == 0
     _unharmed(model, before)
 
 
@@ -126,11 +156,14 @@ def test_compile_inside(n: int, devices: int) -> None:
     backend = Counter()
     inner = model.out
     model.out = torch.compile(inner, backend=backend)  # type: ignore[assignment]
-    seen = _instances(inner)
-    got = DataParallel(model, device_ids=["cpu"] * devices)(x)
+    _count_calls(inner)
+    dp = _Recording(model, device_ids=["cpu"] * devices)
+    got = dp(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert backend.runs == devices
-    assert len({id(m) for m in seen}) == devices and inner not in seen
+    inners = [dpmethods.unwrap(r.out) for r in dp.last_replicas]
+    assert len({id(m) for m in inners}) == devices and inner not in inners
+    assert [_calls(m) for m in inners] == [1] * devices and _calls(inner) == 0
     model.out = inner
     _unharmed(model, before)
 
