@@ -8,6 +8,8 @@ instance each call ran on; a counting dynamo backend sees each run of compiled c
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -92,8 +94,13 @@ def _unharmed(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo() -> None:
+def _fresh_dynamo() -> Iterator[None]:
     torch._dynamo.reset()
+    yield
+    # Dynamo's compile state of this test (fake tensors, guards) is freed here, not in
+    # whatever test runs next, whose own garbage checks must see only their own objects.
+    torch._dynamo.reset()
+    gc.collect()
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
