@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _tree
+from .compiled import one_at_a_time
 from .parallel_apply import _ThreadState
 
 __all__: list[str] = []
@@ -135,7 +136,7 @@ def _serve(run: Run, r: int) -> None:
     replica, device = run.replicas[r], run.devices[r]
     streams = None
     try:
-        fn = replica if run.method == "forward" else getattr(replica, run.method)
+        fn = one_at_a_time(replica if run.method == "forward" else getattr(replica, run.method), replica)
         if device is not None and device.type == "cuda":
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # copy, compute
             for s in streams:

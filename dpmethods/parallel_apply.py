@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import _tree
+from .compiled import takes_turns
 
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 
@@ -333,6 +334,9 @@ def parallel_apply(
 
     if n == 1:
         work(0)
+    elif any(map(takes_turns, replicas)):
+        for i in range(n):  # compiled code on a torch that can't compile in threads
+            work(i)
     elif workers is None or not workers.run(work, n):
         threads = [
             threading.Thread(target=work, args=(i,), name=f"dpmethods-replica-{i}", daemon=True)

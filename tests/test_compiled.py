@@ -273,3 +273,26 @@ def test_unknown_compiled_wrapper_raises_before_running_and_leaves_the_model() -
         DataParallel(model, device_ids=["cpu"] * 3)(torch.randn(7, 4))
     assert ran == []
     _unharmed(model, before)
+
+
+def test_replicas_take_turns_in_the_callers_thread_where_torch_cannot_compile_in_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+
+    from dpmethods import compiled as compiled_module
+    from dpmethods import warn_once
+
+    monkeypatch.setattr(compiled_module, "_CONCURRENT_COMPILE", False)  # as on torch 2.11
+    warn_once.reset()
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(7, 4)
+    want = model(x)
+    threads: list[int] = []
+    model.out.register_forward_pre_hook(torch.compiler.disable(lambda m, a: threads.append(threading.get_ident())))
+    backend = Counter()
+    with pytest.warns(UserWarning, match="replicas that run compiled code take turns"):
+        got = DataParallel(torch.compile(model, backend=backend), device_ids=["cpu"] * 3)(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert threads == [threading.get_ident()] * 3  # every replica ran in this thread
