@@ -4,7 +4,7 @@ A replica is a shallow copy of the module made for one call: whatever a method
 does to ``self`` (``self.count += 1``, ``self.buf.add_(1)`` on a replica's own copy)
 is lost when the call ends. Kept replicas must behave the same, so before each
 loan they are put back as :func:`dpmethods.replicate.replicate` made them: their
-attribute dicts are restored, and if a tensor copy of their own (not the module's)
+attribute dicts and hook dicts are restored, and if a tensor copy of their own (not the module's)
 was changed in place, they are not lent at all and the caller builds new ones.
 A call that finds them lent (to another thread, or to an outer call) builds its own.
 """
@@ -18,6 +18,8 @@ from operator import is_
 from typing import Any
 
 from torch import Tensor, nn
+
+from .replicate import HOOK_DICTS
 
 __all__ = ["CachedReplicas"]
 
@@ -78,6 +80,9 @@ class CachedReplicas:
             for m in replica.modules():
                 for d in (m.__dict__, m._parameters, m._buffers, m._modules):
                     self._dicts.append((d, dict(d)))
+                # The replica's own hook dicts: hooks a call registered go with the call.
+                hooks = [d for d in map(m.__dict__.get, HOOK_DICTS) if d is not None]
+                self._dicts.extend((d, dict(d)) for d in hooks)
                 copies.extend(t for t in _tensors(m) if id(t) not in own)
         self._copies = copies
         self._versions: list[int] | None

@@ -30,7 +30,9 @@ from torch import Tensor, nn
 from .compiled import bound_attributes, rebind, shallow_replica
 from .cpu_broadcast import broadcast_copies
 
-__all__ = ["CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "cpu_replicas_mode", "fingerprint", "replicate"]
+__all__ = [
+    "CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "HOOK_DICTS", "cpu_replicas_mode", "fingerprint", "replicate",
+]
 
 CPU_REPLICAS_ENV = "DPMETHODS_CPU_REPLICAS"
 CPU_REPLICAS_MODES = ("shared", "distinct")
@@ -191,9 +193,30 @@ def replicate(
                 clone._buffers[name] = c if shared or not training[id(buf)] else c.clone()
             if "_flat_weights_names" in clone.__dict__:
                 _repoint_flat_weights(clone)
+            _own_hooks(clone)
         rebind(modules, clones, bound)  # compiled and patched code runs on the replica
         replicas.append(clones[0])
     return replicas
+
+
+# The dicts that hold a module's call hooks. torch's replicas share them with the
+# module, so a hook a method registers on its replica while it runs (peft's per-call
+# ``adapter_names`` hooks, transformers' output-capturing hooks, installed once per
+# model object) would run in every other replica and stay on the module. Each replica
+# gets its own copies: the module's hooks still run in it, and what a call adds stays
+# in that call's replicas.
+HOOK_DICTS: tuple[str, ...] = tuple(
+    name for name, value in vars(nn.Module()).items()
+    if isinstance(value, dict) and ("forward" in name or "backward" in name)
+)
+
+
+def _own_hooks(clone: nn.Module) -> None:
+    d = clone.__dict__
+    for name in HOOK_DICTS:
+        hooks = d.get(name)
+        if hooks is not None:
+            d[name] = hooks.copy()
 
 
 def _repoint_flat_weights(rnn: nn.Module) -> None:
@@ -255,9 +278,11 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
             d = m.__dict__
             append(type(m))
             # Names and value identities of every attribute: any assignment, train()/eval().
-            # Dicts (hooks) are shared with the replicas, so their contents need no entry.
             extend(d)
             extend(map(id, d.values()))
+            # Replicas copy the hook dicts, so a hook added or removed here must show.
+            for name in HOOK_DICTS:
+                extend(d.get(name, ()))
             for group in (d["_parameters"], d["_buffers"]):
                 for t in group.values():
                     if t is None:

@@ -354,8 +354,8 @@ def scatter_call(
     # After the split sequences are taken out: they are not walked as containers.
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
     whole: set[int] = set()
+    entries = selected(broadcast)
     if broadcast:
-        entries = selected(broadcast)
         offset = 0
         for is_whole, value in entries:
             count = len(_tree.flatten(value)[1])
@@ -363,10 +363,13 @@ def scatter_call(
                 whole.update(range(offset, offset + count))
             offset += count
     batch = _batch_size(leaves, whole, dim, names)
+    arg_names = [*_argument_names(params, len(args)), *kwargs]
     if taken:
         batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)
     elif batch is None and len(targets) > 1:
-        split_args.warn_unsplit(fn, args, kwargs, _argument_names(params, len(args)), dim)
+        split_args.warn_unsplit(fn, args, kwargs, arg_names[: len(args)], dim)
+    if batch is not None and len(targets) > 1:
+        split_args.warn_whole_items(fn, entries, arg_names, batch)
     per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, batch)
     if taken:
         per_replica = split_args.put(per_replica, taken, sizes, targets)

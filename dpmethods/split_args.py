@@ -169,3 +169,38 @@ def warn_unsplit(
         f"device. {looks}",
         stacklevel=5,
     )
+
+
+def warn_whole_items(
+    fn: Callable[..., Any] | None,
+    entries: list[tuple[bool, Any]],
+    arg_names: list[str],
+    batch: int,
+) -> None:
+    """Warn once per argument that a list as long as the batch goes whole to every replica.
+
+    ``entries`` holds, per positional then keyword argument, whether it is named in
+    ``broadcast`` and its value. A list of strings, ints or objects with one entry per
+    item (peft's ``adapter_names``, per-row lengths) is not split unless named in
+    ``split``: every replica would get all of it, which is wrong without a word when the
+    method doesn't check its length. Tuples of ints are shapes and sizes, not batches.
+    """
+    if batch < 2:
+        return
+    func = getattr(fn, "__func__", fn)
+    method = getattr(func, "__qualname__", None)
+    where = f"scatter: {method}:" if method else "scatter:"
+    for name, (whole, value) in zip(arg_names, entries):
+        if whole or type(value) not in (list, tuple) or len(value) != batch:
+            continue
+        if any(isinstance(v, Tensor) for v in value):
+            continue  # a list of tensors: walked as a container, its tensors split
+        if type(value) is tuple and all(type(v) is int for v in value):
+            continue
+        warn_once(
+            f"{where} argument {name!r} is a {type(value).__name__} of {batch} items, as "
+            f"many as the batch, and every replica gets all of it. If it holds one entry "
+            f"per item, pass split=({name!r},) so each replica gets its items; if every "
+            f"replica needs it whole, broadcast=({name!r},) says so and silences this warning.",
+            stacklevel=5,
+        )

@@ -245,6 +245,57 @@ def test_gpt2_cache_joined_and_used_for_the_next_step(batch: int, devices: int) 
     assert next_cache.get_seq_length() == 6 and next_cache.layers[1].keys.shape[0] == batch
 
 
+# --- hooks registered inside a replica: transformers' output capture, peft adapters --
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_llama_hidden_states_and_attentions_when_the_wrapper_runs_first(batch: int, devices: int) -> None:
+    # transformers installs its output-capturing hooks on the first forward of a model
+    # object; a replica is a new object, and its hooks went into the module's dicts.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    config._attn_implementation = "eager"
+    llama = transformers.LlamaModel(config).eval()
+    ids = torch.randint(0, 64, (batch, 5))
+    dp = DataParallel(llama, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        for _ in range(2):
+            got = dp(input_ids=ids, output_attentions=True, output_hidden_states=True)
+        ref = llama(input_ids=ids, output_attentions=True, output_hidden_states=True)
+    assert len(got.attentions) == len(ref.attentions) == 2
+    assert len(got.hidden_states) == len(ref.hidden_states) == 3
+    for g, r in zip(got.attentions + got.hidden_states, ref.attentions + ref.hidden_states):
+        _close(g, r)
+    _close(got.last_hidden_state, ref.last_hidden_state)
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    base = transformers.GPT2LMHeadModel(config)
+    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(**lora))
+    model.eval()
+    ids = torch.randint(0, 64, (batch, 5))
+    names = [("one", "two", "__base__")[i % 3] for i in range(batch)]  # peft's per-row adapters
+    dp = DataParallel(model, device_ids=["cpu"] * devices, methods={"forward": {"split": "adapter_names"}})
+    with torch.no_grad():
+        got = dp(input_ids=ids, adapter_names=names, use_cache=False)
+        ref = model(input_ids=ids, adapter_names=names, use_cache=False)
+    _close(got.logits, ref.logits)
+    # Without split= every replica would get all the names: said, not silently done.
+    plain = DataParallel(model, device_ids=["cpu"] * devices)
+    with pytest.warns(UserWarning, match=r"argument 'adapter_names' is a list of .*split=\('adapter_names',\)"):
+        with pytest.raises(ValueError, match="adapter_names"):
+            with torch.no_grad():
+                plain(input_ids=ids, adapter_names=names, use_cache=False)
+
+
 def test_no_library_is_imported_by_dpmethods() -> None:
     # The shipped rules are installed only for libraries the user imported.
     code = (

@@ -161,6 +161,36 @@ def test_nothing_split_on_several_devices_warns_once_naming_method_and_lists() -
     assert dp.encode(["a", "bb", "ccc"]) == [1, 2, 3]
 
 
+class _PerRowScale(nn.Module):
+    """Takes one scale per row as a Python list and, like most models, never checks its length."""
+
+    @parallel_method
+    def scaled(self, x: torch.Tensor, scales: list[float], shape: tuple[int, int] = (2, 2)) -> torch.Tensor:
+        return x * torch.tensor(scales[: x.shape[0]]).unsqueeze(1)
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_unsplit_list_as_long_as_the_batch_warns_naming_split_and_broadcast(batch: int, devices: int) -> None:
+    model = _PerRowScale()
+    x, scales = torch.randn(batch, 3), [float(i + 1) for i in range(batch)]
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    with pytest.warns(
+        UserWarning,
+        match=rf"scatter: .*_PerRowScale.scaled: argument 'scales' is a list of {batch} items, as many as "
+        r"the batch, and every replica gets all of it\. .*split=\('scales',\).*broadcast=\('scales',\)",
+    ):
+        wrong = dp.scaled(x, scales)
+    assert not torch.allclose(wrong, model.scaled(x, scales))  # what the warning is about
+    split = DataParallel(model, device_ids=["cpu"] * devices, methods={"scaled": {"split": "scales"}})
+    with _no_warnings():
+        torch.testing.assert_close(split.scaled(x, scales), model.scaled(x, scales))
+        # Named in broadcast: every replica needs it whole, said so, no warning.
+        whole = DataParallel(model, device_ids=["cpu"] * devices, methods={"scaled": {"broadcast": "scales"}})
+        whole.scaled(x, [1.0] * batch)
+        # A tuple of ints as long as the batch is a shape, not a batch.
+        dp.scaled(x, [1.0] * (batch + 1), shape=(batch,) * batch)
+
+
 def test_split_moves_tensors_inside_items_and_keeps_gradients() -> None:
     model = PerItem()
     images = [t.requires_grad_() for t in _images(5)]
