@@ -43,6 +43,9 @@ class TypeRule(NamedTuple):
 
     flatten: Callable[[Any], tuple[list[Any], Any]]
     unflatten: Callable[[list[Any], Any], Any]
+    # The tensor children hold one row per batch item along the batch dim by
+    # construction (a cache's keys and values), so they are never batch-coupled.
+    per_item: bool = False
 
 
 # Rules given to dpmethods (register_type, shipped library rules), by class; a rule
@@ -229,6 +232,25 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
     for label, child in zip(_children_labels(spec), spec[3]):
         paths.extend(leaf_paths(child, root + label))
     return paths
+
+
+def per_item_leaves(spec: Spec) -> set[int]:
+    """Indices of the leaves under a node whose rule says its children are per item."""
+    found: set[int] = set()
+
+    def walk(node: Spec, start: int, inside: bool) -> int:
+        if node in _LEAVES:
+            if inside:
+                found.add(start)
+            return start + 1
+        kind, _, meta, children = node
+        inside = inside or (kind == _NODE and meta[0].per_item)
+        for child in children:
+            start = walk(child, start, inside)
+        return start
+
+    walk(spec, 0, False)
+    return found
 
 
 def top_level_leaf_counts(spec: Spec) -> list[tuple[str, int]] | None:

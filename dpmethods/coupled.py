@@ -55,7 +55,7 @@ def check_coupled(
     dims: Sequence[int],
     modes: Sequence[str] | None,
     path: Callable[[int], str],
-    exempt: Container[int] = (),
+    exempt: Container[int] | Callable[[], Container[int]] = (),
 ) -> set[int]:
     """Warn (once per path) about batch-coupled tensor leaves and the losses reduced with them.
 
@@ -75,8 +75,10 @@ def check_coupled(
         dims: per leaf, the join dim.
         modes: per leaf, the gather mode (``None``: all ``"cat"``).
         path: the output path of a leaf index, for the message.
-        exempt: leaves whose top-level key the caller named in a ``gather`` or
-            ``gather_dim`` mapping: the user has said how they join, so they are trusted.
+        exempt: leaves known not to couple items (or a function returning them, called
+            only when some leaf looks coupled): those whose top-level key the caller named
+            in a ``gather`` or ``gather_dim`` mapping (the user has said how they join) and
+            those under a ``per_item`` type rule.
     """
     if not sizes or len(sizes) < 2 or max(sizes) < 2:
         return set()
@@ -85,6 +87,8 @@ def check_coupled(
     counts = [c[0].shape.count(share) if isinstance(c[0], Tensor) else 0 for c in columns]
     if max(counts, default=0) < 2:
         return set()
+    if callable(exempt):
+        exempt = exempt()
     coupled = [
         i
         for i, count in enumerate(counts)

@@ -259,7 +259,11 @@ def gather(
         and all(map(isinstance, leaves0, _TENSORS))
         and all(map(Tensor.dim, leaves0))
     ):
-        coupled = check_coupled(columns, sizes, [dim] * len(columns), None, path) if check else set()
+        coupled = (
+            check_coupled(columns, sizes, [dim] * len(columns), None, path, lambda: _tree.per_item_leaves(spec))
+            if check
+            else set()
+        )
         if not coupled:
             tensors = list(itertools.chain.from_iterable(columns))
             return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
@@ -267,8 +271,14 @@ def gather(
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
     if coupled is None:  # not checked above (the same check, once)
-        named = _named_leaves(spec, mode, gather_dim) if check else set()
-        coupled = check_coupled(columns, sizes, dims, modes, path, named) if check else set()
+        coupled = (
+            check_coupled(
+                columns, sizes, dims, modes, path,
+                lambda: _named_leaves(spec, mode, gather_dim) | _tree.per_item_leaves(spec),
+            )
+            if check
+            else set()
+        )
 
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim

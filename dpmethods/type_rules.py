@@ -16,6 +16,10 @@ no dependency on them:
 - transformers ``DynamicCache``, ``StaticCache`` and ``EncoderDecoderCache`` (and their
   subclasses): one cache holding the whole batch, usable for the next step; split per
   replica when passed back in.
+
+Both are ``per_item`` rules: their tensors hold one row per batch item, so a dim that
+happens to equal a replica's share (as many attention heads as rows) is not reported as
+batch-coupled.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def register_type(
     cls: type,
     flatten: Callable[[Any], tuple[list[Any], Any]],
     unflatten: Callable[[list[Any], Any], Any],
+    *,
+    per_item: bool = False,
 ) -> None:
     """Teach dpmethods to split and join objects of ``cls`` (and its subclasses).
 
@@ -50,6 +56,9 @@ def register_type(
         cls: the class.
         flatten: ``obj -> (children, context)``.
         unflatten: ``(children, context) -> obj``.
+        per_item: the tensor children hold one row per batch item along the batch dim
+            (a cache's keys and values), so gather never warns that they couple items
+            of the batch, even when another of their dims equals a replica's share.
 
     Example:
         >>> import torch, dpmethods
@@ -70,7 +79,11 @@ def register_type(
             raise TypeError(
                 f"register_type: {name}: expected a callable, got {type(fn).__name__} {fn!r}"
             )
-    _tree.set_rule(cls, _tree.TypeRule(flatten, unflatten))
+    if not isinstance(per_item, bool):
+        raise TypeError(
+            f"register_type: per_item: expected True or False, got {type(per_item).__name__} {per_item!r}"
+        )
+    _tree.set_rule(cls, _tree.TypeRule(flatten, unflatten, per_item))
 
 
 class _Template:
@@ -114,7 +127,7 @@ def _install_diffusers() -> bool:
     cls = getattr(module, "DiagonalGaussianDistribution", None)
     if cls is None:
         return False
-    _tree.set_rule(cls, _tree.TypeRule(_flatten_gaussian, _gaussian_unflattener(cls)))
+    _tree.set_rule(cls, _tree.TypeRule(_flatten_gaussian, _gaussian_unflattener(cls), per_item=True))
     return True
 
 
@@ -180,14 +193,14 @@ def _install_transformers() -> bool:
     module = sys.modules.get("transformers.cache_utils")
     if module is None:
         return False
-    rule = _tree.TypeRule(_flatten_cache, _unflatten_cache)
+    rule = _tree.TypeRule(_flatten_cache, _unflatten_cache, per_item=True)
     for name in ("DynamicCache", "StaticCache"):
         cls = getattr(module, name, None)
         if cls is not None:
             _tree.set_rule(cls, rule)
     cls = getattr(module, "EncoderDecoderCache", None)
     if cls is not None:
-        _tree.set_rule(cls, _tree.TypeRule(_flatten_encoder_decoder, _unflatten_encoder_decoder))
+        _tree.set_rule(cls, _tree.TypeRule(_flatten_encoder_decoder, _unflatten_encoder_decoder, per_item=True))
     return True
 
 

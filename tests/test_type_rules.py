@@ -139,6 +139,49 @@ def test_t5_encoder_decoder_cache_joined_and_used_for_the_next_step(batch: int, 
     torch.testing.assert_close(got2.logits, ref2.logits, atol=1e-5, rtol=0)
 
 
+class _Rows:
+    """A state holding one [share, share]-shaped row block per item, like keys with as many heads as rows."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _RowsModel(nn.Module):
+    @parallel_method
+    def state(self, x: torch.Tensor) -> _Rows:
+        return _Rows(x.unsqueeze(1).expand(-1, 2, -1).clone())  # [share, 2, 5]: 2 == share on 8-on-4
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+def test_per_item_rule_children_are_not_reported_as_batch_coupled(per_item: bool, recwarn: Any) -> None:
+    dpmethods.register_type(_Rows, lambda r: ([r.t], None), lambda c, _: _Rows(c[0]), per_item=per_item)
+    x = torch.randn(8, 5)
+    got = DataParallel(_RowsModel(), device_ids=["cpu"] * 4).state(x)
+    torch.testing.assert_close(got.t, _RowsModel().state(x).t)
+    coupled = [w for w in recwarn if "in more than one dim" in str(w.message)]
+    assert len(coupled) == (0 if per_item else 1)
+    if not per_item:
+        assert "output[0]" in str(coupled[0].message)  # the rule's first child
+
+
+def test_register_type_per_item_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"register_type: per_item: expected True or False, got str 'yes'"):
+        dpmethods.register_type(_Rows, lambda r: ([r.t], None), lambda c, _: _Rows(c[0]), per_item="yes")  # type: ignore[arg-type]
+
+
+def test_gpt2_cache_with_as_many_heads_as_rows_per_replica_is_not_warned(recwarn: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99,
+                                     n_positions=64, bos_token_id=0, eos_token_id=0)
+    gpt = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 99, (8, 5))
+    with torch.no_grad():
+        got = DataParallel(gpt, device_ids=["cpu"] * 4)(ids, use_cache=True)  # keys [2, 2, 5, 16]
+        ref = gpt(ids, use_cache=True)
+    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
+    assert not [str(w.message) for w in recwarn if "in more than one dim" in str(w.message)]
+
+
 def test_gpt2_static_cache() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99,
