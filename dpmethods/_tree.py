@@ -237,20 +237,21 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
 def per_item_leaves(spec: Spec) -> set[int]:
     """Indices of the leaves under a node whose rule says its children are per item."""
     found: set[int] = set()
-
-    def walk(node: Spec, start: int, inside: bool) -> int:
-        if node in _LEAVES:
-            if inside:
-                found.add(start)
-            return start + 1
-        kind, _, meta, children = node
-        inside = inside or (kind == _NODE and meta[0].per_item)
-        for child in children:
-            start = walk(child, start, inside)
-        return start
-
-    walk(spec, 0, False)
+    _walk_per_item(spec, 0, False, found)
     return found
+
+
+def _walk_per_item(node: Spec, start: int, inside: bool, found: set[int]) -> int:
+    # Module level, not nested: a recursive closure is a reference cycle per call.
+    if node in _LEAVES:
+        if inside:
+            found.add(start)
+        return start + 1
+    kind, _, meta, children = node
+    inside = inside or (kind == _NODE and meta[0].per_item)
+    for child in children:
+        start = _walk_per_item(child, start, inside, found)
+    return start
 
 
 def top_level_leaf_counts(spec: Spec) -> list[tuple[str, int]] | None:

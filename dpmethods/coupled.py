@@ -1,4 +1,6 @@
-"""Batch-coupled outputs: tensors that mix items of the batch with each other.
+"""Checks of gathered outputs against the replicas' shares of the batch.
+
+Batch-coupled outputs: tensors that mix items of the batch with each other.
 
 A replica's similarity matrix ``[n_r, n_r]`` (CLIP's ``logits_per_text`` with both
 texts and images split, a contrastive loss's scores) holds only the pairs within its
@@ -6,6 +8,10 @@ own share of the batch; the full ``[n, n]`` matrix cannot be rebuilt from the pi
 and a loss averaged over replicas is not the full-batch loss. dpmethods can't fix that
 (the right pattern is to gather the features with dpmethods and compute the loss on the
 gathered batch), so it says so, once per output path.
+
+Outputs whose batch is in another dim than the one they are joined along: with equal
+shares the concatenation succeeds and is wrong, so that is said too, naming the dim
+that holds the shares.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from torch import Tensor
 
 from .warn_once import warn_once
 
-__all__ = ["check_coupled", "joinable"]
+__all__ = ["check_batch_dim", "check_coupled", "joinable"]
 
 
 def joinable(column: Sequence[Tensor], dim: int) -> bool:
@@ -127,3 +133,87 @@ def check_coupled(
                 "with dpmethods and compute the loss outside on the whole batch."
             )
     return set(coupled)
+
+
+def check_batch_dim(
+    columns: Sequence[Sequence[Any]],
+    sizes: Sequence[int] | None,
+    dims: Sequence[int],
+    modes: Sequence[str] | None,
+    path: Callable[[int], str],
+    exempt: Container[int] | Callable[[], Container[int]] = (),
+) -> set[int]:
+    """Warn (once per path) about tensor leaves whose batch is in another dim than the join dim.
+
+    A leaf joined along ``d`` whose size there is no replica's share, while another dim
+    ``k`` has each replica's share (``[n_layers, n_r, ...]`` stacked hidden states under
+    the default dim 0, or ``[n_r, 1, t]`` audio decoded with ``dim=1``), is joined wrong
+    without a word when the shares are equal: concatenating along ``d`` stacks the
+    replicas' batches side by side. Returns the indices of such leaves.
+
+    Example:
+        >>> import warnings, torch
+        >>> cols = [(torch.ones(4, 2, 3), torch.ones(4, 2, 3))]  # batch in dim 1, joined on 0
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     check_batch_dim(cols, [2, 2], [0], None, lambda i: "output")
+        {0}
+
+    Args:
+        columns: per leaf, the replicas' values.
+        sizes: each replica's share of the batch; nothing is checked without it.
+        dims: per leaf, the join dim.
+        modes: per leaf, the gather mode (``None``: all ``"cat"``); only ``"cat"`` and
+            ``"pad"`` leaves are joined along the batch dim.
+        path: the output path of a leaf index, for the message.
+        exempt: leaves the caller trusts (or a function returning them), as for
+            :func:`check_coupled`.
+    """
+    if not sizes or len(sizes) < 2 or max(sizes) < 2:
+        return set()
+    share = sizes[0]
+    # Replica 0 first, one cheap test per leaf.
+    candidates = [
+        i
+        for i, c in enumerate(columns)
+        if isinstance(c[0], Tensor)
+        and c[0].dim() >= 2
+        and -c[0].dim() <= dims[i] < c[0].dim()
+        and c[0].shape[dims[i]] != share
+        and share in c[0].shape
+    ]
+    if not candidates:
+        return set()
+    if callable(exempt):
+        exempt = exempt()
+    found: dict[int, int] = {}
+    for i in candidates:
+        if i in exempt or (modes is not None and modes[i] not in ("cat", "pad")):
+            continue
+        column = columns[i]
+        if not all(map(isinstance, column, itertools.repeat(Tensor))):
+            continue
+        d = dims[i] % column[0].dim()
+        batch_dims = [
+            k for k in range(column[0].dim())
+            if k != d and all(t.dim() == column[0].dim() and t.shape[k] == s for t, s in zip(column, sizes))
+        ]
+        if batch_dims and all(t.shape[d] != s for t, s in zip(column, sizes)):
+            found[i] = batch_dims[0]
+    maybe = (
+        " With equal shares this can be a coincidence (a dim that happens to have the share's "
+        "size): if dim {d} is right, name this output in gather={{...}} or gather_dim={{...}}, "
+        "which silences this warning."
+        if len(set(sizes)) == 1
+        else ""
+    )
+    for i, k in found.items():
+        d = dims[i] % columns[i][0].dim()
+        warn_once(
+            f"gather: {path(i)} is joined along dim {d}, where its sizes "
+            f"({[t.shape[d] for t in columns[i]]}) are not the replicas' shares of the batch "
+            f"({list(sizes)}), but its dim {k} has them: if dim {k} is its batch dim, joining "
+            f"along dim {d} puts the replicas' batches side by side. Pass gather_dim={k} (or "
+            f"gather_dim={{key: {k}}} for this output)." + maybe.format(d=d)
+        )
+    return set(found)

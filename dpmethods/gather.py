@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _tree, ops, per_item
-from .coupled import check_coupled, joinable
+from .coupled import check_batch_dim, check_coupled, joinable
 from .registry import GATHER_MODES, GatherOption
 from .scatter import DeviceLike, _as_device
 from .values import join_values, reduce
@@ -215,11 +215,15 @@ def gather(
     elif gather_dim is not None:
         dim = gather_dim
     check = sizes is not None and n > 1
+    # An int gather_dim is the caller's word on where every output's batch is.
+    check_dims = check and (gather_dim is None or isinstance(gather_dim, Mapping))
 
     if mode == "cat" and key_dims is None and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
         if check and check_coupled([outputs], sizes, [dim], None, lambda i: "output"):
             if not joinable(outputs, dim):  # warned: the pieces, rather than an error
                 return [t.to(device) for t in outputs]
+        if check_dims:
+            check_batch_dim([outputs], sizes, [dim], None, lambda i: "output")
         return _coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
@@ -264,21 +268,19 @@ def gather(
             if check
             else set()
         )
+        if check_dims:
+            check_batch_dim(columns, sizes, [dim] * len(columns), None, path, lambda: _tree.per_item_leaves(spec))
         if not coupled:
             tensors = list(itertools.chain.from_iterable(columns))
             return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
 
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
-    if coupled is None:  # not checked above (the same check, once)
-        coupled = (
-            check_coupled(
-                columns, sizes, dims, modes, path,
-                lambda: _named_leaves(spec, mode, gather_dim) | _tree.per_item_leaves(spec),
-            )
-            if check
-            else set()
-        )
+    trusted = lambda: _named_leaves(spec, mode, gather_dim) | _tree.per_item_leaves(spec)  # noqa: E731
+    if coupled is None:  # not checked above (the same checks, once)
+        coupled = check_coupled(columns, sizes, dims, modes, path, trusted) if check else set()
+        if check_dims:
+            check_batch_dim(columns, sizes, dims, modes, path, trusted)
 
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim

@@ -245,6 +245,35 @@ def test_gpt2_cache_joined_and_used_for_the_next_step(batch: int, devices: int) 
     assert next_cache.get_seq_length() == 6 and next_cache.layers[1].keys.shape[0] == batch
 
 
+# --- Encodec: codes with the batch in dim 1 -----------------------------------------
+
+
+@pytest.mark.parametrize("batch,devices", [pytest.param(6, 3, id="6-on-3"), pytest.param(7, 3, id="7-on-3")])
+def test_encodec_codes_batch_in_dim_1(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.EncodecConfig(
+        target_bandwidths=[1.5, 3.0], sampling_rate=400, hidden_size=16, num_filters=4,
+        num_residual_layers=1, upsampling_ratios=[2, 2], codebook_size=32, num_lstm_layers=1,
+    )
+    model = transformers.EncodecModel(config).eval()
+    audio = torch.randn(batch, 1, 64)
+    cpus = ["cpu"] * devices
+    with torch.no_grad():
+        ref = model.encode(audio, bandwidth=3.0)
+        # audio_codes is [chunks, batch, quantizers, frames]: joined on dim 1.
+        enc = DataParallel(model, device_ids=cpus, methods={"encode": {"gather_dim": {"audio_codes": 1}}})
+        got = enc.encode(audio, bandwidth=3.0)
+        assert torch.equal(got.audio_codes, ref.audio_codes)
+        # decode takes the codes (batch in dim 1) and returns audio [batch, 1, t].
+        dec = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1, "gather_dim": 0}})
+        _close(dec.decode(ref.audio_codes, ref.audio_scales).audio_values,
+               model.decode(ref.audio_codes, ref.audio_scales).audio_values)
+        if batch % devices == 0:  # equal shares: joining the audio on dim 1 would succeed, wrongly
+            plain = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1}})
+            with pytest.warns(UserWarning, match=r"audio_values is joined along dim 1.*its dim 0 has them"):
+                plain.decode(ref.audio_codes, ref.audio_scales)
+
+
 # --- hooks registered inside a replica: transformers' output capture, peft adapters --
 
 

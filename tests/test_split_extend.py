@@ -270,6 +270,52 @@ def test_gather_dim_int_differs_from_scatter_dim() -> None:
     torch.testing.assert_close(DataParallel(T(), device_ids=["cpu"] * 3).f(x), x.T * 2)
 
 
+class _LayersFirst(nn.Module):
+    """Returns stacked per-layer states [layers, batch, features]: the batch is in dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    @parallel_method
+    def states(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h1 = self.lin(x)
+        return {"stacked": torch.stack([x, h1, self.lin(h1)]), "last": h1}
+
+
+def test_output_with_its_batch_in_another_dim_warns_naming_that_dim() -> None:
+    model, x = _LayersFirst(), torch.randn(8, 3)
+    dp = DataParallel(model, device_ids=["cpu"] * 4)
+    with pytest.warns(
+        UserWarning,
+        match=r"gather: output\['stacked'\] is joined along dim 0, where its sizes \(\[3, 3, 3, 3\]\) are "
+        r"not the replicas' shares of the batch \(\[2, 2, 2, 2\]\), but its dim 1 has them.*gather_dim=1",
+    ):
+        wrong = dp.states(x)
+    assert wrong["stacked"].shape == (12, 2, 3)  # what the warning is about: batches side by side
+    fixed = DataParallel(model, device_ids=["cpu"] * 4, methods={"states": {"gather_dim": {"stacked": 1}}})
+    with _no_warnings():
+        got = fixed.states(x)
+        # An int gather_dim is the caller's word for every output: trusted too.
+        DataParallel(model, device_ids=["cpu"] * 4, methods={"states": {"gather_dim": 0}}).states(x)
+    torch.testing.assert_close(got["stacked"], model.states(x)["stacked"])
+    torch.testing.assert_close(got["last"], model.states(x)["last"])
+
+
+def test_output_batch_in_dim_0_under_a_scatter_dim_of_1_warns() -> None:
+    class Decoder(nn.Module):  # codes [1, batch, t] in, audio [batch, 1, t] out, as Encodec
+        @parallel_method(dim=1)
+        def decode(self, codes: torch.Tensor) -> torch.Tensor:
+            return codes.transpose(0, 1) * 2
+
+    codes = torch.randn(1, 6, 5)
+    with pytest.warns(UserWarning, match=r"gather: output is joined along dim 1.*its dim 0 has them.*gather_dim=0"):
+        DataParallel(Decoder(), device_ids=["cpu"] * 3).decode(codes)
+    dp = DataParallel(Decoder(), device_ids=["cpu"] * 3, methods={"decode": {"dim": 1, "gather_dim": 0}})
+    with _no_warnings():
+        torch.testing.assert_close(dp.decode(codes), Decoder().decode(codes))
+
+
 def test_gather_dim_mapping_needs_keyed_outputs() -> None:
     with pytest.raises(ValueError, match=r"gather_dim: a mapping of dims \{'a': 1\} needs outputs with keys"):
         gather([(torch.ones(1, 2),), (torch.ones(1, 2),)], "cpu", gather_dim={"a": 1})
