@@ -31,12 +31,17 @@ _CLASS_CACHE: weakref.WeakValueDictionary[
 ] = weakref.WeakValueDictionary()
 
 
-def _make_method(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    @functools.wraps(fn)
+def _make_method(fn: Callable[..., Any] | None, name: str) -> Callable[..., Any]:
+    """The wrapper's method ``name``; ``fn`` is the model's (None for a child module)."""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return self._run_method(name, args, kwargs)
 
-    return method
+    if fn is None:
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = f"Call the wrapped module's child ``{name}`` on every replica."
+        return method
+    return functools.wraps(fn)(method)
 
 
 def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
@@ -50,7 +55,8 @@ def _method_class(base: type, module_cls: type, names: tuple[str, ...]) -> type:
             "_dpm_names": names,
         }
         for name in names:
-            namespace[name] = _make_method(getattr(module_cls, name), name)
+            fn = getattr(module_cls, name, None)  # None: a child module, an instance attribute
+            namespace[name] = _make_method(fn if callable(fn) else None, name)
         cls = type(base.__name__, (base,), namespace)
         _CLASS_CACHE[key] = cls
     return cls
@@ -137,6 +143,10 @@ class _MethodWrapper(nn.Module):
         """The warning shown the first time an undecorated method is called, or None."""
         return None
 
+    def _submodule_warning(self, name: str) -> str | None:
+        """The warning shown the first time a child module is read through the wrapper, or None."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -156,6 +166,12 @@ class _MethodWrapper(nn.Module):
             ) from None
         if inspect.ismethod(attr) and attr.__self__ is module:
             return self._single_device(name, attr)
+        if isinstance(attr, nn.Module) and name not in self._dpm_warned:
+            # dp.features(x) would run the child on one device without a word.
+            self._dpm_warned.add(name)
+            message = self._submodule_warning(name)
+            if message is not None:
+                warnings.warn(message, UserWarning, stacklevel=2)
         return attr
 
     def _single_device(self, name: str, bound: Callable[..., Any]) -> Callable[..., Any]:

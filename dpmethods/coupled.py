@@ -45,9 +45,15 @@ def joinable(column: Sequence[Tensor], dim: int) -> bool:
             return False
     return True
 
+
+
 def _coupled(column: Sequence[Tensor], sizes: Sequence[int], dim: int) -> bool:
+    # With equal shares, only a matrix: a feature map [n_r, c, h, w] or attention weights
+    # [n_r, heads, s, s] whose h or heads equals the share is a coincidence far more often
+    # than a coupling. Unequal shares are evidence at any rank (each replica's own share).
+    equal = len(set(sizes)) == 1
     for t, share in zip(column, sizes):
-        if t.dim() < 2:
+        if t.dim() < 2 or (equal and t.dim() != 2):
             return False
         shape = t.shape
         if shape[dim % t.dim()] != share or shape.count(share) < 2:

@@ -157,6 +157,16 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             f"pass methods=[{name!r}] to run it on every device."
         )
 
+    def _submodule_warning(self, name: str) -> str | None:
+        if len(self._devices) < 2:
+            return None
+        return (
+            f"DataParallel: {name} is a submodule of the wrapped {type(self.module).__name__}, "
+            f"returned as it is, so calling it runs on {self.src_device_obj} only. Pass "
+            f"methods=[{name!r}] to run dp.{name}(...) on every device, or read "
+            f"dp.module.{name} to mean the submodule itself."
+        )
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self._run_method("forward", inputs, kwargs)
 

@@ -316,6 +316,15 @@ def register_fsdp_methods(module: nn.Module, methods: MethodsArg = None) -> list
         for name in found:
             if name == "forward":
                 continue
+            if isinstance(sub._modules.get(name), nn.Module):
+                # The model's class, not the FSDP<cls> class fully_shard made of it.
+                cls = next(k for k in type(sub).__mro__ if not issubclass(k, fsdp_module))
+                raise ValueError(
+                    f"register_fsdp_methods: methods: {name!r} is a submodule of "
+                    f"{cls.__name__}, not a method; FSDP2 runs methods only. Shard it "
+                    f"too (fully_shard(module.{name})) and call it directly, or call it from a "
+                    f"method of {cls.__name__} named in methods="
+                )
             if name not in registered:
                 register(sub, name)
                 registered.add(name)

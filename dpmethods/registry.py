@@ -404,7 +404,8 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
     Args:
         module: the wrapped module.
         methods: ``["generate"]`` or ``{"generate": {"gather": "pad"}}``; these override
-            the class's options.
+            the class's options. A name may also be a child module's attribute name
+            (``["features"]``): ``dp.features(x)`` then calls each replica's copy of it.
 
     Example:
         >>> import torch
@@ -436,8 +437,13 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
             raise TypeError(f"methods[{name!r}]: expected a dict of options, got {opts!r}")
         attr = inspect.getattr_static(owner, name, None)
         if attr is None:
-            raise AttributeError(f"methods: {owner.__qualname__} has no method {name!r}")
-        _check_method(attr, f"methods[{name!r}]")
+            # A child module (``methods=["features"]``): each replica calls its own copy.
+            if not isinstance(getattr(module, name, None), nn.Module):
+                raise AttributeError(
+                    f"methods: {owner.__qualname__} has no method or submodule {name!r}"
+                )
+        else:
+            _check_method(attr, f"methods[{name!r}]")
         base = found.get(name) or MethodOptions()
         found[name] = base.with_updates(**opts)
     return found

@@ -124,6 +124,36 @@ def test_attributes_and_undecorated_methods_forward_with_one_warning() -> None:
         dp.nope  # noqa: B018
 
 
+def test_child_module_named_in_methods_runs_on_every_replica_and_unnamed_warns() -> None:
+    model = SmallCNN()
+    x = torch.randn(7, 3, 8, 8)
+    calls: list[int] = []
+    hook = model.conv1.register_forward_hook(lambda m, a, out: calls.append(out.shape[0]))
+    dp = DataParallel(model, device_ids=["cpu"] * 3, methods=["conv1"])
+    got = dp.conv1(x)
+    assert sorted(calls) == [2, 2, 3]  # each replica's copy ran on its share, hooks included
+    hook.remove()
+    torch.testing.assert_close(got, model.conv1(x))
+    got.sum().backward()  # gradients reach the module's own parameters
+    assert model.conv1.weight.grad is not None
+    assert dp.conv1.__doc__ == "Call the wrapped module's child ``conv1`` on every replica."
+    assert dp.module.conv1 is model.conv1
+    # Not named: the submodule is returned as it is, with a warning that calling it
+    # runs on one device (the silent `dp.module.encode(x)` trap, reached through dp).
+    plain = DataParallel(model, device_ids=["cpu"] * 3)
+    with pytest.warns(UserWarning, match=r"DataParallel: conv2 is a submodule of the wrapped SmallCNN, returned "
+                      r"as it is, so calling it runs on cpu only\. Pass methods=\['conv2'\]"):
+        assert plain.conv2 is model.conv2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.conv2  # noqa: B018 (once only)
+        DataParallel(model, device_ids=["cpu"]).conv2  # noqa: B018 (one device: nothing to say)
+    with pytest.raises(AttributeError, match="methods: SmallCNN has no method or submodule 'conv9'"):
+        DataParallel(model, device_ids=["cpu"] * 3, methods=["conv9"])
+    for clone in (copy.deepcopy(dp), pickle.loads(pickle.dumps(dp))):
+        torch.testing.assert_close(clone.conv1(x), clone.module.conv1(x))
+
+
 def test_protocol_methods_of_the_module_are_not_forwarded() -> None:
     class Copyable(VAE):
         def __deepcopy__(self, memo: dict[int, Any]) -> VAE:

@@ -586,6 +586,23 @@ def test_register_fsdp_methods_errors() -> None:
         fully_shard([_Net(), _Net()], methods=["plain_step"])
 
 
+def test_register_fsdp_methods_rejects_a_submodule_name() -> None:
+    import torch.distributed as dist
+
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no FSDP2 fully_shard")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = _Net()
+        fsdp.fully_shard(net)
+        with pytest.raises(ValueError, match=r"methods: 'head' is a submodule of _Net, not a method; FSDP2 runs "
+                           r"methods only\. Shard it too \(fully_shard\(module\.head\)\)"):
+            register_fsdp_methods(net, methods=["head"])
+    finally:
+        dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ route, local
 
 
