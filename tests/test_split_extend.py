@@ -460,6 +460,20 @@ class _TwoClasses(nn.Module):
         return {"logits": self.head(x)}
 
 
+def test_feature_maps_and_attention_with_the_share_in_another_dim_are_not_taken_for_coupled() -> None:
+    class Maps(nn.Module):
+        @parallel_method
+        def maps(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            # [n_r, 3, 2, 2] feature maps and [n_r, 2 heads, 4, 4] attention, 2 == share on 8-on-4
+            return {"maps": x.view(-1, 3, 1, 1).expand(-1, 3, 2, 2) * 1, "attn": x[:, :1, None, None].expand(-1, 2, 4, 4) * 1}
+
+    x = torch.randn(8, 3)
+    with _no_warnings():
+        got = DataParallel(Maps(), device_ids=["cpu"] * 4).maps(x)
+    torch.testing.assert_close(got["maps"], Maps().maps(x)["maps"])
+    torch.testing.assert_close(got["attn"], Maps().maps(x)["attn"])
+
+
 def test_equal_share_coincidence_warns_as_possible_and_a_named_output_is_trusted() -> None:
     model = _TwoClasses()
     x = torch.randn(8, 4)
