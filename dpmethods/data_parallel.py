@@ -247,9 +247,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:
             self._check_source_device()  # a cache hit means the devices were checked
-        with _entered(
-            _Call(self, name, self._options(name), fn, key, args=args, kwargs=kwargs)
-        ) as ctx:
+        opts = self._options(name)
+        finish = None
+        if opts._around is not None:
+            args, kwargs, finish = opts._around(args, kwargs)
+        with _entered(_Call(self, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
             # torch's seams, with torch's signatures; the rest of the call is in ctx.
             inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
             if not inputs and not kwargs_tup:
@@ -260,7 +262,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             else:
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
                 outputs = self.parallel_apply(replicas, inputs, kwargs_tup)
-            return self.gather(outputs, self.output_device)
+            out = self.gather(outputs, self.output_device)
+        return out if finish is None else finish(out)
 
     def _warn_small(self, sizes: list[int], n: int) -> None:
         if n >= len(self.device_ids) or sum(sizes) == 0:

@@ -8,7 +8,9 @@ methods it knows for the module's class:
   ``"generate"``; every ``get_*_features`` method of a ``PreTrainedModel``
   (``get_text_features``, ``get_image_features``, ...);
 - sentence-transformers: ``SentenceTransformer.encode`` (and ``encode_query``,
-  ``encode_document``), with ``split`` on the sentences (numpy results are joined too);
+  ``encode_document``), with ``split`` on the sentences (numpy results are joined too),
+  one string taken as one input, and ``int8``/``uint8`` precision calibrated on the
+  whole batch, as on one device;
 - diffusers: ``AutoencoderKL.encode`` and ``decode``;
 - timm: ``forward_features`` and ``forward_head`` of timm models;
 - open_clip: ``encode_image`` and ``encode_text``.
@@ -99,8 +101,52 @@ def _sentence_transformers(cls: type) -> dict[str, MethodOptions]:
         # The sentences are the first argument: `sentences` in 2.x-5.x, `inputs` in 6.x.
         first = next(iter(list(inspect.signature(getattr(cls, name)).parameters)[1:]), None)
         if first is not None:
-            found[name] = MethodOptions(split=(first,))
+            # Results are per item: a list (token embeddings, tensors) is extended, never zipped.
+            found[name] = MethodOptions(split=(first,), gather="extend", _around=_st_around(first))
     return found
+
+
+_CALIBRATED = ("int8", "uint8")  # precisions whose ranges come from the whole batch
+
+
+def _st_around(first: str) -> Any:
+    """sentence-transformers' ``encode`` conventions that a plain split would break.
+
+    - One string is one input, and the result is one embedding, not a batch of one.
+    - ``precision="int8"``/``"uint8"`` calibrates the quantization ranges on all the
+      embeddings of the call: each replica would calibrate on its share. The replicas
+      compute float32 embeddings; they are quantized once, on the gathered batch, then
+      converted as ``encode`` converts them.
+    """
+
+    def around(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        one = False
+        if args and isinstance(args[0], str):
+            args, one = ([args[0]], *args[1:]), True
+        elif isinstance(kwargs.get(first), str):
+            kwargs, one = {**kwargs, first: [kwargs[first]]}, True
+        precision = kwargs.get("precision")
+        if precision not in _CALIBRATED:
+            return args, kwargs, (lambda out: out[0]) if one else None
+        convert_tensor = bool(kwargs.get("convert_to_tensor", False))
+        convert_numpy = bool(kwargs.get("convert_to_numpy", True))
+        kwargs = {**kwargs, "precision": "float32"}
+
+        def finish(out: Any) -> Any:
+            import torch
+
+            quantize = sys.modules["sentence_transformers"].quantize_embeddings
+            if len(out):
+                out = quantize(out, precision=precision)
+            if convert_tensor:
+                out = torch.as_tensor(out)
+            elif not convert_numpy and not isinstance(out, list):
+                out = list(torch.from_numpy(out))
+            return out[0] if one else out
+
+        return args, kwargs, finish
+
+    return around
 
 
 def _diffusers(cls: type) -> dict[str, MethodOptions]:
@@ -128,7 +174,8 @@ _RULES = (
     ),
     KnownMethods(
         "sentence_transformers", "SentenceTransformer",
-        "encode, encode_query, encode_document (split on the sentences)",
+        "encode, encode_query, encode_document (split on the sentences, per-item results extended, "
+        "int8/uint8 calibrated on the whole batch)",
         _sentence_transformers,
     ),
     KnownMethods("diffusers", "AutoencoderKL", "encode, decode", _diffusers),

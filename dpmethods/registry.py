@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar, Union, overload
 
 from torch import nn
@@ -37,6 +37,11 @@ GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]  # noqa: UP007 
 
 _OPTIONS_ATTR = "__dpmethods_options__"
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+Around = Callable[
+    [tuple[Any, ...], dict[str, Any]],
+    tuple[tuple[Any, ...], dict[str, Any], Union[Callable[[Any], Any], None]],  # noqa: UP007
+]
 
 # Options given with ``register(cls, name, ...)`` for classes the user doesn't own.
 _REGISTERED: weakref.WeakKeyDictionary[type, dict[str, MethodOptions]] = (
@@ -76,6 +81,12 @@ class MethodOptions:
     pad_value: float = 0
     split: tuple[str, ...] = ()
     gather_dim: int | Mapping[str, int] | None = None
+    # Library rules only (dpmethods.known_methods): ``around(args, kwargs)`` returns the
+    # call's arguments as the replicas should get them and a function applied to the
+    # gathered output (or None), for results computed over the whole batch after the
+    # per-item work (sentence-transformers' int8 calibration) and calling conventions
+    # split= can't express (one sentence rather than a list).
+    _around: Around | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):

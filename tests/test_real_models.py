@@ -137,6 +137,49 @@ def test_sentence_transformers_encode_list_of_strings(sentence_model: Any, batch
     assert sorted(seen) == sorted([batch // devices + (i < batch % devices) for i in range(devices)])
 
 
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_sentence_transformers_encode_outputs_and_precisions_with_no_configuration(
+    sentence_model: Any, batch: int, devices: int
+) -> None:
+    np = pytest.importorskip("numpy")
+    sentences = random_sentences(batch)
+    dp = DataParallel(sentence_model, device_ids=["cpu"] * devices)  # the built-in rule only
+
+    def same(got: Any, ref: Any) -> None:
+        assert type(got) is type(ref)
+        if isinstance(ref, list):
+            assert len(got) == len(ref)
+            for g, r in zip(got, ref):
+                same(g, r)
+        elif isinstance(ref, torch.Tensor):
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            torch.testing.assert_close(got.double(), ref.double(), atol=ATOL, rtol=0)
+        else:
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            np.testing.assert_allclose(got.astype(float), ref.astype(float), atol=ATOL, rtol=0)
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # per-item lists: no ambiguity on equal shares
+        for kwargs in (
+            {"output_value": "token_embeddings"},  # a list of [tokens_i, dim] tensors
+            {"convert_to_numpy": False},  # a list of [dim] tensors
+            {"convert_to_tensor": True, "normalize_embeddings": True},
+            {"precision": "binary"},
+        ):
+            same(dp.encode(sentences, **kwargs), sentence_model.encode(sentences, **kwargs))
+    # int8/uint8 ranges are calibrated on the whole batch, as on one device, not per replica.
+    for kwargs in (
+        {"precision": "int8"},
+        {"precision": "uint8", "convert_to_tensor": True},
+        {"precision": "int8", "convert_to_numpy": False},
+    ):
+        same(dp.encode(sentences, **kwargs), sentence_model.encode(sentences, **kwargs))
+    # One string is one input: one embedding back, not a batch of one.
+    same(dp.encode(sentences[0]), sentence_model.encode(sentences[0]))
+
+
 # --- diffusers AutoencoderKL: encode(...).latent_dist is a DiagonalGaussianDistribution --
 
 
