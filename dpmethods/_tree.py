@@ -46,6 +46,9 @@ class TypeRule(NamedTuple):
     # The tensor children hold one row per batch item along the batch dim by
     # construction (a cache's keys and values), so they are never batch-coupled.
     per_item: bool = False
+    # The replicas' children may differ in their other dims (sequences padded to each
+    # replica's longest): joined padded with zeros, which the rule's lengths mask.
+    ragged: bool = False
 
 
 # Rules given to dpmethods (register_type, shipped library rules), by class; a rule
@@ -237,20 +240,27 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
 def per_item_leaves(spec: Spec) -> set[int]:
     """Indices of the leaves under a node whose rule says its children are per item."""
     found: set[int] = set()
-    _walk_per_item(spec, 0, False, found)
+    _walk_flag(spec, 0, False, found, "per_item")
     return found
 
 
-def _walk_per_item(node: Spec, start: int, inside: bool, found: set[int]) -> int:
+def ragged_leaves(spec: Spec) -> set[int]:
+    """Indices of the leaves under a node whose rule joins its children padded."""
+    found: set[int] = set()
+    _walk_flag(spec, 0, False, found, "ragged")
+    return found
+
+
+def _walk_flag(node: Spec, start: int, inside: bool, found: set[int], flag: str) -> int:
     # Module level, not nested: a recursive closure is a reference cycle per call.
     if node in _LEAVES:
         if inside:
             found.add(start)
         return start + 1
     kind, _, meta, children = node
-    inside = inside or (kind == _NODE and meta[0].per_item)
+    inside = inside or (kind == _NODE and getattr(meta[0], flag))
     for child in children:
-        start = _walk_per_item(child, start, inside, found)
+        start = _walk_flag(child, start, inside, found, flag)
     return start
 
 

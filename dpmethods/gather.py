@@ -272,7 +272,12 @@ def gather(
             check_batch_dim(columns, sizes, [dim] * len(columns), None, path, lambda: _tree.per_item_leaves(spec))
         if not coupled:
             tensors = list(itertools.chain.from_iterable(columns))
-            return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
+            try:
+                return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
+            except ValueError:
+                if not _tree.ragged_leaves(spec):
+                    raise
+                # Ragged children of a rule (packed sequences): joined padded below.
 
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
@@ -284,6 +289,7 @@ def gather(
 
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim
+    ragged = _tree.ragged_leaves(spec) if n > 1 else set()
     for i, (col, m, d) in enumerate(zip(columns, modes, dims)):
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
             result[i] = join_values(col, m, d, path(i), device, weights)
@@ -316,6 +322,8 @@ def gather(
                 parts = [t.unsqueeze(d) for t in col]
             elif m == "pad":
                 parts = _pad(col, d, pad_value, path(i))
+            elif i in ragged and not joinable(col, d):
+                parts = _pad(col, d, 0, path(i))  # the rule's lengths say what is padding
             indices, pieces = joined.setdefault(d, ([], []))
             indices.append(i)
             pieces.extend(parts)

@@ -224,3 +224,46 @@ def test_shipped_rules_apply_in_a_fresh_process_without_touching_type_rules() ->
                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "DynamicCache 5"
+
+
+class _PackedGRU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.GRU(3, 5, batch_first=True, num_layers=2)
+
+    @parallel_method(gather_dim={"h": 1})  # h is [layers, batch, hidden]
+    def run(self, packed: Any) -> dict[str, Any]:
+        out, h = self.rnn(packed)
+        return {"out": out, "h": h}
+
+    @parallel_method
+    def packed_only(self, packed: Any) -> Any:
+        return self.rnn(packed)[0]  # every leaf a tensor: gather's fast path
+
+
+@pytest.mark.parametrize("batch,devices", [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")])
+def test_packed_sequences_are_split_and_joined_item_by_item(batch: int, devices: int) -> None:
+    from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
+
+    torch.manual_seed(0)
+    model = _PackedGRU()
+    x = torch.randn(batch, 6, 3, requires_grad=True)
+    lengths = torch.randint(1, 7, (batch,))
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    got = DataParallel(model, device_ids=["cpu"] * devices).run(packed)
+    assert isinstance(got["out"], PackedSequence)
+    out, out_lengths = pad_packed_sequence(got["out"], batch_first=True)
+    grad = torch.autograd.grad(out.sum() + got["h"].sum(), x, retain_graph=True)[0]
+    ref = model.run(packed)
+    ref_out, ref_lengths = pad_packed_sequence(ref["out"], batch_first=True)
+    ref_grad = torch.autograd.grad(ref_out.sum() + ref["h"].sum(), x)[0]
+    assert torch.equal(out_lengths, ref_lengths)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(got["h"], ref["h"])
+    torch.testing.assert_close(grad, ref_grad)
+    with torch.no_grad():
+        alone = DataParallel(model, device_ids=["cpu"] * devices).packed_only(packed)
+        torch.testing.assert_close(
+            pad_packed_sequence(alone, batch_first=True)[0],
+            pad_packed_sequence(model.packed_only(packed), batch_first=True)[0],
+        )
