@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any, TypeVar
 
 import torch
@@ -299,6 +299,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         )
         if ctx is not None:
             ctx.sizes = result.sizes
+        adapt = opts._per_replica
+        if adapt is not None and len(result.sizes) > 1:
+            starts = accumulate(result.sizes[:-1], initial=0)
+            pairs = [adapt(a, k, s) for a, k, s in zip(result[0], result[1], starts)]
+            return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
         return result[0], result[1]
 
     def _caching(self) -> bool:

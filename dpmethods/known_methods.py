@@ -5,7 +5,8 @@ imported (``sys.modules`` is checked; dpmethods imports none of them) adds the
 methods it knows for the module's class:
 
 - transformers: ``generate`` of every ``GenerationMixin`` model, with the gather mode
-  ``"generate"``; every ``get_*_features`` method of a ``PreTrainedModel``
+  ``"generate"`` (and ``prefix_allowed_tokens_fn`` given each item's index in the whole
+  batch); every ``get_*_features`` method of a ``PreTrainedModel``
   (``get_text_features``, ``get_image_features``, ...);
 - sentence-transformers: ``SentenceTransformer.encode`` (and ``encode_query``,
   ``encode_document``), with ``split`` on the sentences (numpy results are joined too),
@@ -81,13 +82,35 @@ def _transformers(cls: type) -> dict[str, MethodOptions]:
     found: dict[str, MethodOptions] = {}
     mixin = _class_in("transformers.generation.utils", "GenerationMixin")
     if mixin is not None and issubclass(cls, mixin) and _defines(cls, "generate"):
-        found["generate"] = MethodOptions(gather="generate")
+        found["generate"] = MethodOptions(gather="generate", _per_replica=_offset_prefix_fn)
     pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
     if pretrained is not None and issubclass(cls, pretrained):
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):
             if _defines(cls, name):
                 found[name] = MethodOptions()
     return found
+
+
+class _OffsetPrefixFn:
+    """``prefix_allowed_tokens_fn`` for a replica whose first item is item ``start``.
+
+    transformers calls it with the item's index in the batch that ``generate`` got,
+    the replica's chunk: without the offset, items of every replica but the first
+    would get the constraints of other items.
+    """
+
+    def __init__(self, fn: Callable[[int, Any], Any], start: int) -> None:
+        self.fn, self.start = fn, start
+
+    def __call__(self, batch_id: int, input_ids: Any) -> Any:
+        return self.fn(batch_id + self.start, input_ids)
+
+
+def _offset_prefix_fn(args: tuple[Any, ...], kwargs: dict[str, Any], start: int) -> tuple[Any, Any]:
+    fn = kwargs.get("prefix_allowed_tokens_fn")
+    if fn is None or start == 0:
+        return args, kwargs
+    return args, {**kwargs, "prefix_allowed_tokens_fn": _OffsetPrefixFn(fn, start)}
 
 
 def _sentence_transformers(cls: type) -> dict[str, MethodOptions]:

@@ -43,6 +43,8 @@ Around = Callable[
     tuple[tuple[Any, ...], dict[str, Any], Union[Callable[[Any], Any], None]],  # noqa: UP007
 ]
 
+PerReplica = Callable[[tuple[Any, ...], dict[str, Any], int], tuple[tuple[Any, ...], dict[str, Any]]]
+
 # Options given with ``register(cls, name, ...)`` for classes the user doesn't own.
 _REGISTERED: weakref.WeakKeyDictionary[type, dict[str, MethodOptions]] = (
     weakref.WeakKeyDictionary()
@@ -87,6 +89,10 @@ class MethodOptions:
     # per-item work (sentence-transformers' int8 calibration) and calling conventions
     # split= can't express (one sentence rather than a list).
     _around: Around | None = field(default=None, repr=False)
+    # Library rules only: ``per_replica(args, kwargs, start)`` adapts one replica's
+    # arguments, given the batch index of its first item (transformers'
+    # ``prefix_allowed_tokens_fn`` numbers the items of the batch it is called on).
+    _per_replica: PerReplica | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):

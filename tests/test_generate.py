@@ -253,3 +253,26 @@ def test_caches_of_equal_lengths_are_joined() -> None:
     for g, w in zip(got.cache.layers, want.cache.layers):
         _close(g.keys, w.keys)
         _close(g.values, w.values)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+@pytest.mark.parametrize("n,replicas", [(7, 3), (8, 4)])
+def test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch(n: int, replicas: int, beams: int) -> None:
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    inputs = _inputs("gpt2", n)
+    # Item i may only emit tokens 4 + 4i .. 4 + 4i + 3: a constraint per item, by index.
+    allowed = [list(range(4 + 4 * i, 8 + 4 * i)) for i in range(n)]
+
+    def only_mine(batch_id: int, ids: torch.Tensor) -> list[int]:
+        return allowed[batch_id]
+
+    kwargs = dict(max_new_tokens=4, num_beams=beams, do_sample=False, pad_token_id=0,
+                  prefix_allowed_tokens_fn=only_mine)
+    with torch.no_grad():
+        want = model.generate(**inputs, **kwargs)
+        got = DataParallel(model, device_ids=["cpu"] * replicas).generate(**inputs, **kwargs)
+    assert torch.equal(got, want)
+    new = got[:, inputs["input_ids"].shape[1]:]
+    for i, row in enumerate(new.tolist()):
+        assert set(row) <= set(allowed[i])
