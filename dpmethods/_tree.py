@@ -49,6 +49,8 @@ class TypeRule(NamedTuple):
     # The replicas' children may differ in their other dims (sequences padded to each
     # replica's longest): joined padded with zeros, which the rule's lengths mask.
     ragged: bool = False
+    # The rule is for this class only, not its subclasses (whose constructors may differ).
+    exact: bool = False
 
 
 # Rules given to dpmethods (register_type, shipped library rules), by class; a rule
@@ -81,7 +83,7 @@ def rule_for(kind: type) -> TypeRule | None:
         from . import type_rules  # noqa: F401
     for hook in on_miss:
         hook(kind)
-    rule = next((RULES[k] for k in kind.__mro__ if k in RULES), None)
+    rule = next((RULES[k] for k in kind.__mro__ if k in RULES and (k is kind or not RULES[k].exact)), None)
     _resolved[kind] = rule
     return rule
 

@@ -21,10 +21,8 @@ Both are ``per_item`` rules: their tensors hold one row per batch item, so a dim
 happens to equal a replica's share (as many attention heads as rows) is not reported as
 batch-coupled.
 
-torch's own ``PackedSequence`` (an RNN's packed input or output) is split and joined item
-by item through its padded, batch-first form and lengths, and packed again
-(``enforce_sorted=False``); the replicas' outputs, padded to each replica's longest
-sequence, are joined padded. It needs the batch on dim 0 (``dim=0``, the default).
+Rules for torch's own types (``PackedSequence``, ``torch.distributions``) are in
+:mod:`dpmethods.torch_rules`.
 """
 
 from __future__ import annotations
@@ -36,7 +34,7 @@ from typing import Any
 
 from torch import Tensor
 
-from . import _tree
+from . import _tree, torch_rules
 
 __all__ = ["register_type"]
 
@@ -209,37 +207,12 @@ def _install_transformers() -> bool:
     return True
 
 
-# --- torch PackedSequence ----------------------------------------------------------
-
-
-def _flatten_packed(packed: Any) -> tuple[list[Any], Any]:
-    # Batch-major padded form and lengths: both split along dim 0, item by item.
-    from torch.nn.utils.rnn import pad_packed_sequence
-
-    padded, lengths = pad_packed_sequence(packed, batch_first=True)
-    return [padded, lengths], None
-
-
-def _unflatten_packed(children: list[Any], _: Any) -> Any:
-    from torch.nn.utils.rnn import pack_padded_sequence
-
-    padded, lengths = children
-    return pack_padded_sequence(padded, lengths.cpu(), batch_first=True, enforce_sorted=False)
-
-
-def _install_torch() -> None:
-    from torch.nn.utils.rnn import PackedSequence
-
-    rule = _tree.TypeRule(_flatten_packed, _unflatten_packed, per_item=True, ragged=True)
-    _tree.set_rule(PackedSequence, rule)
-
-
-_install_torch()
-
+torch_rules.install_packed_sequence()
 
 _PENDING: dict[str, Callable[[], bool]] = {
     "diffusers": _install_diffusers,
     "transformers": _install_transformers,
+    "torch": torch_rules.install_distributions,
 }
 
 

@@ -267,3 +267,72 @@ def test_packed_sequences_are_split_and_joined_item_by_item(batch: int, devices:
             pad_packed_sequence(alone, batch_first=True)[0],
             pad_packed_sequence(model.packed_only(packed), batch_first=True)[0],
         )
+
+
+class _Policy(nn.Module):
+    """A VAE encoder / RL policy head returning torch distributions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
+    @parallel_method
+    def dist(self, x: torch.Tensor, kind: str) -> Any:
+        import torch.distributions as D
+
+        h = self.lin(x)
+        loc, scale = h[:, :3], h[:, 3:].exp()
+        return {
+            "normal": lambda: D.Normal(loc, scale),
+            "independent": lambda: D.Independent(D.Normal(loc, scale), 1),
+            "categorical": lambda: D.Categorical(logits=h),
+            "bernoulli": lambda: D.Bernoulli(probs=h.sigmoid()),
+            "mvn": lambda: D.MultivariateNormal(loc, covariance_matrix=torch.diag_embed(scale)),
+            "beta": lambda: D.Beta(loc.exp(), scale),
+        }[kind]()
+
+    @parallel_method
+    def log_prob(self, dist: Any, value: torch.Tensor) -> torch.Tensor:
+        return dist.log_prob(value) + 0 * self.lin.bias.sum()
+
+
+@pytest.mark.parametrize("kind", ["normal", "independent", "categorical", "bernoulli", "mvn", "beta"])
+@pytest.mark.parametrize("batch,devices", [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")])
+def test_torch_distributions_joined_and_split_through_their_parameters(kind: str, batch: int, devices: int) -> None:
+    torch.manual_seed(0)
+    model = _Policy()
+    x = torch.randn(batch, 4)
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    got, ref = dp.dist(x, kind), model.dist(x, kind)
+    assert type(got) is type(ref) and got.batch_shape == ref.batch_shape
+    value = ref.sample()
+    torch.testing.assert_close(got.log_prob(value), ref.log_prob(value))
+    torch.testing.assert_close(got.entropy(), ref.entropy())
+    torch.manual_seed(1)
+    drawn = got.sample()
+    torch.manual_seed(1)
+    torch.testing.assert_close(drawn, ref.sample())
+    # Gradients reach the parameters through the joined distribution.
+    grad = torch.autograd.grad(got.log_prob(value).sum(), model.lin.weight)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(ref.log_prob(value).sum(), model.lin.weight)[0])
+    # As an input: each replica gets its items' distribution.
+    with torch.no_grad():
+        torch.testing.assert_close(dp.log_prob(ref, value), model.log_prob(ref, value))
+
+
+def test_a_subclass_of_a_torch_distribution_without_a_rule_is_a_list_with_a_warning(recwarn: Any) -> None:
+    import torch.distributions as D
+
+    class Tanh(D.Normal):  # its own constructor: the Normal rule must not rebuild it
+        def __init__(self, loc: torch.Tensor, scale: torch.Tensor, bound: float) -> None:
+            super().__init__(loc, scale)
+            self.bound = bound
+
+    class M(nn.Module):
+        @parallel_method
+        def f(self, x: torch.Tensor) -> Any:
+            return Tanh(x, x.exp(), 2.0)
+
+    got = DataParallel(M(), device_ids=["cpu"] * 2).f(torch.randn(4, 3))
+    assert isinstance(got, list) and len(got) == 2 and all(type(d) is Tanh for d in got)
+    assert any("register_type" in str(w.message) and "Tanh" in str(w.message) for w in recwarn)

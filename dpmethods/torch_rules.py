@@ -1,0 +1,129 @@
+"""Rules for torch's own types that are not plain containers of batch tensors.
+
+- ``torch.nn.utils.rnn.PackedSequence`` (an RNN's packed input or output): split and
+  joined item by item through its padded, batch-first form and lengths, and packed
+  again (``enforce_sorted=False``). The replicas' outputs, padded to each replica's
+  longest sequence, are joined padded, so ``pad_packed_sequence`` of the result equals
+  one device's. It needs the batch on dim 0 (``dim=0``, the default).
+- ``torch.distributions``: the common distributions (``Normal``, ``Categorical``,
+  ``Bernoulli``, ``MultivariateNormal``, ``Independent``, ...) are split and joined
+  through their parameters, so ``dp.encode(x)`` of a VAE or a policy returns one
+  distribution over the whole batch whose ``sample``, ``log_prob`` and ``entropy`` equal
+  one device's. Installed once ``torch.distributions`` is imported. Other distribution
+  classes come back as a list of the replicas' objects, with the one-time warning that
+  names :func:`dpmethods.register_type`.
+
+The rules are registered through :mod:`dpmethods.type_rules`; torch's pytree registry
+is not touched.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from . import _tree
+
+__all__: list[str] = []
+
+
+# --- PackedSequence -------------------------------------------------------------------
+
+
+def _flatten_packed(packed: Any) -> tuple[list[Any], Any]:
+    # Batch-major padded form and lengths: both split along dim 0, item by item.
+    from torch.nn.utils.rnn import pad_packed_sequence
+
+    padded, lengths = pad_packed_sequence(packed, batch_first=True)
+    return [padded, lengths], None
+
+
+def _unflatten_packed(children: list[Any], _: Any) -> Any:
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    padded, lengths = children
+    return pack_padded_sequence(padded, lengths.cpu(), batch_first=True, enforce_sorted=False)
+
+
+def install_packed_sequence() -> None:
+    """Register the ``PackedSequence`` rule (torch.nn is always imported with torch)."""
+    from torch.nn.utils.rnn import PackedSequence
+
+    rule = _tree.TypeRule(_flatten_packed, _unflatten_packed, per_item=True, ragged=True)
+    _tree.set_rule(PackedSequence, rule)
+
+
+# --- torch.distributions --------------------------------------------------------------
+
+# Per class, the constructor's parameters, each a group of alternatives of which one is
+# passed (the one the object was made with, when it has it itself). Each is read as the
+# distribution exposes it, expanded to its batch shape, so it splits along dim 0.
+_PARAMS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "Normal": (("loc",), ("scale",)),
+    "Laplace": (("loc",), ("scale",)),
+    "Cauchy": (("loc",), ("scale",)),
+    "LogNormal": (("loc",), ("scale",)),
+    "Gumbel": (("loc",), ("scale",)),
+    "StudentT": (("df",), ("loc",), ("scale",)),
+    "Uniform": (("low",), ("high",)),
+    "Beta": (("concentration1",), ("concentration0",)),
+    "Gamma": (("concentration",), ("rate",)),
+    "Dirichlet": (("concentration",),),
+    "Exponential": (("rate",),),
+    "Poisson": (("rate",),),
+    "Bernoulli": (("probs", "logits"),),
+    "ContinuousBernoulli": (("probs", "logits"),),
+    "Geometric": (("probs", "logits"),),
+    "Categorical": (("probs", "logits"),),
+    "OneHotCategorical": (("probs", "logits"),),
+    # The Cholesky factor expanded to the batch: the same distribution however it was made.
+    "MultivariateNormal": (("loc",), ("scale_tril",)),
+    "LowRankMultivariateNormal": (("loc",), ("cov_factor",), ("cov_diag",)),
+}
+
+
+def _chosen(dist: Any, groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
+    own = vars(dist)
+    return tuple(next((n for n in group if n in own), group[0]) for group in groups)
+
+
+def _flatten_distribution(dist: Any) -> tuple[list[Any], Any]:
+    names = _chosen(dist, _PARAMS[type(dist).__name__])
+    return [getattr(dist, n) for n in names], (type(dist), names, dist._validate_args)
+
+
+def _unflatten_distribution(children: list[Any], context: Any) -> Any:
+    cls, names, validate = context
+    return cls(**dict(zip(names, children)), validate_args=validate)
+
+
+def _flatten_independent(dist: Any) -> tuple[list[Any], Any]:
+    return [dist.base_dist], (dist.reinterpreted_batch_ndims, dist._validate_args)
+
+
+def _unflatten_independent(children: list[Any], context: Any) -> Any:
+    from torch.distributions import Independent
+
+    ndims, validate = context
+    return Independent(children[0], ndims, validate_args=validate)
+
+
+def install_distributions() -> bool:
+    """Register the ``torch.distributions`` rules once that module is imported.
+
+    Returns whether it was (the caller retries on a later unseen class otherwise).
+    """
+    module = sys.modules.get("torch.distributions")
+    if module is None:
+        return False
+    # Exact classes: a subclass's constructor may take other arguments.
+    rule = _tree.TypeRule(_flatten_distribution, _unflatten_distribution, per_item=True, exact=True)
+    for name in _PARAMS:
+        cls = getattr(module, name, None)
+        if isinstance(cls, type):
+            _tree.set_rule(cls, rule)
+    _tree.set_rule(
+        module.Independent,
+        _tree.TypeRule(_flatten_independent, _unflatten_independent, per_item=True, exact=True),
+    )
+    return True
