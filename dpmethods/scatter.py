@@ -14,19 +14,17 @@ argument), so no replica finds it emptied by another.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import io
 import itertools
 import threading
-import weakref
 from collections.abc import Callable, Container, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _tree, split_args
+from ._signature import argument_names, signature_of
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
@@ -123,8 +121,15 @@ def _per_replica(leaf: Any, n: int) -> list[Any]:
 
 def _batch_size(
     leaves: list[Any], whole: Container[int], dim: int, names: Callable[[], list[str]]
-) -> int | None:
+) -> tuple[int | None, set[int]]:
+    """The batch size, and the leaves of size 1 along ``dim`` beside a larger batch.
+
+    A tensor of size 1 where the others have ``B > 1`` (``position_ids`` of shape
+    ``[1, t]``, a ``[1, 1, t, t]`` mask) broadcasts on one device: every replica gets it
+    whole, as if named in ``broadcast``.
+    """
     batch: int | None = None
+    ones: set[int] = set()
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor) or leaf.dim() == 0 or i in whole:
             continue
@@ -136,7 +141,9 @@ def _batch_size(
                 "give it whole to every replica"
             )
         size = leaf.shape[dim]
-        if batch is None:
+        if size == 1:
+            ones.add(i)
+        elif batch is None:
             batch = size
         elif size != batch:
             paths = names()
@@ -155,7 +162,9 @@ def _batch_size(
             f"scatter: empty batch: the tensors to split have size 0 along dim {dim}; "
             "expected at least 1 item"
         )
-    return batch
+    if batch is None:
+        return (1 if ones else None), set()
+    return batch, ones
 
 
 def _distribute(
@@ -204,8 +213,8 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
         raise ValueError("scatter: devices: expected at least one device, got none")
     spec, leaves = _tree.flatten(inputs)
     targets = [_as_device(d) for d in devices]
-    batch = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
-    per_replica, _ = _distribute(spec, leaves, (), targets, dim, batch)
+    batch, ones = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
+    per_replica, _ = _distribute(spec, leaves, ones, targets, dim, batch)
     return per_replica
 
 
@@ -222,60 +231,6 @@ class ScatterResult(tuple):
         self = super().__new__(cls, (inputs, kwargs))
         self.sizes = sizes
         return self
-
-
-class _Params(NamedTuple):
-    positional: tuple[str, ...]  # positional parameter names, in order
-    star: str | None  # the name of *args
-    names: frozenset[str]  # every named parameter
-    double_star: str | None  # the name of **kwargs
-
-
-# Weak keys: a cached signature must not keep a method (and, through its `super()`
-# cell, its class) alive after the class is gone.
-_PARAMETERS: weakref.WeakKeyDictionary[Callable[..., Any], _Params] = weakref.WeakKeyDictionary()
-
-
-def _parameters(func: Callable[..., Any]) -> _Params:
-    try:
-        return _PARAMETERS[func]
-    except (KeyError, TypeError):  # TypeError: not weakly referenceable
-        pass
-    params = _read_parameters(func)
-    with contextlib.suppress(TypeError):
-        _PARAMETERS[func] = params
-    return params
-
-
-def _read_parameters(func: Callable[..., Any]) -> _Params:
-    try:
-        params = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError):
-        return _Params((), None, frozenset(), None)
-    return _Params(
-        tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)),
-        next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None),
-        frozenset(p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)),
-        next((p.name for p in params if p.kind == p.VAR_KEYWORD), None),
-    )
-
-
-def _signature_of(fn: Callable[..., Any] | None) -> _Params:
-    if fn is None:
-        return _Params((), None, frozenset(), None)
-    func = getattr(fn, "__func__", fn)
-    params = _parameters(func)
-    if func is not fn:  # a bound method: `self` is not passed
-        params = params._replace(positional=params.positional[1:])
-    return params
-
-
-def _argument_names(params: _Params, n_args: int) -> list[str]:
-    """The parameter name of each positional argument, ``args[i]`` past ``*args``."""
-    named = min(len(params.positional), n_args)
-    names = list(params.positional[:named])
-    names.extend(f"{params.star or 'args'}[{i}]" for i in range(n_args - named))
-    return names
 
 
 def scatter_call(
@@ -324,12 +279,12 @@ def scatter_call(
             return ScatterResult(tuple(zip(*columns)), ({},) * len(sizes), sizes)
 
     def names() -> list[str]:
-        positional = _argument_names(_signature_of(fn), len(args))
+        positional = argument_names(signature_of(fn), len(args))
         return [_rename(p, positional) for p in _tree.leaf_paths(spec[3][0], "args")] + [
             _kw(p) for p in _tree.leaf_paths(spec[3][1], "kwargs")
         ]
 
-    params = _signature_of(fn)
+    params = signature_of(fn)
 
     def selected(names: Sequence[str]) -> list[tuple[bool, Any]]:
         # Per positional then keyword argument: (named by `names`, value). The name of
@@ -338,7 +293,7 @@ def scatter_call(
         named = len(params.positional)
         entries = [
             (n in wanted or (i >= named and params.star in wanted), a)
-            for i, (n, a) in enumerate(zip(_argument_names(params, len(args)), args))
+            for i, (n, a) in enumerate(zip(argument_names(params, len(args)), args))
         ]
         entries += [
             (k in wanted or (k not in params.names and params.double_star in wanted), v)
@@ -349,7 +304,7 @@ def scatter_call(
     taken: list[Any] = []
     if split:
         args, kwargs, taken = split_args.take(
-            args, kwargs, split, selected, _argument_names(params, len(args))
+            args, kwargs, split, selected, argument_names(params, len(args))
         )
     # After the split sequences are taken out: they are not walked as containers.
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
@@ -362,8 +317,9 @@ def scatter_call(
             if is_whole:
                 whole.update(range(offset, offset + count))
             offset += count
-    batch = _batch_size(leaves, whole, dim, names)
-    arg_names = [*_argument_names(params, len(args)), *kwargs]
+    batch, ones = _batch_size(leaves, whole, dim, names)
+    whole |= ones
+    arg_names = [*argument_names(params, len(args)), *kwargs]
     if taken:
         batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)
     elif batch is None and len(targets) > 1:

@@ -113,3 +113,40 @@ def test_no_tensor_to_split_runs_one_replica() -> None:
 def test_devices_required() -> None:
     with pytest.raises(ValueError, match="devices: expected at least one device, got none"):
         scatter(torch.ones(2), [])
+
+
+def test_size_one_tensors_beside_a_batch_broadcast_as_on_one_device() -> None:
+    import dpmethods
+    from torch import nn
+
+    class AddPositions(nn.Module):
+        def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return (x + pos) * mask
+
+    model = AddPositions()
+    x = torch.randn(7, 5, requires_grad=True)
+    pos = torch.arange(5.0)[None].requires_grad_()  # [1, t], as position_ids often are
+    mask = torch.ones(7, 5)
+    r = scatter_call((x, pos, mask), {}, ["cpu"] * 3)
+    assert r.sizes == [3, 2, 2]
+    assert all(args[1].shape == (1, 5) for args in r[0])  # whole to every replica
+    got = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)(x, pos, mask)
+    torch.testing.assert_close(got, model(x, pos, mask))
+    got.sum().backward()
+    torch.testing.assert_close(pos.grad, torch.full((1, 5), 7.0))  # summed over every replica's rows
+    # All of size 1: a batch of one item, not a broadcast.
+    assert scatter_call((torch.ones(1, 2), torch.ones(1, 3)), {}, ["cpu"] * 2).sizes == [1]
+    # Sizes other than 1 that disagree are still an error naming them.
+    with pytest.raises(ValueError, match=r"must agree on its size, but argument 'x' has 7, argument 'y' has 2"):
+
+        def f(x: torch.Tensor, y: torch.Tensor) -> None: ...
+
+        scatter_call((x, torch.ones(2, 5)), {}, ["cpu"] * 3, fn=f)
+
+
+def test_child_module_call_binds_arguments_by_its_forward_names() -> None:
+    bilinear = torch.nn.Bilinear(4, 3, 2)  # forward(input1, input2)
+    with pytest.raises(ValueError, match=r"argument 'input1' has 6, argument 'input2' has 4"):
+        scatter_call((torch.randn(6, 4), torch.randn(4, 3)), {}, ["cpu"] * 2, fn=bilinear)
+    r = scatter_call((torch.randn(6, 4), torch.randn(6, 3)), {}, ["cpu"] * 2, fn=bilinear, broadcast=("input2",))
+    assert [(a[0].shape[0], a[1].shape[0]) for a in r[0]] == [(3, 6), (3, 6)]
