@@ -12,10 +12,11 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, TypeVar, Union, overload
+from typing import Any, TypeVar, Union, overload
 
 from torch import nn
+
+from .options import GATHER_MODES, GatherMode, GatherOption, MethodOptions, names_option
 
 __all__ = [
     "GATHER_MODES",
@@ -29,176 +30,13 @@ __all__ = [
     "resolve_methods",
 ]
 
-GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "generate"]
-GATHER_MODES: tuple[str, ...] = (
-    "cat", "stack", "mean", "sum", "pad", "list", "extend", "generate",
-)
-GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]  # noqa: UP007 (runtime alias on 3.10)
-
 _OPTIONS_ATTR = "__dpmethods_options__"
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-Around = Callable[
-    [tuple[Any, ...], dict[str, Any]],
-    tuple[tuple[Any, ...], dict[str, Any], Union[Callable[[Any], Any], None]],  # noqa: UP007
-]
-
-PerReplica = Callable[[tuple[Any, ...], dict[str, Any], int], tuple[tuple[Any, ...], dict[str, Any]]]
 
 # Options given with ``register(cls, name, ...)`` for classes the user doesn't own.
 _REGISTERED: weakref.WeakKeyDictionary[type, dict[str, MethodOptions]] = (
     weakref.WeakKeyDictionary()
 )
-
-
-@dataclass(frozen=True)
-class MethodOptions:
-    """How one method is scattered, run and gathered.
-
-    Args:
-        dim: the batch dimension that inputs are split along and outputs joined along.
-        broadcast: names of arguments that every replica gets whole.
-        gather: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"`` or
-            ``"extend"`` (concatenate the replicas' per-item lists in order); a mapping
-            from output key or field name to one of those; or a callable
-            ``fn(outputs, output_device)`` that receives the list of replica outputs.
-        pad_value: the fill value of ``"pad"``.
-        split: names of arguments whose value is a Python sequence with one entry per
-            batch item (a list of images, of target dicts, of sentences); each replica
-            gets the contiguous run of items that lines up with its tensor chunk.
-        gather_dim: the dimension outputs are joined along, when it differs from ``dim``:
-            an int, or a mapping from top-level output key or field name to int (outputs
-            not named use ``dim``). ``None`` means ``dim``.
-
-    Example:
-        >>> MethodOptions(gather="pad", pad_value=-1).gather
-        'pad'
-        >>> MethodOptions(split="images", gather_dim={"logits_per_text": 1}).split
-        ('images',)
-    """
-
-    dim: int = 0
-    broadcast: tuple[str, ...] = ()
-    gather: GatherOption = "cat"
-    pad_value: float = 0
-    split: tuple[str, ...] = ()
-    gather_dim: int | Mapping[str, int] | None = None
-    # Library rules only (dpmethods.known_methods): ``around(args, kwargs)`` returns the
-    # call's arguments as the replicas should get them and a function applied to the
-    # gathered output (or None), for results computed over the whole batch after the
-    # per-item work (sentence-transformers' int8 calibration) and calling conventions
-    # split= can't express (one sentence rather than a list).
-    _around: Around | None = field(default=None, repr=False)
-    # Library rules only: ``per_replica(args, kwargs, start)`` adapts one replica's
-    # arguments, given the batch index of its first item (transformers'
-    # ``prefix_allowed_tokens_fn`` numbers the items of the batch it is called on).
-    _per_replica: PerReplica | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
-            raise TypeError(f"dim: expected an int, got {type(self.dim).__name__} {self.dim!r}")
-        if not -(2**63) <= self.dim < 2**63:
-            raise ValueError(f"dim: expected an int that fits in 64 bits, got {self.dim}")
-        object.__setattr__(self, "broadcast", _names("broadcast", self.broadcast))
-        object.__setattr__(self, "split", _names("split", self.split))
-        both = sorted(set(self.broadcast) & set(self.split))
-        if both:
-            raise ValueError(
-                f"split: expected names not also in broadcast, got {both} in both "
-                "(an argument is either cut per item or given whole to every replica)"
-            )
-        object.__setattr__(self, "gather_dim", _check_gather_dim(self.gather_dim))
-        _check_gather(self.gather)
-        if isinstance(self.pad_value, bool) or not isinstance(self.pad_value, (int, float)):
-            raise TypeError(
-                f"pad_value: expected an int or float, got {type(self.pad_value).__name__} "
-                f"{self.pad_value!r}"
-            )
-
-    def with_updates(self, **changes: Any) -> MethodOptions:
-        """Return a copy with ``changes`` applied (validated again).
-
-        Args:
-            **changes: any of ``dim``, ``broadcast``, ``gather``, ``pad_value``,
-                ``split``, ``gather_dim``.
-
-        Example:
-            >>> MethodOptions().with_updates(dim=1).dim
-            1
-        """
-        unknown = sorted(set(changes) - set(_OPTION_NAMES))
-        if unknown:
-            raise TypeError(
-                f"unknown option(s) {unknown}; expected any of {sorted(_OPTION_NAMES)}"
-            )
-        return replace(self, **changes)
-
-
-_OPTION_NAMES = ("dim", "broadcast", "gather", "pad_value", "split", "gather_dim")
-
-
-def _names(option: str, value: Any) -> tuple[str, ...]:
-    """Argument names as a tuple: one string, or an iterable of strings."""
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, Mapping) or not isinstance(value, Iterable):
-        raise TypeError(
-            f"{option}: expected an argument name or a tuple of names (str), got "
-            f"{type(value).__name__} {value!r}"
-        )
-    names = tuple(value)
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(
-                f"{option}: expected argument names (str), got {type(name).__name__} {name!r}"
-            )
-    return names
-
-
-def _check_dim_value(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
-    return value
-
-
-def _check_gather_dim(gather_dim: Any) -> int | Mapping[str, int] | None:
-    if gather_dim is None:
-        return None
-    if isinstance(gather_dim, Mapping):
-        checked: dict[str, int] = {}
-        for key, value in gather_dim.items():
-            if not isinstance(key, str):
-                raise TypeError(
-                    f"gather_dim: expected output keys or field names (str), got "
-                    f"{type(key).__name__} {key!r}"
-                )
-            checked[key] = _check_dim_value(f"gather_dim[{key!r}]", value)
-        # A copy, so later changes to the caller's dict don't change the options (a plain
-        # dict rather than a mappingproxy, which can't be pickled or deep-copied).
-        return checked
-    if isinstance(gather_dim, bool) or not isinstance(gather_dim, int):
-        raise TypeError(
-            f"gather_dim: expected an int, a mapping of output keys to ints, or None, got "
-            f"{type(gather_dim).__name__} {gather_dim!r}"
-        )
-    return gather_dim
-
-
-def _check_gather(gather: Any) -> None:
-    if isinstance(gather, str):
-        if gather not in GATHER_MODES:
-            raise ValueError(f"gather: expected one of {list(GATHER_MODES)}, got {gather!r}")
-    elif isinstance(gather, Mapping):
-        for key, mode in gather.items():
-            if not isinstance(mode, str) or mode not in GATHER_MODES or mode == "generate":
-                # "generate" joins a whole generate output, not one of its keys.
-                per_key = [m for m in GATHER_MODES if m != "generate"]
-                raise ValueError(f"gather[{key!r}]: expected one of {per_key}, got {mode!r}")
-    elif not callable(gather):
-        raise TypeError(
-            f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys to those, "
-            f"or a callable, got {type(gather).__name__} {gather!r}"
-        )
 
 
 def _check_method(fn: Any, where: str) -> None:
@@ -309,10 +147,10 @@ def parallel_method(
     """
     options = MethodOptions(
         dim=dim,
-        broadcast=_names("broadcast", broadcast),
+        broadcast=names_option("broadcast", broadcast),
         gather=gather,
         pad_value=pad_value,
-        split=_names("split", split),
+        split=names_option("split", split),
         gather_dim=gather_dim,
     )
 

@@ -116,8 +116,9 @@ def test_devices_required() -> None:
 
 
 def test_size_one_tensors_beside_a_batch_broadcast_as_on_one_device() -> None:
-    import dpmethods
     from torch import nn
+
+    import dpmethods
 
     class AddPositions(nn.Module):
         def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
