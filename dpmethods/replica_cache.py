@@ -75,14 +75,18 @@ class CachedReplicas:
         self._lock = threading.Lock()
         own = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
         self._dicts: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self._empty: list[dict[Any, Any]] = []  # hook dicts that were empty: the usual case
         copies: list[Tensor] = []
         for replica in replicas:
             for m in replica.modules():
                 for d in (m.__dict__, m._parameters, m._buffers, m._modules):
                     self._dicts.append((d, dict(d)))
                 # The replica's own hook dicts: hooks a call registered go with the call.
-                hooks = [d for d in map(m.__dict__.get, HOOK_DICTS) if d is not None]
-                self._dicts.extend((d, dict(d)) for d in hooks)
+                for hooks in map(m.__dict__.get, HOOK_DICTS, [{}] * len(HOOK_DICTS)):
+                    if hooks:
+                        self._dicts.append((hooks, dict(hooks)))
+                    else:
+                        self._empty.append(hooks)
                 copies.extend(t for t in _tensors(m) if id(t) not in own)
         self._copies = copies
         self._versions: list[int] | None
@@ -123,6 +127,9 @@ class CachedReplicas:
             if not _unchanged(d, snapshot):
                 d.clear()
                 d.update(snapshot)
+        if any(self._empty):  # in C: a call left a hook behind
+            for d in self._empty:
+                d.clear()
         loan = _Loan(self.replicas[:n])
         loan.release = weakref.finalize(loan, self._lock.release)
         return loan

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from itertools import chain
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -211,12 +213,16 @@ HOOK_DICTS: tuple[str, ...] = tuple(
 )
 
 
+_NO_HOOKS: dict[str, Any] = {}  # the default of a module that lacks one (made by an older torch)
+
+
 def _own_hooks(clone: nn.Module) -> None:
     d = clone.__dict__
-    for name in HOOK_DICTS:
-        hooks = d.get(name)
-        if hooks is not None:
-            d[name] = hooks.copy()
+    # One C-level pass per module: replicate runs on every uncached call.
+    d.update(zip(HOOK_DICTS, [h.copy() for h in map(d.get, HOOK_DICTS, _NO_HOOKS_EACH)]))
+
+
+_NO_HOOKS_EACH = [_NO_HOOKS] * len(HOOK_DICTS)
 
 
 def _repoint_flat_weights(rnn: nn.Module) -> None:
@@ -281,8 +287,7 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
             extend(d)
             extend(map(id, d.values()))
             # Replicas copy the hook dicts, so a hook added or removed here must show.
-            for name in HOOK_DICTS:
-                extend(d.get(name, ()))
+            extend(chain.from_iterable(map(d.get, HOOK_DICTS, _NO_HOOKS_EACH)))
             for group in (d["_parameters"], d["_buffers"]):
                 for t in group.values():
                     if t is None:
