@@ -12,6 +12,7 @@ methods it knows for the module's class:
   ``encode_document``), with ``split`` on the sentences (numpy results are joined too),
   one string taken as one input, and ``int8``/``uint8`` precision calibrated on the
   whole batch, as on one device;
+- peft: ``generate`` of a ``PeftModel`` (LoRA and other adapters), as transformers';
 - diffusers: ``AutoencoderKL.encode`` and ``decode``;
 - timm: ``forward_features`` and ``forward_head`` of timm models;
 - open_clip: ``encode_image`` and ``encode_text``.
@@ -179,6 +180,15 @@ def _diffusers(cls: type) -> dict[str, MethodOptions]:
     return {name: MethodOptions() for name in ("encode", "decode") if _defines(cls, name)}
 
 
+def _peft(cls: type) -> dict[str, MethodOptions]:
+    # A PeftModel wraps a transformers model and is not a GenerationMixin itself; its
+    # generate passes through to the base model's, so it gathers the same way.
+    peft_model = _class_in("peft.peft_model", "PeftModel")
+    if peft_model is None or not issubclass(cls, peft_model) or not _defines(cls, "generate"):
+        return {}
+    return {"generate": MethodOptions(gather="generate", _per_replica=_offset_prefix_fn)}
+
+
 def _by_module(prefix: str, names: tuple[str, ...]) -> Callable[[type], dict[str, MethodOptions]]:
     def find(cls: type) -> dict[str, MethodOptions]:
         # timm and open_clip models share no base class: their classes are theirs by module.
@@ -201,6 +211,7 @@ _RULES = (
         "int8/uint8 calibrated on the whole batch)",
         _sentence_transformers,
     ),
+    KnownMethods("peft", "PeftModel (LoRA and other adapters)", "generate (gather='generate')", _peft),
     KnownMethods("diffusers", "AutoencoderKL", "encode, decode", _diffusers),
     KnownMethods(
         "timm", "timm models", "forward_features, forward_head",

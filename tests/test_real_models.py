@@ -368,6 +368,36 @@ def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
                 plain(input_ids=ids, adapter_names=names, use_cache=False)
 
 
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_peft_generate_is_parallel_with_no_configuration(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=5, pad_token_id=0)
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora).eval()
+    ids = torch.randint(6, 64, (batch, 5))
+    calls: list[int] = []
+    hook = model.get_base_model().transformer.wte.register_forward_pre_hook(
+        lambda m, args: calls.append(args[0].shape[0])
+    )
+    import warnings
+
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "not a parallel method" warning
+            got = DataParallel(model, device_ids=["cpu"] * devices).generate(
+                input_ids=ids, max_new_tokens=4, do_sample=False, num_beams=2
+            )
+            first = sorted(calls[:devices])
+            ref = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, num_beams=2)
+    finally:
+        hook.remove()
+    assert torch.equal(got, ref)
+    # Each replica's first step ran its own rows (2 beams each).
+    assert first == sorted(2 * (batch // devices + (i < batch % devices)) for i in range(devices))
+
+
 def test_no_library_is_imported_by_dpmethods() -> None:
     # The shipped rules are installed only for libraries the user imported.
     code = (
