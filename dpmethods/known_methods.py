@@ -13,7 +13,8 @@ methods it knows for the module's class:
   one string taken as one input, and ``int8``/``uint8`` precision calibrated on the
   whole batch, as on one device;
 - peft: ``generate`` of a ``PeftModel`` (LoRA and other adapters), as transformers';
-- diffusers: ``AutoencoderKL.encode`` and ``decode``;
+- diffusers: ``encode`` and ``decode`` of ``AutoencoderKL`` and its image and video
+  variants, ``AutoencoderTiny``, ``AutoencoderDC`` and ``VQModel``;
 - timm: ``forward_features`` and ``forward_head`` of timm models;
 - open_clip: ``encode_image`` and ``encode_text``.
 
@@ -173,9 +174,17 @@ def _st_around(first: str) -> Any:
     return around
 
 
+# diffusers' deterministic autoencoders: the AutoencoderKL family (image and video), the
+# tiny, VQ and deep-compression ones. Decoders that draw noise (ConsistencyDecoderVAE)
+# are left out: their replicas would share one generator.
+_DIFFUSERS_VAE = re.compile(r"AutoencoderKL\w*|AsymmetricAutoencoderKL|AutoencoderTiny|AutoencoderDC|VQModel\Z")
+
+
 def _diffusers(cls: type) -> dict[str, MethodOptions]:
-    vae = _class_in("diffusers.models.autoencoders.autoencoder_kl", "AutoencoderKL")
-    if vae is None or not issubclass(cls, vae):
+    if not any(
+        k.__module__.startswith("diffusers.models.autoencoders") and _DIFFUSERS_VAE.match(k.__name__)
+        for k in cls.__mro__
+    ):
         return {}
     return {name: MethodOptions() for name in ("encode", "decode") if _defines(cls, name)}
 
@@ -212,7 +221,10 @@ _RULES = (
         _sentence_transformers,
     ),
     KnownMethods("peft", "PeftModel (LoRA and other adapters)", "generate (gather='generate')", _peft),
-    KnownMethods("diffusers", "AutoencoderKL", "encode, decode", _diffusers),
+    KnownMethods(
+        "diffusers", "AutoencoderKL and its image and video variants, AutoencoderTiny, "
+        "AutoencoderDC, VQModel", "encode, decode", _diffusers,
+    ),
     KnownMethods(
         "timm", "timm models", "forward_features, forward_head",
         _by_module("timm", ("forward_features", "forward_head")),

@@ -205,6 +205,30 @@ def test_diffusers_autoencoder_latent_dist(batch: int, devices: int) -> None:
     _close(got.std, ref.std)
 
 
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_diffusers_tiny_and_vq_autoencoders_with_no_configuration(batch: int, devices: int) -> None:
+    diffusers = pytest.importorskip("diffusers")
+    import warnings
+
+    tiny = diffusers.AutoencoderTiny(
+        encoder_block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8), latent_channels=4,
+    ).eval()
+    vq = diffusers.VQModel(
+        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+        num_vq_embeddings=16, vq_embed_dim=4,
+    ).eval()
+    x = torch.randn(batch, 3, 32, 32)
+    for vae in (tiny, vq):
+        dp = DataParallel(vae, device_ids=["cpu"] * devices)  # built-in encode and decode
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # VQModel.decode's 0-dim commit_loss is stacked, with a warning
+            latents = vae.encode(x).latents
+            _close(dp.encode(x).latents, latents)
+            _close(dp.decode(latents).sample, vae.decode(latents).sample)
+        assert set(DataParallel(vae, device_ids=["cpu"] * 2)._dpm_methods) >= {"encode", "decode"}
+
+
 # --- CLIP: logits_per_image has the texts on dim 1 --------------------------------
 
 
