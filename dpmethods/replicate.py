@@ -22,6 +22,7 @@ parameter and buffer copies, through :class:`dpmethods.cpu_broadcast.CpuBroadcas
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
@@ -213,7 +214,9 @@ HOOK_DICTS: tuple[str, ...] = tuple(
 )
 
 
-_NO_HOOKS: dict[str, Any] = {}  # the default of a module that lacks one (made by an older torch)
+# The default of a module that lacks one (made by an older torch); an OrderedDict, as
+# torch's are, since hook handles hold their dict weakly.
+_NO_HOOKS: OrderedDict[int, Any] = OrderedDict()
 
 
 def _own_hooks(clone: nn.Module) -> None:

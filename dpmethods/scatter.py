@@ -126,7 +126,8 @@ def _batch_size(
 
     A tensor of size 1 where the others have ``B > 1`` (``position_ids`` of shape
     ``[1, t]``, a ``[1, 1, t, t]`` mask) broadcasts on one device: every replica gets it
-    whole, as if named in ``broadcast``.
+    whole, as if named in ``broadcast``. When every tensor has size 1 the batch is
+    ``None`` and the caller decides: one item, or a batch given by ``split`` sequences.
     """
     batch: int | None = None
     ones: set[int] = set()
@@ -162,9 +163,7 @@ def _batch_size(
             f"scatter: empty batch: the tensors to split have size 0 along dim {dim}; "
             "expected at least 1 item"
         )
-    if batch is None:
-        return (1 if ones else None), set()
-    return batch, ones
+    return batch, ones  # batch None: no tensor larger than 1 along dim
 
 
 def _distribute(
@@ -214,6 +213,8 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
     spec, leaves = _tree.flatten(inputs)
     targets = [_as_device(d) for d in devices]
     batch, ones = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
+    if batch is None and ones:
+        batch, ones = 1, set()  # every tensor has one item: a batch of one
     per_replica, _ = _distribute(spec, leaves, ones, targets, dim, batch)
     return per_replica
 
@@ -318,7 +319,9 @@ def scatter_call(
                 whole.update(range(offset, offset + count))
             offset += count
     batch, ones = _batch_size(leaves, whole, dim, names)
-    whole |= ones
+    if batch is None and ones and not taken:
+        batch, ones = 1, set()  # every tensor has one item: a batch of one
+    whole |= ones  # beside a larger batch, or beside split sequences: broadcast
     arg_names = [*argument_names(params, len(args)), *kwargs]
     if taken:
         batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)

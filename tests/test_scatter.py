@@ -137,6 +137,13 @@ def test_size_one_tensors_beside_a_batch_broadcast_as_on_one_device() -> None:
     torch.testing.assert_close(pos.grad, torch.full((1, 5), 7.0))  # summed over every replica's rows
     # All of size 1: a batch of one item, not a broadcast.
     assert scatter_call((torch.ones(1, 2), torch.ones(1, 3)), {}, ["cpu"] * 2).sizes == [1]
+
+    # ... unless split sequences give the batch: then a size-1 tensor broadcasts too.
+    def score(images: list[str], scale: torch.Tensor) -> None: ...
+
+    r = scatter_call((["a"] * 7, torch.ones(1)), {}, ["cpu"] * 3, fn=score, split=("images",))
+    assert r.sizes == [3, 2, 2] and [len(a[0]) for a in r[0]] == [3, 2, 2]
+    assert all(a[1].shape == (1,) for a in r[0])
     # Sizes other than 1 that disagree are still an error naming them.
     with pytest.raises(ValueError, match=r"must agree on its size, but argument 'x' has 7, argument 'y' has 2"):
 
