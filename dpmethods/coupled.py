@@ -16,6 +16,7 @@ that holds the shares.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Container, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from .warn_once import warn_once
 
-__all__ = ["check_batch_dim", "check_coupled", "joinable"]
+__all__ = ["check_batch_dim", "check_coupled", "check_shares", "joinable"]
 
 
 def joinable(column: Sequence[Tensor], dim: int) -> bool:
@@ -44,7 +45,6 @@ def joinable(column: Sequence[Tensor], dim: int) -> bool:
         if other != shape:
             return False
     return True
-
 
 
 def _coupled(column: Sequence[Tensor], sizes: Sequence[int], dim: int) -> bool:
@@ -223,3 +223,32 @@ def check_batch_dim(
             f"gather_dim={{key: {k}}} for this output)." + maybe.format(d=d)
         )
     return set(found)
+
+
+def check_shares(
+    columns: Sequence[Sequence[Any]],
+    sizes: Sequence[int] | None,
+    dims: Sequence[int],
+    modes: Sequence[str] | None,
+    path: Callable[[int], str],
+    exempt: Container[int] | Callable[[], Container[int]] = (),
+    batch_dim: bool = True,
+) -> set[int]:
+    """:func:`check_coupled`, then (unless ``batch_dim`` is False) :func:`check_batch_dim`.
+
+    A callable ``exempt`` is called at most once for both. Returns the coupled leaves.
+
+    Example:
+        >>> import warnings, torch
+        >>> cols = [(torch.ones(4, 2, 3), torch.ones(4, 2, 3))]
+        >>> with warnings.catch_warnings(record=True) as seen:
+        ...     warnings.simplefilter("always")
+        ...     check_shares(cols, [2, 2], [0], None, lambda i: "stacked"), len(seen)
+        (set(), 1)
+    """
+    if callable(exempt):
+        exempt = functools.cache(exempt)
+    coupled = check_coupled(columns, sizes, dims, modes, path, exempt)
+    if batch_dim:
+        check_batch_dim(columns, sizes, dims, modes, path, exempt)
+    return coupled

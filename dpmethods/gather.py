@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import _tree, ops, per_item
-from .coupled import check_batch_dim, check_coupled, joinable
+from .coupled import check_shares, joinable
 from .registry import GATHER_MODES, GatherOption
 from .scatter import DeviceLike, _as_device
 from .values import join_values, reduce
@@ -219,11 +219,9 @@ def gather(
     check_dims = check and (gather_dim is None or isinstance(gather_dim, Mapping))
 
     if mode == "cat" and key_dims is None and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
-        if check and check_coupled([outputs], sizes, [dim], None, lambda i: "output"):
-            if not joinable(outputs, dim):  # warned: the pieces, rather than an error
-                return [t.to(device) for t in outputs]
-        if check_dims:
-            check_batch_dim([outputs], sizes, [dim], None, lambda i: "output")
+        coupled_one = check and check_shares([outputs], sizes, [dim], None, lambda i: "output", batch_dim=check_dims)
+        if coupled_one and not joinable(outputs, dim):  # warned: the pieces, rather than an error
+            return [t.to(device) for t in outputs]
         return _coalesced(outputs, n, dim, device)[0]  # one tensor per replica
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
@@ -264,12 +262,13 @@ def gather(
         and all(map(Tensor.dim, leaves0))
     ):
         coupled = (
-            check_coupled(columns, sizes, [dim] * len(columns), None, path, lambda: _tree.per_item_leaves(spec))
+            check_shares(
+                columns, sizes, [dim] * len(columns), None, path,
+                lambda: _tree.per_item_leaves(spec), batch_dim=check_dims,
+            )
             if check
             else set()
         )
-        if check_dims:
-            check_batch_dim(columns, sizes, [dim] * len(columns), None, path, lambda: _tree.per_item_leaves(spec))
         if not coupled:
             tensors = list(itertools.chain.from_iterable(columns))
             try:
@@ -281,11 +280,16 @@ def gather(
 
     modes = _leaf_modes(spec, mode, len(columns))
     dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
-    trusted = lambda: _named_leaves(spec, mode, gather_dim) | _tree.per_item_leaves(spec)  # noqa: E731
     if coupled is None:  # not checked above (the same checks, once)
-        coupled = check_coupled(columns, sizes, dims, modes, path, trusted) if check else set()
-        if check_dims:
-            check_batch_dim(columns, sizes, dims, modes, path, trusted)
+        coupled = (
+            check_shares(
+                columns, sizes, dims, modes, path,
+                lambda: _named_leaves(spec, mode, gather_dim) | _tree.per_item_leaves(spec),
+                batch_dim=check_dims,
+            )
+            if check
+            else set()
+        )
 
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim

@@ -81,8 +81,9 @@ class CachedReplicas:
             for m in replica.modules():
                 for d in (m.__dict__, m._parameters, m._buffers, m._modules):
                     self._dicts.append((d, dict(d)))
-                # The replica's own hook dicts: hooks a call registered go with the call.
-                for hooks in map(m.__dict__.get, HOOK_DICTS, [{}] * len(HOOK_DICTS)):
+                # The replica's own hook dicts (replicate gives it every one): hooks a
+                # call registered go with the call.
+                for hooks in map(m.__dict__.__getitem__, HOOK_DICTS):
                     if hooks:
                         self._dicts.append((hooks, dict(hooks)))
                     else:

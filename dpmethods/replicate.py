@@ -214,18 +214,15 @@ HOOK_DICTS: tuple[str, ...] = tuple(
 )
 
 
-# The default of a module that lacks one (made by an older torch); an OrderedDict, as
-# torch's are, since hook handles hold their dict weakly.
-_NO_HOOKS: OrderedDict[int, Any] = OrderedDict()
+# The default of a module that lacks one (made by an older torch), per name of
+# HOOK_DICTS; an OrderedDict, as torch's are, since hook handles hold their dict weakly.
+_NO_HOOKS_EACH: list[OrderedDict[int, Any]] = [OrderedDict()] * len(HOOK_DICTS)
 
 
 def _own_hooks(clone: nn.Module) -> None:
     d = clone.__dict__
     # One C-level pass per module: replicate runs on every uncached call.
     d.update(zip(HOOK_DICTS, [h.copy() for h in map(d.get, HOOK_DICTS, _NO_HOOKS_EACH)]))
-
-
-_NO_HOOKS_EACH = [_NO_HOOKS] * len(HOOK_DICTS)
 
 
 def _repoint_flat_weights(rnn: nn.Module) -> None:

@@ -120,14 +120,16 @@ def _per_replica(leaf: Any, n: int) -> list[Any]:
 
 
 def _batch_size(
-    leaves: list[Any], whole: Container[int], dim: int, names: Callable[[], list[str]]
+    leaves: list[Any], whole: Container[int], dim: int, names: Callable[[], list[str]],
+    split: bool = False,
 ) -> tuple[int | None, set[int]]:
     """The batch size, and the leaves of size 1 along ``dim`` beside a larger batch.
 
     A tensor of size 1 where the others have ``B > 1`` (``position_ids`` of shape
     ``[1, t]``, a ``[1, 1, t, t]`` mask) broadcasts on one device: every replica gets it
-    whole, as if named in ``broadcast``. When every tensor has size 1 the batch is
-    ``None`` and the caller decides: one item, or a batch given by ``split`` sequences.
+    whole, as if named in ``broadcast``. When every tensor has size 1, that is a batch
+    of one item, unless ``split`` sequences give the batch: then they broadcast too and
+    the batch is ``None``.
     """
     batch: int | None = None
     ones: set[int] = set()
@@ -163,7 +165,9 @@ def _batch_size(
             f"scatter: empty batch: the tensors to split have size 0 along dim {dim}; "
             "expected at least 1 item"
         )
-    return batch, ones  # batch None: no tensor larger than 1 along dim
+    if batch is None and ones and not split:
+        return 1, set()
+    return batch, ones
 
 
 def _distribute(
@@ -213,8 +217,6 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
     spec, leaves = _tree.flatten(inputs)
     targets = [_as_device(d) for d in devices]
     batch, ones = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
-    if batch is None and ones:
-        batch, ones = 1, set()  # every tensor has one item: a batch of one
     per_replica, _ = _distribute(spec, leaves, ones, targets, dim, batch)
     return per_replica
 
@@ -318,9 +320,7 @@ def scatter_call(
             if is_whole:
                 whole.update(range(offset, offset + count))
             offset += count
-    batch, ones = _batch_size(leaves, whole, dim, names)
-    if batch is None and ones and not taken:
-        batch, ones = 1, set()  # every tensor has one item: a batch of one
+    batch, ones = _batch_size(leaves, whole, dim, names, split=bool(taken))
     whole |= ones  # beside a larger batch, or beside split sequences: broadcast
     arg_names = [*argument_names(params, len(args)), *kwargs]
     if taken:
