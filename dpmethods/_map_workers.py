@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from . import _tree
 from .compiled import one_at_a_time
 from .parallel_apply import _ThreadState
+from .replica_cache import CachedReplicas
 
 __all__: list[str] = []
 
@@ -198,6 +199,9 @@ def shutdown(run: Run) -> None:
     if run.bar is not None:
         run.bar.close()
         run.bar = None
+    # The map is over: cached replicas go back now, not when the iterator object dies,
+    # so calls made while a finished iterator is still held reuse them.
+    CachedReplicas.give_back(run.replicas)
     while True:
         try:
             run.results.get_nowait()

@@ -82,6 +82,16 @@ def _annotate(exc: BaseException, index: int | None, replica: int, device: Any) 
     return wrapped
 
 
+def _stop_iteration_error(exc: StopIteration, index: int | None) -> RuntimeError:
+    where = "while starting" if index is None else f"in batch {index}"
+    err = RuntimeError(
+        f"DataParallel.map: the method raised StopIteration {where}; it is re-raised as a "
+        "RuntimeError so it is not taken for the end of the map"
+    )
+    err.__cause__ = exc
+    return err
+
+
 class _MapIterator(Iterator[Any]):
     """The iterator ``DataParallel.map`` returns; also a context manager that closes it."""
 
@@ -148,6 +158,10 @@ class _MapIterator(Iterator[Any]):
             seq, index, out, exc, r = self._receive()
             self._inflight -= 1
             if exc is not None:
+                if isinstance(exc, StopIteration):
+                    # Raised out of __next__ it would end the map, silently short (PEP 479
+                    # turns it into a RuntimeError in generators for the same reason).
+                    exc = _stop_iteration_error(exc, index)
                 try:
                     raise _annotate(exc, index, r, run.devices[r])
                 finally:

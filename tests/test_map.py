@@ -467,3 +467,45 @@ def test_cuda_map_matches_one_device(net: Net, output_device: str | None) -> Non
             assert got["y"].device == target and got["n"] == ref[i]["n"]
             torch.testing.assert_close(got["y"], ref[i]["y"].to(target))
             torch.testing.assert_close(got["norm"], ref[i]["norm"].to(target))
+
+
+class _Exhausting(nn.Module):
+    """A method that calls next() on an exhausted iterator for one batch."""
+
+    @dpmethods.parallel_method
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x[0, 0]) < 0:
+            next(iter(()))  # raises StopIteration, as a method's own next() may
+        return x * 2
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_stop_iteration_in_a_method_is_an_error_not_the_end(ordered: bool) -> None:
+    batches = [torch.rand(2, 3) for _ in range(6)]
+    batches[2] = -batches[2]
+    dp = dpmethods.DataParallel(_Exhausting(), device_ids=["cpu"] * 2)
+    with pytest.raises(RuntimeError, match="raised StopIteration in batch 2") as info:
+        list(dp.map("step", batches, ordered=ordered))
+    assert isinstance(info.value.__cause__, StopIteration)
+    # The map still works, and gives every output when no batch fails.
+    good = [b.abs() for b in batches]
+    outs = list(dp.map("step", good))
+    assert len(outs) == 6 and all(torch.equal(o, b * 2) for o, b in zip(outs, good))
+
+
+@pytest.mark.parametrize("end", ["exhausted", "close"])
+def test_a_finished_map_iterator_gives_the_cached_replicas_back(net: Net, end: str) -> None:
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, cache_replicas=True)
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        it = dp.map("encode", [x, x, x])
+        if end == "exhausted":
+            assert len(list(it)) == 3
+        else:
+            next(it)
+            it.close()
+        cache = dp._replica_cache
+        assert cache is not None and not cache.lent()
+        dp.encode(x)  # a call meanwhile reuses the cache instead of building replicas
+        assert dp._replica_cache is cache and not cache.lent()
+        del it
