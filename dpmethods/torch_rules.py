@@ -6,8 +6,9 @@
   longest sequence, are joined padded, so ``pad_packed_sequence`` of the result equals
   one device's. It needs the batch on dim 0 (``dim=0``, the default).
 - ``torch.distributions``: the common distributions (``Normal``, ``Categorical``,
-  ``Bernoulli``, ``MultivariateNormal``, ``Independent``, ...) are split and joined
-  through their parameters, so ``dp.encode(x)`` of a VAE or a policy returns one
+  ``Bernoulli``, ``Binomial``, ``MultivariateNormal``, ``Independent``,
+  ``TransformedDistribution``, ...) are split and joined through the parameters they
+  were built from (``logits`` for ``Categorical(logits=...)``, even after ``.probs`` was read), so ``dp.encode(x)`` of a VAE or a policy returns one
   distribution over the whole batch whose ``sample``, ``log_prob`` and ``entropy`` equal
   one device's. Installed once ``torch.distributions`` is imported. Other distribution
   classes come back as a list of the replicas' objects, with the one-time warning that
@@ -76,6 +77,8 @@ _PARAMS: dict[str, tuple[tuple[str, ...], ...]] = {
     "Geometric": (("probs", "logits"),),
     "Categorical": (("probs", "logits"),),
     "OneHotCategorical": (("probs", "logits"),),
+    "Binomial": (("total_count",), ("probs", "logits")),
+    "NegativeBinomial": (("total_count",), ("probs", "logits")),
     # The Cholesky factor expanded to the batch: the same distribution however it was made.
     "MultivariateNormal": (("loc",), ("scale_tril",)),
     "LowRankMultivariateNormal": (("loc",), ("cov_factor",), ("cov_diag",)),
@@ -84,7 +87,16 @@ _PARAMS: dict[str, tuple[tuple[str, ...], ...]] = {
 
 def _chosen(dist: Any, groups: tuple[tuple[str, ...], ...]) -> tuple[str, ...]:
     own = vars(dist)
-    return tuple(next((n for n in group if n in own), group[0]) for group in groups)
+    # torch keeps the tensor a distribution was built from as ``_param`` (probs or
+    # logits); the other is derived lazily on first read (``d.sample()`` reads probs).
+    # Joining through the derived one would lose precision (probs clamped to eps) and
+    # would differ between replicas that did and did not read it.
+    made_from = own.get("_param")
+    return tuple(
+        next((n for n in group if made_from is not None and own.get(n) is made_from), None)
+        or next((n for n in group if n in own), group[0])
+        for group in groups
+    )
 
 
 def _flatten_distribution(dist: Any) -> tuple[list[Any], Any]:
@@ -105,7 +117,46 @@ def _unflatten_independent(children: list[Any], context: Any) -> Any:
     from torch.distributions import Independent
 
     ndims, validate = context
-    return Independent(children[0], ndims, validate_args=validate)
+    base = children[0]
+    if isinstance(base, list):
+        # The base has no rule, so the gather returned the replicas' bases as a list
+        # (with the warning naming register_type): the result is a list too, one
+        # Independent per replica, as for any distribution without a rule.
+        return [Independent(b, ndims, validate_args=validate) for b in base]
+    return Independent(base, ndims, validate_args=validate)
+
+
+class _Transforms:
+    """A TransformedDistribution's transforms, equal when torch says they are equal
+    (``TanhTransform() == TanhTransform()``), so the replicas' structures match."""
+
+    def __init__(self, transforms: list[Any]) -> None:
+        self.transforms = transforms
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Transforms) or len(other.transforms) != len(self.transforms):
+            return False
+        try:
+            return all(bool(a == b) for a, b in zip(self.transforms, other.transforms))
+        except (RuntimeError, TypeError, ValueError):  # tensor parameters of other shapes
+            return False
+
+    def __hash__(self) -> int:
+        return hash(tuple(type(t) for t in self.transforms))
+
+
+def _flatten_transformed(dist: Any) -> tuple[list[Any], Any]:
+    return [dist.base_dist], (_Transforms(list(dist.transforms)), dist._validate_args)
+
+
+def _unflatten_transformed(children: list[Any], context: Any) -> Any:
+    from torch.distributions import TransformedDistribution
+
+    transforms, validate = context
+    base = children[0]
+    if isinstance(base, list):  # the base has no rule: one object per replica
+        return [TransformedDistribution(b, transforms.transforms, validate) for b in base]
+    return TransformedDistribution(base, transforms.transforms, validate_args=validate)
 
 
 def install_distributions() -> bool:
@@ -125,5 +176,10 @@ def install_distributions() -> bool:
     _tree.set_rule(
         module.Independent,
         _tree.TypeRule(_flatten_independent, _unflatten_independent, per_item=True, exact=True),
+    )
+    # Exact too: its subclasses (Weibull, Kumaraswamy, ...) build their own transforms.
+    _tree.set_rule(
+        module.TransformedDistribution,
+        _tree.TypeRule(_flatten_transformed, _unflatten_transformed, per_item=True, exact=True),
     )
     return True
