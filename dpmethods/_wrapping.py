@@ -67,25 +67,14 @@ def _rebuild(base: type, module_cls: type, names: tuple[str, ...]) -> Any:
     return object.__new__(_method_class(base, module_cls, names))
 
 
-def _module_and_methods(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """``module`` and ``methods`` as ``cls(*args, **kwargs)`` passes them on.
+def check_module(module: Any) -> None:
+    """Raise a TypeError naming ``module`` unless it is an ``nn.Module``.
 
-    A subclass's ``__init__(self, *a, **k)`` forwards to ours: bind against the first
-    ``__init__`` in the MRO that names ``module``.
+    Example:
+        >>> check_module(nn.Linear(2, 2))
     """
-    for klass in cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = inspect.signature(init).parameters
-        if "module" not in params:
-            continue
-        try:
-            bound = inspect.signature(init).bind(None, *args, **kwargs)
-        except TypeError:
-            continue  # this __init__ doesn't take these arguments; a base's may
-        return bound.arguments.get("module"), bound.arguments.get("methods")
-    return (args[0] if args else kwargs.get("module")), kwargs.get("methods")
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
 
 
 class _MethodWrapper(nn.Module):
@@ -98,25 +87,18 @@ class _MethodWrapper(nn.Module):
 
     _dpm_methods: dict[str, MethodOptions]
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        if not args and "module" not in kwargs:  # copy/pickle protocols call __new__ bare
-            return super().__new__(cls)
-        module, methods = _module_and_methods(cls, args, kwargs)
-        if not isinstance(module, nn.Module):
-            raise TypeError(
-                f"{cls.__name__}: module: expected an nn.Module, got {type(module).__name__}"
-            )
-        base: type = getattr(cls, "_dpm_base", cls)
-        names = tuple(
-            name
-            for name in resolve_methods(module, methods)
-            if not hasattr(base, name)  # forward and the nn.Module API stay the wrapper's
-        )
-        return super().__new__(_method_class(base, method_owner(module), names))
-
     def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
+        check_module(module)
         self._dpm_methods = resolve_methods(module, methods)
         self._dpm_warned: set[str] = set()
+        # The instance moves to a subclass holding one method per parallel method. Done
+        # here, where our __init__ has the real module and methods, not in __new__: a
+        # subclass's constructor may take its own arguments in any position or name
+        # (BalancedDataParallel's ``__init__(self, gpu0_bsz, *args, **kwargs)``).
+        cls = type(self)
+        base: type = getattr(cls, "_dpm_base", cls)
+        names = tuple(n for n in self._dpm_methods if not hasattr(base, n))
+        self.__class__ = _method_class(base, method_owner(module), names)
         for name in self._dpm_methods:
             if name != "forward" and name not in type(self).__dict__.get("_dpm_names", ()):
                 warnings.warn(

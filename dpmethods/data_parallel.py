@@ -18,7 +18,7 @@ from torch import nn
 
 from . import generate as _generate
 from ._call import _Call, _current, _entered
-from ._wrapping import _MethodWrapper
+from ._wrapping import _MethodWrapper, check_module
 from .compiled import method_owner
 from .devices import DeviceId, _resolve_devices, _resolve_output
 from .gather import gather as _gather
@@ -103,6 +103,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         cpu_replicas: str | None = None,
     ) -> None:
         # torch's __init__ turns into a passthrough without GPUs, so it can't take CPU devices.
+        check_module(module)
         nn.Module.__init__(self)
         torch._C._log_api_usage_once("dpmethods.DataParallel")
         self.module = module

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ._redirect import _redirected_call
-from ._wrapping import _MethodWrapper
+from ._wrapping import _MethodWrapper, check_module
 from .registry import MethodsArg, parallel_methods, resolve_methods
 from .warn_once import warn_once
 
@@ -86,6 +86,7 @@ class DistributedDataParallel(_MethodWrapper, torch.nn.parallel.DistributedDataP
     ) -> None:
         # DDP's own signature is passed through untouched, so every torch version's
         # arguments keep working without being listed here.
+        check_module(module)
         super().__init__(module, *args, **kwargs)
         self._init_methods(module, methods)
 

@@ -486,3 +486,50 @@ def test_worker_pool_errors_and_reentry() -> None:
         warnings.simplefilter("ignore")  # the inner batches are smaller than 4
         y = torch.randn(6, 1)
         assert torch.equal(outer.f(y), y)  # the busy inner pool falls back to fresh threads
+
+
+class _Balanced(DataParallel):
+    """The BalancedDataParallel pattern: an argument of its own before torch's."""
+
+    def __init__(self, gpu0_bsz: int, *args: Any, **kwargs: Any) -> None:
+        self.gpu0_bsz = gpu0_bsz
+        super().__init__(*args, **kwargs)
+
+
+class _Renamed(DataParallel):
+    """Its own names for torch's arguments, and a keyword-only option."""
+
+    def __init__(self, model: nn.Module, gpus: list[str], *, note: str = "") -> None:
+        super().__init__(model, device_ids=gpus)
+        self.note = note
+
+
+class _Built(DataParallel):
+    """Builds the module itself: no module argument at all."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(VAE(), ["cpu"] * 3)
+        self.width = width
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda m: _Balanced(2, m, ["cpu"] * 3), id="own-arg-first"),
+        pytest.param(lambda m: _Balanced(2, module=m, device_ids=["cpu"] * 3), id="own-arg-kw"),
+        pytest.param(lambda m: _Renamed(m, ["cpu"] * 3, note="x"), id="renamed"),
+    ],
+)
+def test_subclasses_with_their_own_constructor_arguments(make: Any) -> None:
+    torch.manual_seed(0)
+    ref = VAE()
+    dp = make(copy.deepcopy(ref))
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(dp.encode(x).mu, ref.encode(x).mu)
+    assert isinstance(dp, DataParallel) and "encode" in type(dp).__dict__
+    dp2 = copy.deepcopy(dp)
+    torch.testing.assert_close(dp2.encode(x).logvar, ref.encode(x).logvar)
+    built = _Built(4)
+    assert built.width == 4 and built.encode(x).mu.shape == (5, 3)
+    with pytest.raises(TypeError, match="module: expected an nn.Module, got int"):
+        _Balanced(2, 3, ["cpu"] * 2)
