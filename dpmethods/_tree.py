@@ -139,6 +139,61 @@ def _children(values: list[Any], leaves: list[Any]) -> tuple[Spec, ...]:
     )
 
 
+def _node(rule: TypeRule, obj: Any, kind: type, leaves: list[Any]) -> Spec:
+    out = rule.flatten(obj)
+    # A wrong rule would otherwise fail far from its cause ("not enough values to
+    # unpack") or, with a bare tensor as the children, split it silently into rows.
+    # The right result passes with two type checks and a len.
+    if type(out) is not tuple or len(out) != 2:
+        out = _check_pair(out, kind)
+    children, context = out
+    if type(children) is not list and type(children) is not tuple:
+        children = _check_children(children, kind)
+    return (_NODE, kind, (rule, context), _children(children, leaves))
+
+
+def _got(value: Any) -> str:
+    """A short description of a value for error messages (no tensor data)."""
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of length {len(value)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)[:8]}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _check_pair(out: Any, kind: type) -> tuple[Any, Any]:
+    if type(out) is list and len(out) == 2:
+        return out[0], out[1]
+    raise TypeError(
+        f"the type rule of {kind.__qualname__}: flatten(obj) must return a pair "
+        f"(children, context), got {_got(out)} (see dpmethods.register_type)"
+    )
+
+
+def _check_children(children: Any, kind: type) -> list[Any]:
+    where = f"the type rule of {kind.__qualname__}: flatten(obj) returned"
+    if isinstance(children, Tensor):
+        # Iterating a tensor yields its rows: the object would be rebuilt from rows.
+        raise TypeError(
+            f"{where} {_got(children)} as its children, expected a list of children; "
+            "to split the tensor along the batch, return ([tensor], context)"
+        )
+    if isinstance(children, (Mapping, str, bytes)):
+        raise TypeError(
+            f"{where} {_got(children)} as its children, expected a list of children"
+            + ("; return (list(d.values()), keys)" if isinstance(children, Mapping) else "")
+        )
+    try:
+        return list(children)
+    except TypeError:
+        raise TypeError(
+            f"{where} {_got(children)} as its children, expected a list of children"
+        ) from None
+
+
 def _flatten(obj: Any, leaves: list[Any]) -> Spec:
     kind = type(obj)
     if kind is tuple:
@@ -155,8 +210,7 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
         return NONE
     rule = rule_for(kind)  # before dataclasses: a registered rule wins
     if rule is not None:
-        children, context = rule.flatten(obj)
-        return (_NODE, kind, (rule, context), _children(list(children), leaves))
+        return _node(rule, obj, kind, leaves)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         fields = dataclasses.fields(obj)
         names = tuple(f.name for f in fields)
@@ -175,8 +229,7 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
         return (_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, _children(list(obj), leaves))
     rule = _pytree_rule(kind)
     if rule is not None:
-        children, context = rule.flatten(obj)
-        return (_NODE, kind, (rule, context), _children(list(children), leaves))
+        return _node(rule, obj, kind, leaves)
     leaves.append(obj)
     return OTHER
 

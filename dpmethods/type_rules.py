@@ -28,6 +28,7 @@ Rules for torch's own types (``PackedSequence``, ``torch.distributions``) are in
 from __future__ import annotations
 
 import copy
+import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -77,16 +78,37 @@ def register_type(
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_type: cls: expected a class, got {type(cls).__name__} {cls!r}")
-    for name, fn in (("flatten", flatten), ("unflatten", unflatten)):
+    for name, fn, params in (
+        ("flatten", flatten, "(obj)"),
+        ("unflatten", unflatten, "(children, context)"),
+    ):
         if not callable(fn):
             raise TypeError(
                 f"register_type: {name}: expected a callable, got {type(fn).__name__} {fn!r}"
             )
+        _check_arity(cls, name, fn, params)
     if not isinstance(per_item, bool):
         raise TypeError(
             f"register_type: per_item: expected True or False, got {type(per_item).__name__} {per_item!r}"
         )
     _tree.set_rule(cls, _tree.TypeRule(flatten, unflatten, per_item))
+
+
+def _check_arity(cls: type, name: str, fn: Callable[..., Any], params: str) -> None:
+    # Checked here, once: called with the wrong number of arguments deep inside a
+    # gather, the rule would raise a bare "<lambda>() takes 1 positional argument".
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: trust them
+        return
+    try:
+        signature.bind(*([None] * params.count(",")), None)
+    except TypeError:
+        label = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(
+            f"register_type: {name} (of {cls.__qualname__}): expected a function called as "
+            f"{name}{params}, got {label}{signature}"
+        ) from None
 
 
 class _Template:

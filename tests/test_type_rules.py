@@ -169,6 +169,74 @@ def test_register_type_per_item_must_be_a_bool() -> None:
         dpmethods.register_type(_Rows, lambda r: ([r.t], None), lambda c, _: _Rows(c[0]), per_item="yes")  # type: ignore[arg-type]
 
 
+class _Pair:
+    """A user type for wrong rules: each test registers its own rule on its own subclass."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _PairModel(nn.Module):
+    @parallel_method
+    def make(self, x: torch.Tensor) -> Any:
+        return self.kind(x * 2)
+
+    kind: type = _Pair
+
+
+def _run_rule(flatten: Any, unflatten: Any) -> Any:
+    kind = type("Box", (_Pair,), {})  # a fresh class: no other test's rule applies
+    dpmethods.register_type(kind, flatten, unflatten)
+    model = _PairModel()
+    model.kind = kind
+    return DataParallel(model, device_ids=["cpu"] * 3).make(torch.randn(6, 3))
+
+
+def test_wrong_flatten_result_names_the_class_and_the_expected_pair() -> None:
+    with pytest.raises(TypeError, match=r"the type rule of Box: flatten\(obj\) must return a pair "
+                       r"\(children, context\), got a list of length 1 \(see dpmethods.register_type\)"):
+        _run_rule(lambda b: [b.t], lambda c, _: _Pair(c[0]))
+    with pytest.raises(TypeError, match=r"got int 3 \(see"):
+        _run_rule(lambda b: 3, lambda c, _: _Pair(c[0]))
+
+
+def test_flatten_returning_a_bare_tensor_as_children_is_refused() -> None:
+    # Iterated, a [2, 3] tensor is 2 rows: the object was silently rebuilt from rows.
+    with pytest.raises(TypeError, match=r"the type rule of Box: flatten\(obj\) returned a tensor of "
+                       r"shape \[2, 3\] as its children, expected a list of children; to split the "
+                       r"tensor along the batch, return \(\[tensor\], context\)"):
+        _run_rule(lambda b: (b.t, None), lambda c, _: _Pair(torch.stack(list(c))))
+    with pytest.raises(TypeError, match=r"returned a dict with keys \['t'\] as its children, expected "
+                       r"a list of children; return \(list\(d.values\(\)\), keys\)"):
+        _run_rule(lambda b: ({"t": b.t}, None), lambda c, _: _Pair(c[0]))
+    with pytest.raises(TypeError, match=r"returned int 3 as its children, expected a list of children$"):
+        _run_rule(lambda b: (3, None), lambda c, _: _Pair(c[0]))
+
+
+def test_right_rules_in_other_shapes_still_work() -> None:
+    x = torch.randn(6, 3)
+    for flatten in (lambda b: [[b.t], None], lambda b: ((b.t,), None), lambda b: (iter([b.t]), None)):
+        kind = type("Box", (_Pair,), {})
+        dpmethods.register_type(kind, flatten, lambda c, _, kind=kind: kind(c[0]))
+        model = _PairModel()
+        model.kind = kind
+        got = DataParallel(model, device_ids=["cpu"] * 3).make(x)
+        assert type(got) is kind
+        torch.testing.assert_close(got.t, x * 2)
+
+
+def test_register_type_checks_the_arity_of_flatten_and_unflatten() -> None:
+    with pytest.raises(TypeError, match=r"register_type: unflatten \(of _Pair\): expected a function "
+                       r"called as unflatten\(children, context\), got <lambda>\(c\)$"):
+        dpmethods.register_type(_Pair, lambda b: ([b.t], None), lambda c: _Pair(c[0]))
+    with pytest.raises(TypeError, match=r"register_type: flatten \(of _Pair\): expected a function "
+                       r"called as flatten\(obj\), got <lambda>\(b, extra\)$"):
+        dpmethods.register_type(_Pair, lambda b, extra: ([b.t], None), lambda c, x: _Pair(c[0]))
+    # Defaults, *args and callables without a signature are accepted.
+    dpmethods.register_type(_Pair, lambda b, extra=1: ([b.t], None), lambda *a: _Pair(a[0][0]))
+    dpmethods.register_type(_Pair, lambda b: ([b.t], None), lambda c, x: _Pair(c[0]))
+
+
 def test_gpt2_cache_with_as_many_heads_as_rows_per_replica_is_not_warned(recwarn: Any) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=99,
