@@ -107,7 +107,7 @@ def check_coupled(
         if count >= 2
         and i not in exempt
         and all(map(isinstance, columns[i], itertools.repeat(Tensor)))
-        and (modes is None or modes[i] not in ("mean", "sum", "list"))
+        and (modes is None or modes[i] not in ("mean", "sum", "list", "same"))
         and _coupled(columns[i], sizes, dims[i])
     ]
     if not coupled:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import _tree, ops, per_item
 from .coupled import check_shares, joinable
+from .options import positional_modes
 from .registry import GATHER_MODES, GatherOption
 from .scatter import DeviceLike, _as_device
 from .values import join_values, reduce
@@ -99,10 +100,18 @@ def _leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str
     return _per_key(spec, mode, "cat", "gather: a mapping of modes", "mode keys")
 
 
+def _top_counts(spec: _tree.Spec) -> list[tuple[Any, int]] | None:
+    """``(key, number of leaves)`` per top-level key, field or tuple position."""
+    keys = per_item.top_keys(spec)
+    if keys is None:
+        return None
+    return [(k, len(_tree.leaf_paths(c))) for k, c in zip(keys, spec[3])]
+
+
 def _named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:
     """Leaves under a top-level key that a ``gather`` or ``gather_dim`` mapping names."""
     names = {k for o in options if isinstance(o, Mapping) for k in o}
-    counts = _tree.top_level_leaf_counts(spec) if names else None
+    counts = _top_counts(spec) if names else None
     found: set[int] = set()
     start = 0
     for key, count in counts or ():
@@ -112,19 +121,24 @@ def _named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:
     return found
 
 
-def _leaf_dims(spec: _tree.Spec, dims: Mapping[str, int], dim: int) -> list[int]:
+def _leaf_dims(spec: _tree.Spec, dims: Mapping[Any, int], dim: int) -> list[int]:
     return _per_key(spec, dims, dim, "gather_dim: a mapping of dims", "gather_dim keys")
 
 
-def _per_key(spec: _tree.Spec, by_key: Mapping[str, Any], default: Any, what: str, keys: str) -> list[Any]:
-    counts = _tree.top_level_leaf_counts(spec)
-    if counts is None:
+def _per_key(spec: _tree.Spec, by_key: Mapping[Any, Any], default: Any, what: str, keys: str) -> list[Any]:
+    counts = _top_counts(spec)
+    key_kind = str if counts and isinstance(counts[0][0], str) else int
+    if counts is None or (counts and not any(type(k) is key_kind for k in by_key)):
         raise ValueError(
-            f"{what} {dict(by_key)} needs outputs with keys or fields "
-            f"(dict, dataclass, namedtuple), got {_tree._describe(spec)}"
+            f"{what} {dict(by_key)} needs outputs with keys, fields or positions "
+            f"(dict, dataclass, namedtuple, tuple), got {_tree._describe(spec)}"
         )
-    unknown = sorted(set(by_key) - {k for k, _ in counts})
-    if unknown:
+    # Names that are not in a keyed output are likely typos; positions past the end of a
+    # tuple, and names given for a tuple (or positions for a dict), are not: one mapping
+    # may serve outputs of several arities and forms (open_clip's 3- and 4-tuples, dicts).
+    named = {k for k, _ in counts}
+    unknown = sorted(k for k in by_key if isinstance(k, str) and k not in named)
+    if unknown and counts and isinstance(counts[0][0], str):
         warnings.warn(
             f"gather: {keys} {unknown} are not in the output, whose keys are "
             f"{[k for k, _ in counts]}; those keys are ignored",
@@ -135,6 +149,19 @@ def _per_key(spec: _tree.Spec, by_key: Mapping[str, Any], default: Any, what: st
     for key, count in counts:
         values += [by_key.get(key, default)] * count
     return values
+
+
+def _same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
+    """The one value every replica computed (``"same"``); an error if they differ."""
+    first = col[0].to(device)
+    for r, t in enumerate(col[1:], 1):
+        t = t.to(device)
+        if t.shape != first.shape or not torch.equal(t, first):
+            raise ValueError(
+                f"gather: {path}: 'same' expects one value equal on every replica, but "
+                f"replica {r} has {t.detach().cpu()!r} and replica 0 {first.detach().cpu()!r}"
+            )
+    return first
 
 
 def gather(
@@ -161,8 +188,9 @@ def gather(
         target_device: where the result goes (``"cpu"``, a CUDA index or device).
         dim: the dimension tensors are joined along.
         mode: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"``,
-            ``"extend"``, a mapping of top-level output keys to those (others use
-            ``"cat"``), or a callable ``fn(outputs, target_device)``.
+            ``"extend"``, ``"same"``, a mapping of top-level output keys or tuple
+            positions to those (others use ``"cat"``), a tuple of modes (one per
+            position), or a callable ``fn(outputs, target_device)``.
         pad_value: the fill value of ``"pad"``.
         weights: each replica's share of the batch, for ``"mean"`` (default: from
             ``sizes``, else equal).
@@ -188,6 +216,7 @@ def gather(
         raise ValueError("gather: outputs: expected at least one replica output, got none")
     device = _as_device(target_device)
     _check_dim(dim)
+    mode = positional_modes(mode)
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
@@ -298,7 +327,9 @@ def gather(
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
             result[i] = join_values(col, m, d, path(i), device, weights)
             continue
-        if m == "list" or (i in coupled and not joinable(col, d)):
+        if m == "same":
+            result[i] = _same(col, device, path(i))
+        elif m == "list" or (i in coupled and not joinable(col, d)):
             # A coupled leaf that cat can't join comes back in pieces: it was warned about.
             result[i] = [t.to(device) for t in col]
         elif m in ("mean", "sum"):

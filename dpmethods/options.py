@@ -8,11 +8,15 @@ from typing import Any, Literal, Union
 
 __all__ = ["GATHER_MODES", "GatherMode", "GatherOption", "MethodOptions"]
 
-GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "generate"]
+GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "same", "generate"]
 GATHER_MODES: tuple[str, ...] = (
-    "cat", "stack", "mean", "sum", "pad", "list", "extend", "generate",
+    "cat", "stack", "mean", "sum", "pad", "list", "extend", "same", "generate",
 )
-GatherOption = Union[str, Mapping[str, str], Callable[..., Any]]  # noqa: UP007 (runtime alias on 3.10)
+# A mode; a mapping of top-level output keys, field names or tuple positions to modes;
+# a tuple of modes, one per position of a tuple output; or a callable.
+GatherOption = Union[  # noqa: UP007 (runtime alias on 3.10)
+    str, Mapping[Union[str, int], str], tuple[str, ...], Callable[..., Any]  # noqa: UP007
+]
 
 Around = Callable[
     [tuple[Any, ...], dict[str, Any]],
@@ -29,10 +33,13 @@ class MethodOptions:
     Args:
         dim: the batch dimension that inputs are split along and outputs joined along.
         broadcast: names of arguments that every replica gets whole.
-        gather: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"`` or
-            ``"extend"`` (concatenate the replicas' per-item lists in order); a mapping
-            from output key or field name to one of those; or a callable
-            ``fn(outputs, output_device)`` that receives the list of replica outputs.
+        gather: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"``,
+            ``"extend"`` (concatenate the replicas' per-item lists in order) or ``"same"``
+            (one value equal on every replica, such as a parameter-derived scale; an
+            error if they differ); a mapping from output key, field name or tuple
+            position (an int) to one of those, or a tuple of modes, one per position of a
+            tuple output; or a callable ``fn(outputs, output_device)`` that receives the
+            list of replica outputs.
         pad_value: the fill value of ``"pad"``.
         split: names of arguments whose value is a Python sequence with one entry per
             batch item (a list of images, of target dicts, of sentences); each replica
@@ -40,12 +47,17 @@ class MethodOptions:
         gather_dim: the dimension outputs are joined along, when it differs from ``dim``:
             an int, or a mapping from top-level output key or field name to int (outputs
             not named use ``dim``). ``None`` means ``dim``.
+        scatter_dim: the dimension an argument is split along when it differs from
+            ``dim``: a mapping from argument name to int (Encodec's ``decode`` takes
+            ``audio_codes`` with the batch in dim 1). Arguments not named use ``dim``.
 
     Example:
         >>> MethodOptions(gather="pad", pad_value=-1).gather
         'pad'
         >>> MethodOptions(split="images", gather_dim={"logits_per_text": 1}).split
         ('images',)
+        >>> MethodOptions(gather=("cat", "cat", "same")).gather  # per tuple position
+        {0: 'cat', 1: 'cat', 2: 'same'}
     """
 
     dim: int = 0
@@ -54,6 +66,7 @@ class MethodOptions:
     pad_value: float = 0
     split: tuple[str, ...] = ()
     gather_dim: int | Mapping[str, int] | None = None
+    scatter_dim: Mapping[str, int] | None = None
     # Library rules only (dpmethods.known_methods): ``around(args, kwargs)`` returns the
     # call's arguments as the replicas should get them and a function applied to the
     # gathered output (or None), for results computed over the whole batch after the
@@ -79,6 +92,8 @@ class MethodOptions:
                 "(an argument is either cut per item or given whole to every replica)"
             )
         object.__setattr__(self, "gather_dim", _check_gather_dim(self.gather_dim))
+        object.__setattr__(self, "scatter_dim", _check_scatter_dim(self.scatter_dim))
+        object.__setattr__(self, "gather", positional_modes(self.gather))
         _check_gather(self.gather)
         if isinstance(self.pad_value, bool) or not isinstance(self.pad_value, (int, float)):
             raise TypeError(
@@ -91,7 +106,7 @@ class MethodOptions:
 
         Args:
             **changes: any of ``dim``, ``broadcast``, ``gather``, ``pad_value``,
-                ``split``, ``gather_dim``.
+                ``split``, ``gather_dim``, ``scatter_dim``.
 
         Example:
             >>> MethodOptions().with_updates(dim=1).dim
@@ -105,7 +120,7 @@ class MethodOptions:
         return replace(self, **changes)
 
 
-_OPTION_NAMES = ("dim", "broadcast", "gather", "pad_value", "split", "gather_dim")
+_OPTION_NAMES = ("dim", "broadcast", "gather", "pad_value", "split", "gather_dim", "scatter_dim")
 
 
 def names_option(option: str, value: Any) -> tuple[str, ...]:
@@ -131,6 +146,18 @@ def names_option(option: str, value: Any) -> tuple[str, ...]:
     return names
 
 
+def positional_modes(gather: Any) -> Any:
+    """A tuple of modes as the mapping of positions it means; anything else unchanged.
+
+    Example:
+        >>> positional_modes(("extend", "cat"))
+        {0: 'extend', 1: 'cat'}
+    """
+    if isinstance(gather, (tuple, list)):
+        return dict(enumerate(gather))
+    return gather
+
+
 def _check_dim_value(where: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
@@ -143,10 +170,10 @@ def _check_gather_dim(gather_dim: Any) -> int | Mapping[str, int] | None:
     if isinstance(gather_dim, Mapping):
         checked: dict[str, int] = {}
         for key, value in gather_dim.items():
-            if not isinstance(key, str):
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise TypeError(
-                    f"gather_dim: expected output keys or field names (str), got "
-                    f"{type(key).__name__} {key!r}"
+                    f"gather_dim: expected output keys or field names (str) or tuple "
+                    f"positions (int), got {type(key).__name__} {key!r}"
                 )
             checked[key] = _check_dim_value(f"gather_dim[{key!r}]", value)
         # A copy, so later changes to the caller's dict don't change the options (a plain
@@ -160,18 +187,41 @@ def _check_gather_dim(gather_dim: Any) -> int | Mapping[str, int] | None:
     return gather_dim
 
 
+def _check_scatter_dim(scatter_dim: Any) -> dict[str, int] | None:
+    if scatter_dim is None:
+        return None
+    if not isinstance(scatter_dim, Mapping):
+        raise TypeError(
+            f"scatter_dim: expected a mapping of argument names to ints, or None, got "
+            f"{type(scatter_dim).__name__} {scatter_dim!r}"
+        )
+    checked: dict[str, int] = {}
+    for key, value in scatter_dim.items():
+        if not isinstance(key, str):
+            raise TypeError(
+                f"scatter_dim: expected argument names (str), got {type(key).__name__} {key!r}"
+            )
+        checked[key] = _check_dim_value(f"scatter_dim[{key!r}]", value)
+    return checked
+
+
 def _check_gather(gather: Any) -> None:
     if isinstance(gather, str):
         if gather not in GATHER_MODES:
             raise ValueError(f"gather: expected one of {list(GATHER_MODES)}, got {gather!r}")
     elif isinstance(gather, Mapping):
         for key, mode in gather.items():
+            if isinstance(key, bool) or not isinstance(key, (str, int)):
+                raise TypeError(
+                    f"gather: expected output keys or field names (str) or tuple positions "
+                    f"(int) as the mapping's keys, got {type(key).__name__} {key!r}"
+                )
             if not isinstance(mode, str) or mode not in GATHER_MODES or mode == "generate":
                 # "generate" joins a whole generate output, not one of its keys.
                 per_key = [m for m in GATHER_MODES if m != "generate"]
                 raise ValueError(f"gather[{key!r}]: expected one of {per_key}, got {mode!r}")
     elif not callable(gather):
         raise TypeError(
-            f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys to those, "
-            f"or a callable, got {type(gather).__name__} {gather!r}"
+            f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys or tuple "
+            f"positions to those, a tuple of those, or a callable, got {type(gather).__name__} {gather!r}"
         )

@@ -31,7 +31,7 @@ from torch import Tensor
 from . import _tree
 from .warn_once import warn_once
 
-__all__ = ["Items", "extend", "mark_items", "needs_marking", "wants_extend"]
+__all__ = ["Items", "Whole", "extend", "mark_items", "needs_marking", "wants_extend"]
 
 _SEQUENCES = (_tree._TUPLE, _tree._LIST)
 _KEYED = (_tree._DICT, _tree._DATACLASS, _tree._NAMEDTUPLE)
@@ -44,6 +44,23 @@ class Items(list):  # type: ignore[type-arg]
         >>> Items([1, 2]) + [3]
         [1, 2, 3]
     """
+
+
+class Whole:
+    """One replica's whole value under a ``"list"`` key, standing in the flat leaves for it.
+
+    The replicas' values may differ in structure (lists of different lengths), which
+    ``"list"`` allows: they are never compared leaf by leaf.
+
+    Example:
+        >>> Whole([1, 2]).value
+        [1, 2]
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
 def _count(spec: _tree.Spec) -> int:
@@ -73,15 +90,51 @@ def _batched(entries: Sequence[Any], share: int, dim: int) -> bool:
 
 
 def wants_extend(mode: Any) -> bool:
-    """Whether the gather option asks for ``"extend"`` anywhere.
+    """Whether the gather option asks for ``"extend"`` anywhere, or ``"list"`` for a key
+    (whose replica values are kept whole, whatever their structure).
 
     Example:
-        >>> wants_extend({"boxes": "extend"}), wants_extend("cat")
-        (True, False)
+        >>> wants_extend({"boxes": "extend"}), wants_extend({"x": "list"}), wants_extend("cat")
+        (True, True, False)
     """
     if isinstance(mode, str):
         return mode == "extend"
-    return isinstance(mode, Mapping) and "extend" in mode.values()
+    return isinstance(mode, Mapping) and bool({"extend", "list"} & set(mode.values()))
+
+
+def _kind(spec: _tree.Spec) -> Any:
+    return spec if spec in _tree._LEAVES else spec[:2]
+
+
+def _mixed(specs: list[_tree.Spec], sizes: Sequence[int] | None) -> bool:
+    """Whether sequences under ``"extend"`` are a fixed-arity return, not items.
+
+    ``(per_item_list, batch_tensor)`` holds entries of different kinds; a tuple whose
+    length is not every replica's share can't hold one entry per item either. Such a
+    container is walked into (each entry extended or concatenated), never extended.
+    """
+    kinds = {_kind(c) for c in specs[0][3]} - {_tree.NONE}
+    if len(kinds) > 1:
+        return True
+    is_tuple = specs[0][0] == _tree._TUPLE
+    return is_tuple and sizes is not None and [len(s[3]) for s in specs] != list(sizes)
+
+
+def top_keys(spec: _tree.Spec) -> list[Any] | None:
+    """The keys a gather mapping can name at the top of an output: its keys or field
+    names (str), or its positions (int) for a tuple or list; None for a leaf.
+
+    Example:
+        >>> top_keys(_tree.flatten({"a": 1})[0]), top_keys(_tree.flatten((1, 2))[0])
+        (['a'], [0, 1])
+    """
+    if spec in _tree._LEAVES:
+        return None
+    if spec[0] in _KEYED:
+        return [str(k) for k in _keys(spec)]
+    if spec[0] in _SEQUENCES:
+        return list(range(len(spec[3])))
+    return None
 
 
 def needs_marking(spec: _tree.Spec, share: int) -> bool:
@@ -135,7 +188,7 @@ def mark_items(
             return specs
         if all(_is_sequence(s) for s in specs):
             lengths = [len(s[3]) for s in specs]
-            if m == "extend":
+            if m == "extend" and not _mixed(specs, sizes):
                 return cut(specs, starts)
             if m == "cat" and sizes is not None and lengths == list(sizes):
                 if len(set(sizes)) > 1:
@@ -155,16 +208,21 @@ def mark_items(
                     )
         if any(s[:3] != first[:3] or len(s[3]) != len(first[3]) for s in specs[1:]):
             return specs  # differing structures: reported by gather
+        if first[0] not in _SEQUENCES and first[0] not in _KEYED:
+            top = False  # a rule's node: its parts are not output keys
         labels = _tree._children_labels(first)
-        keys = list(_keys(first)) if top and first[0] in _KEYED else None
+        keys = top_keys(first) if top and isinstance(m, Mapping) else None
         offsets = list(starts)
         children: list[list[Any]] = [[] for _ in range(n)]
         for i, label in enumerate(labels):
             column = [s[3][i] for s in specs]
             child_mode = m
             if keys is not None and isinstance(m, Mapping):
-                child_mode = m.get(str(keys[i]), "cat")
-            new = walk(column, offsets, path + label, child_mode, False)
+                child_mode = m.get(keys[i], "cat")
+            if child_mode == "list":
+                new = whole(column, offsets)
+            else:
+                new = walk(column, offsets, path + label, child_mode, False)
             for r in range(n):
                 children[r].append(new[r])
                 offsets[r] += _count(column[r])
@@ -176,15 +234,18 @@ def mark_items(
             for r, s in enumerate(specs)
         ]
 
-    def cut(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+    def cut(specs: list[_tree.Spec], starts: list[int], kind: type = Items) -> list[Any]:
         for r, s in enumerate(specs):
-            cuts[r].append((starts[r], starts[r] + _count(s), s))
+            cuts[r].append((starts[r], starts[r] + _count(s), s, kind))
         return [_tree.OTHER] * n
 
+    def whole(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+        if all(s in _tree._LEAVES for s in specs):
+            return specs  # one leaf per replica: "list" joins it as it is
+        return cut(specs, starts, Whole)
+
     top_mode = mode if isinstance(mode, (str, Mapping)) else "cat"
-    if isinstance(top_mode, Mapping) and not (
-        flat[0][0] not in _tree._LEAVES and flat[0][0][0] in _KEYED
-    ):
+    if isinstance(top_mode, Mapping) and top_keys(flat[0][0]) is None:
         top_mode = "cat"  # reported by gather's own check of the mapping
     new_specs = walk([s for s, _ in flat], [0] * n, "output", top_mode, True)
     result = []
@@ -194,16 +255,16 @@ def mark_items(
             continue
         out: list[Any] = []
         pos = 0
-        for start, end, sub in cuts[r]:
+        for start, end, sub, kind in cuts[r]:
             out.extend(leaves[pos:start])
-            out.append(Items(_tree.unflatten(sub, leaves[start:end])))
+            out.append(kind(_tree.unflatten(sub, leaves[start:end])))
             pos = end
         out.extend(leaves[pos:])
         result.append((spec_new, out))
     return result
 
 
-def _to(obj: Any, device: torch.device) -> Any:
+def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, Tensor):
         return obj.to(device)
     spec, leaves = _tree.flatten(obj)
@@ -220,4 +281,4 @@ def extend(column: Sequence[Any], device: torch.device) -> list[Any]:
         >>> extend([Items([torch.ones(1)]), Items([{"a": torch.zeros(2)}])], torch.device("cpu"))
         [tensor([1.]), {'a': tensor([0., 0.])}]
     """
-    return [_to(entry, device) for items in column for entry in items]
+    return [to_device(entry, device) for items in column for entry in items]

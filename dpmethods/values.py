@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Size, Tensor
 
-from .per_item import Items, extend
+from .per_item import Items, Whole, extend, to_device
 from .warn_once import warn_once
 
 __all__ = ["join_values", "reduce", "same"]
@@ -99,8 +99,17 @@ def join_values(
     first = column[0]
     if isinstance(first, Items):
         return extend(column, device)
+    if isinstance(first, Whole):
+        return [to_device(w.value, device) for w in column]
     if mode == "list":
         return list(column)
+    if mode == "same":
+        if not same(column):
+            raise ValueError(
+                f"gather: {path}: 'same' expects one value equal on every replica, got "
+                f"{[v for v in column]!r}"
+            )
+        return first
     if mode in ("mean", "sum") and all(isinstance(v, _NUMBERS) for v in column):
         return reduce(column, weights, device, mode == "mean")
     if _numpy_arrays(column):
