@@ -21,18 +21,20 @@ DeviceId = int | str | torch.device
 _warned_no_gpu = False
 
 
-def _check_device(dev: torch.device, where: str) -> torch.device:
+def _check_device(dev: torch.device, where: str, given: DeviceId) -> torch.device:
+    """``dev`` (parsed from ``given``) checked; errors echo ``given`` as the user wrote it."""
     if dev.type == "cpu":
         return torch.device("cpu")  # "cpu:0" is the one CPU device; tensors say "cpu"
     if dev.type != "cuda":
-        raise ValueError(f"{where}: expected a CUDA or CPU device, got {dev}")
-    if dev.index is None:
+        raise ValueError(f"{where}: expected a CUDA or CPU device, got {given!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    count = torch.cuda.device_count()
-    if dev.index >= count:
+    if not count or dev.index >= count:  # type: ignore[operator]
         raise ValueError(
             f"{where}: expected a CUDA device index below {count} "
-            f"(torch.cuda.device_count()), got {dev.index}"
+            f"(torch.cuda.device_count()), got {given!r}"
+            + ("; no GPU is available, so use a CPU device" if not count else "")
         )
     return dev
 
@@ -68,7 +70,10 @@ def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device
                 stacklevel=3,
             )
         return []
-    devices = [_check_device(d, f"device_ids[{i}]") for i, d in enumerate(parsed)]
+    devices = [
+        _check_device(d, f"device_ids[{i}]", given)
+        for i, (d, given) in enumerate(zip(parsed, device_ids))
+    ]
     if not devices:
         raise ValueError("device_ids: expected at least one device, got []")
     kinds = sorted({d.type for d in devices})
@@ -91,4 +96,4 @@ def _resolve_output(output_device: DeviceId | None, devices: list[torch.device])
         dev = _as_device(output_device)
     except RuntimeError as exc:
         raise ValueError(f"output_device: expected a device, got {output_device!r} ({exc})") from None
-    return _check_device(dev, "output_device")
+    return _check_device(dev, "output_device", output_device)

@@ -32,6 +32,7 @@ Environment variables (read at call time):
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,21 @@ def extension_info() -> dict[str, Any]:
 
 def _normalize_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
+
+
+def _check_ints(num_replicas: Any, dim: Any) -> None:
+    """Raise for an argument the kernels cannot take as a 64-bit int (off the hot path)."""
+    for name, value in (("num_replicas", num_replicas), ("dim", dim)):
+        try:
+            value = operator.index(value)  # as the C++ entry: ints and numpy integers
+        except TypeError:
+            raise TypeError(
+                f"gather_coalesced(): {name}: expected an int, got {type(value).__name__} {value!r}"
+            ) from None
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(
+                f"gather_coalesced(): {name}: expected an int that fits in 64 bits, got {value}"
+            )
 
 
 def _check_counts(n: int, num_replicas: int) -> None:
@@ -191,14 +207,21 @@ def gather_coalesced(
         _check_counts(0, num_replicas)
         return []
     if _op is None or (device.type != "cpu" and _extension.unsupported_reason(device) is not None):
+        _check_ints(num_replicas, dim)
         _check_counts(len(tensors), num_replicas)
         return _fallback(tensors, num_replicas, dim, device)
     if torch.compiler.is_compiling():
         # Traced through the fake kernel and the Python autograd formula.
         return _op(tensors, num_replicas, dim, device)
-    out = _eager(tensors, num_replicas, dim, device)
+    try:
+        out = _eager(tensors, num_replicas, dim, device)
+    except TypeError:
+        # The C++ entry says only "dim must be an int, got int" for an int over 64 bits.
+        _check_ints(num_replicas, dim)
+        raise
     if out is not None:
         return out
+    _check_ints(num_replicas, dim)  # torch.ops' own message names no value
     # Tensor subclasses and __torch_function__ modes need the torch.ops call.
     if torch.is_grad_enabled() and _any_requires_grad(*tensors):
         return _op_autograd(tensors, num_replicas, dim, device)

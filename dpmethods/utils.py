@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -162,13 +163,47 @@ def _as_state_dict(state_dict: Any) -> Mapping[str, Any]:
             f"{type(state_dict).__name__} {state_dict!r:.80}"
         )
     if not isinstance(source, Mapping):
-        source = torch.load(source, map_location="cpu", weights_only=True)
+        source = _torch_load(source, state_dict)
         if not isinstance(source, Mapping):
             raise TypeError(
                 f"state_dict: expected the checkpoint to hold a mapping of names to tensors, "
                 f"got {type(source).__name__}"
             )
     return source
+
+
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _short_cause(exc: BaseException) -> str:
+    """One line of what torch.load said, without its advice paragraphs or terminal escapes."""
+    text = _ESCAPES.sub("", str(exc)).strip()
+    marker = "WeightsUnpickler error:"  # the weights-only check's own reason
+    if marker in text:
+        text = text.split(marker, 1)[1].strip()
+    line = re.split(r"(?<=\.) ", text.split("\n", 1)[0].strip(), maxsplit=1)[0]
+    if len(line) > 240:
+        line = line[:237] + "..."
+    return f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+
+
+def _torch_load(source: Any, given: Any) -> Any:
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except OSError:  # a missing file, a directory: torch's message names the path
+        raise
+    except Exception as exc:  # corrupt data raises anything: EOFError, KeyError, ...
+        if isinstance(given, (bytes, bytearray, memoryview)):
+            what = f"the {memoryview(given).nbytes} bytes given were taken as a serialized checkpoint"
+            verb = "they"
+        elif isinstance(given, (str, os.PathLike)):
+            what, verb = f"the file {os.fspath(given)!r} was taken as a saved checkpoint", "it"
+        else:
+            what, verb = f"the {type(given).__name__} given was taken as a checkpoint file", "it"
+        raise ValueError(
+            f"state_dict: {what} (read with torch.load(..., weights_only=True)), and {verb} "
+            f"could not be read: {_short_cause(exc)}"
+        ) from exc
 
 
 def _load_fitted(

@@ -430,7 +430,7 @@ def test_channels_last_outputs_stay_channels_last_as_with_torch_cat() -> None:
 
 def test_a_missing_output_gpu_fails_at_construction() -> None:
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"output_device: expected a CUDA device index below {count} \(torch.cuda.device_count\(\)\), got {count + 3}"):
+    with pytest.raises(ValueError, match=rf"output_device: expected a CUDA device index below {count} \(torch.cuda.device_count\(\)\), got 'cuda:{count + 3}'"):
         DataParallel(Weighted(), CPU3, output_device=f"cuda:{count + 3}")
     with pytest.raises(TypeError, match=r"output_device: expected an int, str or torch.device, got list \[0\]"):
         DataParallel(Weighted(), CPU3, output_device=[0])  # type: ignore[arg-type]
