@@ -13,15 +13,15 @@ Example:
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-# The public names are imported on first use (PEP 562), not here: `python -m dpmethods`
-# imports this package before its __main__, and `--help` must answer without the
-# seconds that importing torch takes. Type checkers see the eager imports below.
-# To add a public name: one line in _EXPORTS, one import in the TYPE_CHECKING block.
+# The public names are imported on first use (PEP 562): importing the package costs
+# torch and the compiled extension (loaded at the end of this file, so its ops exist
+# once `import dpmethods` returns), not every submodule. Type checkers see the eager
+# imports below. To add a public name: one line in _EXPORTS, one import in the
+# TYPE_CHECKING block.
 _EXPORTS: dict[str, str] = {
     "DataParallel": "data_parallel",
     "DistributedDataParallel": "distributed",
@@ -46,19 +46,6 @@ _EXPORTS: dict[str, str] = {
     "register_type": "type_rules",
     "unwrap": "utils",
 }
-
-class _TorchBeforeExtension(importlib.abc.MetaPathFinder):
-    """Imports torch before ``dpmethods._C``: the extension links against libtorch, which
-    only ``import torch`` loads, and this package no longer imports torch itself."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
-        if fullname == "dpmethods._C":
-            import torch  # noqa: F401
-        return None  # the ordinary finders load it
-
-
-sys.meta_path.insert(0, _TorchBeforeExtension())
-
 
 if TYPE_CHECKING:
     from .data_parallel import DataParallel
@@ -136,3 +123,12 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+# Load dpmethods._C now, as torchvision registers its ops on import: code that calls
+# torch.ops.dpmethods.gather_coalesced directly, or loads a saved torch.export program
+# holding it, must find the op after `import dpmethods`. Importing dpmethods.ops loads
+# the extension (after torch, whose libtorch it links against) and gives the op its
+# fake and autograd kernels; a missing or broken build, or
+# DPMETHODS_DISABLE_EXTENSION=1, leaves the pure-PyTorch gather, logged once as before.
+from . import ops as _ops  # noqa: E402, F401

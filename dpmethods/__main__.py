@@ -4,8 +4,9 @@
 which gather implementation (compiled extension or pure PyTorch) is in use.
 ``demo`` shows, on 4 CPU replicas, the problem dpmethods solves and its answer.
 
-torch is imported inside the commands, not here, so ``--help`` answers at once
-(``dpmethods/__init__.py`` imports its names lazily for the same reason).
+``python -m dpmethods`` imports the package first, which imports torch and loads the
+extension (so that ``torch.ops.dpmethods.gather_coalesced`` exists once ``import
+dpmethods`` returns); ``--help`` therefore pays for the torch import too.
 """
 
 from __future__ import annotations

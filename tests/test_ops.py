@@ -362,6 +362,48 @@ def test_fallback_when_disabled() -> None:
     assert proc.stderr.count("using the pure-PyTorch gather") == 1
 
 
+_IMPORT_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import dpmethods, torch
+    # Nothing but the import has run: no gather, no dpmethods.ops access.
+    has_op = hasattr(torch.ops.dpmethods, "gather_coalesced")
+    a, b = torch.ones(2, 3, requires_grad=True), torch.zeros(1, 3, requires_grad=True)
+    out = torch.ops.dpmethods.gather_coalesced([a, b], 2, 0, torch.device("cpu"))[0] if has_op else None
+    if out is not None:
+        out.sum().backward()  # the autograd formula was registered at import too
+    print(json.dumps({
+        "has_op": has_op,
+        "cat": out is not None and torch.equal(out, torch.cat([a, b])),
+        "grad": a.grad is not None and torch.equal(a.grad, torch.ones(2, 3)),
+        "data_parallel_loaded": "dpmethods.data_parallel" in sys.modules,
+    }))
+    """
+)
+
+
+@needs_ext
+def test_op_is_registered_once_import_dpmethods_returns() -> None:
+    # As torchvision registers its ops on import: torch.export programs holding the op,
+    # and direct torch.ops callers, must find it after `import dpmethods` alone.
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ)
+    env.pop("DPMETHODS_DISABLE_EXTENSION", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"has_op": True, "cat": True, "grad": True, "data_parallel_loaded": False}
+    # With the extension disabled, the import stays pure-Python: no op, no error.
+    env["DPMETHODS_DISABLE_EXTENSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"has_op": False, "cat": False, "grad": False, "data_parallel_loaded": False}
+
+
 # ------------------------------------------------- small outputs from shared blocks
 
 
