@@ -1,0 +1,232 @@
+"""What crosses the process boundary of ``workers="processes"``, and how it is pickled.
+
+Everything is pickled once per message with torch's multiprocessing reductions
+(``ForkingPickler``), with two changes for CPU tensors:
+
+- a batch or an output: a small tensor (under :data:`INLINE_BYTES`) travels inline, in
+  the message, which is cheaper than passing a file descriptor; a larger one is copied
+  into a fresh shared-memory block (one copy, the caller's tensor is left as it is),
+  whose descriptor crosses instead of the bytes;
+- the model: every parameter and buffer storage is copied once into shared memory
+  (kept per storage, so tied weights and views stay tied), and every worker maps the
+  same copy; the module itself is never moved or changed. CUDA tensors of the model
+  are copied to shared CPU memory too, and each worker moves its model to its device.
+
+Other CUDA tensors go through torch's CUDA IPC. A module that cannot be pickled is
+searched for the attribute, hook or value that fails (:func:`unpicklable`).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing  # registers torch's reductions with ForkingPickler
+from torch import Tensor, nn
+from torch.multiprocessing.reductions import reduce_tensor
+
+__all__: list[str] = []
+
+INLINE_BYTES = 256 << 10  # CPU tensors below this travel in the message itself
+_PLAIN = (Tensor, nn.Parameter)
+
+
+def _rebuild_inline(cls: type, data: bytes, dtype: torch.dtype, shape: torch.Size, grad: bool) -> Tensor:
+    if data:
+        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    else:
+        t = torch.empty(shape, dtype=dtype)
+    if cls is nn.Parameter:
+        return nn.Parameter(t, requires_grad=grad)
+    return t.requires_grad_(grad) if grad else t
+
+
+def _inline(t: Tensor) -> tuple[Any, ...]:
+    flat = t.detach().contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return (_rebuild_inline, (type(t), data, t.dtype, t.shape, t.requires_grad and t.is_leaf))
+
+
+def _shared_storage(nbytes: int) -> torch.UntypedStorage:
+    return torch.UntypedStorage._new_shared(nbytes)
+
+
+def _in_shared_memory(t: Tensor) -> Tensor:
+    """A copy of ``t`` (its view only) in a fresh shared-memory block."""
+    storage = _shared_storage(t.numel() * t.element_size())
+    copy = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, _contiguous_strides(t.shape))
+    copy.copy_(t.detach())
+    if type(t) is nn.Parameter:
+        return nn.Parameter(copy, requires_grad=t.requires_grad)
+    return copy.requires_grad_(True) if t.requires_grad and t.is_leaf else copy
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _plain_cpu(obj: Any) -> bool:
+    return (
+        type(obj) in _PLAIN
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and not obj.is_quantized
+    )
+
+
+def _io_reduce(obj: Any) -> Any:
+    if not isinstance(obj, Tensor) or not _plain_cpu(obj):
+        return NotImplemented
+    if obj.numel() * obj.element_size() < INLINE_BYTES:
+        return _inline(obj)
+    return reduce_tensor(_in_shared_memory(obj))
+
+
+class _IOPickler(ForkingPickler):
+    """Batches, outputs and messages: small CPU tensors inline, large ones in shared memory."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _io_reduce(obj)
+
+
+class _ModelPickler(ForkingPickler):
+    """The module: each parameter and buffer storage copied once into shared memory."""
+
+    def __init__(self, file: Any, copies: dict[Any, torch.UntypedStorage], tensors: set[int]) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._copies, self._tensors = copies, tensors
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, Tensor):
+            return NotImplemented
+        if (
+            id(obj) not in self._tensors
+            or type(obj) not in _PLAIN
+            or obj.layout != torch.strided
+            or obj.device.type not in ("cpu", "cuda")
+        ):
+            return _io_reduce(obj)
+        source = obj.untyped_storage()
+        key = (source.data_ptr(), source.nbytes(), source.device)
+        storage = self._copies.get(key)
+        if storage is None:
+            storage = self._copies[key] = _shared_storage(source.nbytes())
+            storage.copy_(source)  # from any device: workers move their model themselves
+        copy = torch.empty(0, dtype=obj.dtype).set_(
+            storage, obj.storage_offset(), obj.shape, obj.stride()
+        )
+        if type(obj) is nn.Parameter:
+            copy = nn.Parameter(copy, requires_grad=obj.requires_grad)
+        return reduce_tensor(copy)
+
+
+def dumps(obj: Any) -> bytes:
+    """``obj`` pickled for another process (see the module docstring)."""
+    buf = io.BytesIO()
+    _IOPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+loads = pickle.loads
+
+
+def model_payloads(module: nn.Module, n: int) -> list[bytes]:
+    """``module`` pickled ``n`` times (a descriptor is fetched once), on one shared copy.
+
+    Raises ``TypeError`` naming what cannot be pickled (see :func:`unpicklable`).
+    """
+    tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    copies: dict[Any, torch.UntypedStorage] = {}
+    payloads = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        try:
+            _ModelPickler(buf, copies, tensors).dump(module)
+        except Exception as exc:
+            raise TypeError(unpicklable(module, exc)) from exc
+        payloads.append(buf.getvalue())
+    return payloads  # the copies may go: each payload holds descriptors of its own
+
+
+class _Probe(pickle.Pickler):
+    """Pickles to nowhere, with tensors stubbed: cheap enough to try every attribute."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor):
+            return (tuple, ())
+        return NotImplemented
+
+
+def _fails(value: Any) -> BaseException | None:
+    try:
+        _Probe(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(value)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
+    for prefix, m in module.named_modules(remove_duplicate=True):
+        path = f"module.{prefix}" if prefix else "module"
+        for name, value in vars(m).items():
+            if name in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(value, dict) and "hook" in name:
+                for key, hook in dict(value).items():
+                    yield f"{path}.{name}[{key!r}]", hook
+            else:
+                yield f"{path}.{name}", value
+
+
+def unpicklable(module: nn.Module, error: BaseException) -> str:
+    """The message for a module that cannot be sent: what fails to pickle, and what to do.
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 2)
+        >>> _ = m.register_forward_hook(lambda *a: None)
+        >>> print(unpicklable(m, TypeError("x")).split(": ", 2)[2].split(" cannot")[0])  # doctest: +ELLIPSIS
+        module._forward_hooks[...] (function <lambda>)
+    """
+    culprit = next(((p, v, e) for p, v in _attributes(module) if (e := _fails(v)) is not None), None)
+    if culprit is None:
+        what = f"pickling it raised {type(error).__name__}: {error}"
+    else:
+        path, value, exc = culprit
+        kind = getattr(value, "__qualname__", None)
+        described = f"{type(value).__name__} {kind}" if kind else type(value).__name__
+        what = f"{path} ({described}) cannot be pickled"
+        if exc is not None and str(exc):
+            what += f"; pickle said: {type(exc).__name__}: {exc}"
+    return (
+        f"DataParallel(workers='processes'): the module cannot be sent to a worker process: "
+        f"{what}. Use workers='threads', or pass factory=, a picklable zero-argument "
+        f"callable (a module-level function) that builds the module in each worker"
+    )
+
+
+def check_factory(factory: Any) -> Any:
+    """``factory`` if it is None or a picklable callable; else a ``TypeError`` naming it."""
+    if factory is None:
+        return None
+    if not callable(factory):
+        raise TypeError(
+            f"factory: expected a picklable zero-argument callable that builds the module, "
+            f"got {type(factory).__name__} {factory!r}"
+        )
+    exc = _fails(factory)
+    if exc is not None:
+        raise TypeError(
+            f"factory: expected a picklable zero-argument callable (a module-level function "
+            f"or class), got {factory!r}, which cannot be pickled: {type(exc).__name__}: {exc}"
+        )
+    return factory
+

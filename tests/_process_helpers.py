@@ -1,0 +1,143 @@
+"""Models and factories for tests/test_process_workers.py.
+
+Spawned worker processes rebuild these by importing this module (tests/ is on the
+sys.path that spawn hands to its children), so everything here is module-level.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import dpmethods
+
+
+class Net(nn.Module):
+    """One parallel method per output kind and per gather mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    @dpmethods.parallel_method
+    def encode(self, x: torch.Tensor, *, scale: float = 1.0) -> Any:
+        if torch.isnan(x).any():
+            raise ValueError("encode: a NaN batch")
+        y = self.lin(x) * scale
+        return {"y": y, "n": x.shape[0], "norm": y.norm(dim=1)}
+
+    @dpmethods.parallel_method
+    def output(self, x: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.lin(x), hidden_states=(x, self.lin(x)))
+
+    @dpmethods.parallel_method
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        return self.lin(x).numpy()
+
+    @dpmethods.parallel_method(gather="extend")
+    def words(self, x: torch.Tensor) -> list[str]:
+        return [f"row {float(r.sum()):.4f}" for r in self.lin(x)]
+
+    @dpmethods.parallel_method
+    def big(self, x: torch.Tensor) -> torch.Tensor:
+        # Over the inline limit: through shared memory, both ways.
+        return self.lin(x).repeat(1, 40000)
+
+    @dpmethods.parallel_method
+    def pid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0],), os.getpid())
+
+    @dpmethods.parallel_method
+    def sleepy(self, x: torch.Tensor, seconds: float = 0.0) -> torch.Tensor:
+        time.sleep(seconds)
+        return self.lin(x)
+
+    @dpmethods.parallel_method(gather="stack")
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum(0)
+
+    @dpmethods.parallel_method(gather="mean")
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).mean()
+
+    @dpmethods.parallel_method(gather="sum")
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+    @dpmethods.parallel_method(gather="pad", pad_value=-1.0)
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        # A length that depends on the chunk: the gather pads dim 1.
+        return self.lin(x)[:, : 1 + x.shape[0] % 3]
+
+    @dpmethods.parallel_method(gather="list")
+    def listed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def build_net() -> Net:
+    """A factory: the same weights as ``torch.manual_seed(0); Net()``."""
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def build_net_doubled() -> Net:
+    """A factory whose model differs from ``build_net``'s (the workers' model is its)."""
+    net = build_net()
+    with torch.no_grad():
+        net.lin.weight.mul_(2)
+    return net
+
+
+def tiny_gpt2() -> Any:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def count_calls(module: nn.Module, args: Any, output: Any) -> Any:
+    """A picklable forward hook that doubles the output (a hook change must be seen)."""
+    return output * 2
+
+
+def shard_rank(rank: int, world: int, port: int, outdir: str) -> None:
+    """One gloo rank of the shard test: a process map with shard=True, results saved."""
+    import traceback
+    from datetime import timedelta
+    from pathlib import Path
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers="processes")
+        batches = [torch.full((2, 4), float(i)) for i in range(7)]
+        with torch.no_grad():
+            ordered = list(dp.map("encode", batches, shard=True))
+            pairs = list(dp.map("encode", iter(batches), shard=True, ordered=False))
+        dp.close()
+        torch.save(
+            {"ordered": ordered, "indices": [i for i, _ in pairs], "pairs": pairs},
+            os.path.join(outdir, f"rank{rank}.pt"),
+        )
+    except BaseException:
+        Path(outdir, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        torch.distributed.destroy_process_group()

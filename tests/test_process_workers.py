@@ -1,0 +1,358 @@
+"""``workers="processes"``: maps and inference calls in one worker process per CPU device.
+
+Every output is compared with the one-device loop (or, for a call's gather modes, with
+the same call on threads) on random data. Spawning costs seconds per worker, so most
+tests share one wrapper whose pool lives for the module; no test asserts a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import socket
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _process_helpers import (
+    Net,
+    build_net,
+    build_net_doubled,
+    count_calls,
+    shard_rank,
+    tiny_gpt2,
+)
+from _tiny_models import random_sentences, tiny_sentence_transformer
+
+import dpmethods
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _workers() -> list[multiprocessing.process.BaseProcess]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("dpmethods-worker-")]
+
+
+@pytest.fixture(scope="module")
+def net() -> Net:
+    return build_net()
+
+
+@pytest.fixture(scope="module")
+def dp(net: Net) -> Iterator[dpmethods.DataParallel[Net]]:
+    torch.set_num_threads(1)
+    wrapper = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, workers="processes")
+    yield wrapper
+    wrapper.close()
+    assert _workers() == []
+
+
+def _pids(dp: Any) -> list[int]:
+    return [s.process.pid for s in dp.__dict__["_process_pool"].slots]
+
+
+def _batches(n: int = 9) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randn(1 + (i * 5) % 7, 4, generator=g) for i in range(n)]
+
+
+def _same(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, dict):  # ModelOutput too
+        assert list(a.keys()) == list(b.keys())
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.device == b.device
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    elif isinstance(a, np.ndarray):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("method", ["encode", "output", "to_numpy", "words", "big"])
+@pytest.mark.parametrize("ordered", [True, False])
+def test_map_equals_the_one_device_loop(dp: Any, net: Net, method: str, ordered: bool) -> None:
+    batches = _batches()
+    with torch.no_grad():
+        ref = [getattr(net, method)(b) for b in batches]
+        outs = list(dp.map(method, batches, ordered=ordered, prefetch=1 if ordered else 3))
+    if not ordered:
+        assert sorted(i for i, _ in outs) == list(range(len(batches)))
+        outs = [o for _, o in sorted(outs, key=lambda p: p[0])]
+    assert len(outs) == len(ref)
+    for a, b in zip(outs, ref):
+        _same(a, b)
+
+
+def test_batch_kinds_kwargs_and_progress(dp: Any, net: Net, capsys: pytest.CaptureFixture[str]) -> None:
+    x = torch.randn(3, 4)
+    batches = [{"x": x}, (x,), x]
+    with torch.no_grad():
+        ref = net.encode(x, scale=2.0)
+        outs = list(dp.map("encode", batches, scale=2.0, progress="procs"))
+    for out in outs:
+        _same(out, ref)
+    assert "procs" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore:gather. output.'n'. .int. differs")
+@pytest.mark.parametrize("method", ["encode", "stacked", "mean", "total", "padded", "listed", "words", "forward"])
+def test_calls_gather_every_mode_as_threads(dp: Any, net: Net, method: str) -> None:
+    threads = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
+    x = torch.randn(5, 4)  # chunks of 3 and 2
+    with torch.no_grad():
+        want = threads(x) if method == "forward" else getattr(threads, method)(x)
+        got = dp(x) if method == "forward" else getattr(dp, method)(x)
+    _same(got, want)
+    assert len(set(_pids(dp))) == 2
+
+
+def test_calls_run_in_the_workers(dp: Any) -> None:
+    with torch.no_grad():
+        pids = dp.pid(torch.zeros(4, 4))
+    assert sorted(set(pids.tolist())) == sorted(_pids(dp))
+    assert os.getpid() not in pids.tolist()
+
+
+def test_a_failing_batch_then_the_pool_still_works(dp: Any, net: Net) -> None:
+    with torch.no_grad():
+        list(dp.map("encode", _batches(2)))
+    before = _pids(dp)
+    batches = _batches(6)
+    batches[3] = torch.full((2, 4), float("nan"))
+    with torch.no_grad(), pytest.raises(ValueError, match="a NaN batch") as info:
+        list(dp.map("encode", batches))
+    note = "\n".join(getattr(info.value, "__notes__", []))
+    assert "DataParallel.map: raised in batch 3 on worker" in note
+    assert "device cpu" in note and "Traceback (most recent call last)" in note
+    with torch.no_grad():
+        outs = list(dp.map("encode", _batches()))
+        ref = [net.encode(b) for b in _batches()]
+    for a, b in zip(outs, ref):
+        _same(a, b)
+    assert _pids(dp) == before  # the same workers
+
+
+def test_a_killed_worker_is_named_then_replaced(dp: Any, net: Net) -> None:
+    with torch.no_grad():
+        list(dp.map("encode", _batches(2)))
+    victim = _pids(dp)[0]
+    batches = [torch.randn(2, 4) for _ in range(8)]
+    with torch.no_grad(), pytest.raises(RuntimeError) as info:
+        for k, _ in enumerate(dp.map("sleepy", batches, seconds=0.5)):
+            if k == 0:
+                os.kill(victim, signal.SIGKILL)
+    text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
+    assert f"worker 0 (pid {victim}, device cpu) died with exit code -9 (SIGKILL)" in text
+    assert "the next map starts a fresh worker" in text
+    with torch.no_grad():
+        outs = list(dp.map("encode", _batches()))
+        ref = [net.encode(b) for b in _batches()]
+    for a, b in zip(outs, ref):
+        _same(a, b)
+    assert _pids(dp)[0] != victim
+
+
+def test_break_and_close_stop_the_map_and_keep_the_pool(dp: Any, net: Net) -> None:
+    batches = [torch.randn(2, 4) for _ in range(10)]
+    with torch.no_grad():
+        for _ in dp.map("sleepy", batches, seconds=0.2):
+            break
+        it = dp.map("sleepy", batches, seconds=0.2)
+        next(it)
+        it.close()
+        assert list(it) == []
+        with dp.map("sleepy", batches) as it2:
+            next(it2)
+        outs = list(dp.map("encode", _batches()))  # the running batches are dropped first
+        ref = [net.encode(b) for b in _batches()]
+    for a, b in zip(outs, ref):
+        _same(a, b)
+
+
+def test_a_second_map_while_one_runs_is_an_error(dp: Any) -> None:
+    with torch.no_grad():
+        first = dp.map("encode", _batches())
+        next(first)
+        with pytest.raises(RuntimeError, match=r"busy with another map or call .*workers='threads'"):
+            next(dp.map("encode", _batches()))
+        first.close()
+        assert len(list(dp.map("encode", _batches()))) == 9
+
+
+def test_changed_weights_and_hooks_are_seen(dp: Any, net: Net) -> None:
+    x = torch.randn(4, 4)
+    saved = net.lin.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            list(dp.map("forward", [x]))
+            net.lin.weight.mul_(3)
+            [out] = list(dp.map("forward", [x]))
+            torch.testing.assert_close(out, net(x), rtol=0, atol=1e-6)
+            handle = net.register_forward_hook(count_calls)
+            try:
+                [out] = list(dp.map("forward", [x]))
+                torch.testing.assert_close(out, net(x), rtol=0, atol=1e-6)
+                torch.testing.assert_close(dp(x), net(x), rtol=0, atol=1e-6)
+            finally:
+                handle.remove()
+    finally:
+        with torch.no_grad():
+            net.lin.weight.copy_(saved)
+
+
+def test_the_module_is_not_moved_into_shared_memory(dp: Any, net: Net) -> None:
+    with torch.no_grad():
+        list(dp.map("encode", _batches(2)))
+    assert not any(p.is_shared() for p in net.parameters())
+
+
+def test_outputs_that_require_grad_are_an_error(dp: Any) -> None:
+    x = torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match=r"requires grad, but autograd cannot cross processes.*workers='threads'") as info:
+        list(dp.map("forward", [x]))
+    assert "raised in batch 0 on worker" in "\n".join(info.value.__notes__)
+    with pytest.raises(RuntimeError, match=r"requires grad.*workers='threads'"):
+        dp(x)
+    with torch.no_grad():
+        assert dp(x).shape == (4, 3)  # and the pool still works
+
+
+def test_no_worker_is_left_after_close_or_drop() -> None:
+    dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers="processes")
+    with torch.no_grad():
+        list(dp.map("encode", _batches(3)))
+    pids = _pids(dp)
+    assert {p.pid for p in _workers()} >= set(pids)
+    dp.close()
+    assert not {p.pid for p in _workers()} & set(pids)
+    with torch.no_grad():
+        list(dp.map("encode", _batches(3)))  # starts fresh ones
+    pids = _pids(dp)
+    del dp
+    gc.collect()
+    assert not {p.pid for p in _workers()} & set(pids)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # joined: not even a zombie
+
+
+def test_a_model_that_cannot_be_pickled_fails_at_once() -> None:
+    net = build_net()
+    net.lin.register_forward_hook(lambda m, i, o: o)
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, workers="processes")
+    with pytest.raises(TypeError) as info:
+        next(dp.map("forward", [torch.randn(2, 4)]))
+    text = str(info.value)
+    assert "the module cannot be sent to a worker process" in text
+    assert "module.lin._forward_hooks[" in text and "<lambda>" in text
+    assert "workers='threads'" in text and "factory=" in text
+    assert not dp.__dict__["_process_pool"].started()  # nothing was started
+
+
+def test_factory_builds_the_model_in_each_worker() -> None:
+    dp = dpmethods.DataParallel(
+        build_net(), device_ids=["cpu"] * 2, workers="processes", factory=build_net_doubled
+    )
+    try:
+        model = build_net_doubled()
+        batches = _batches(5)
+        with torch.no_grad():
+            for a, b in zip(dp.map("encode", batches), (model.encode(b) for b in batches)):
+                _same(a, b)
+            _same(dp(batches[2]), model(batches[2]))
+    finally:
+        dp.close()
+
+
+def test_invalid_workers_and_factory() -> None:
+    with pytest.raises(ValueError, match=r"workers: expected 'threads' or 'processes', got str 'fork'"):
+        dpmethods.DataParallel(Net(), device_ids=["cpu"] * 2, workers="fork")
+    with pytest.raises(TypeError, match=r"factory: expected a picklable zero-argument callable .*lambda"):
+        dpmethods.DataParallel(Net(), device_ids=["cpu"] * 2, factory=lambda: Net())
+    dp = dpmethods.DataParallel(Net(), device_ids=["cpu"] * 2)
+    with pytest.raises(ValueError, match=r"workers: expected 'threads' or 'processes', got int 2"):
+        dp.map("encode", [], workers=2)
+
+
+def test_generate_without_no_grad_in_maps_and_calls() -> None:
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        {"input_ids": torch.randint(2, 64, (n, 5), generator=g), "max_new_tokens": k}
+        for n, k in [(3, 4), (1, 9), (2, 2), (4, 6)]
+    ]
+    kwargs = {"do_sample": False, "pad_token_id": 1}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' notes about attention masks
+            ref = [model.generate(**b, **kwargs) for b in batches]
+            outs = list(dp.map("generate", batches, **kwargs))  # grad on: generate turns it off
+            call = dp.generate(**batches[3], **kwargs)
+        for a, b in zip(outs, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(call, ref[3], rtol=0, atol=0)
+    finally:
+        dp.close()
+
+
+def test_sentence_transformers_encode(tmp_path: Path) -> None:
+    model = tiny_sentence_transformer(tmp_path)
+    sentences = random_sentences(24)
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
+    try:
+        want = model.encode(sentences)
+        np.testing.assert_allclose(dp.encode(sentences), want, rtol=0, atol=1e-5)
+        parts = list(dp.map("encode", [sentences[:10], sentences[10:]]))
+        np.testing.assert_allclose(np.concatenate(parts), want, rtol=0, atol=1e-5)
+    finally:
+        dp.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available in this build",
+)
+def test_shard_under_two_gloo_ranks(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(
+        shard_rank, args=(2, port, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 160
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("the 2-rank shard run did not finish in 160 s")
+    net = build_net()
+    batches = [torch.full((2, 4), float(i)) for i in range(7)]
+    with torch.no_grad():
+        ref = [net.encode(b) for b in batches]
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        mine = list(range(rank, 7, 2))
+        assert sorted(res["indices"]) == mine
+        for out, i in zip(res["ordered"], mine):
+            _same(out, ref[i])
+        for i, out in res["pairs"]:
+            _same(out, ref[i])
