@@ -515,9 +515,9 @@ def test_eager_entry_keeps_reference_counts() -> None:
 @needs_ext
 def test_eager_entry_argument_errors() -> None:
     t = [torch.ones(2), torch.ones(2)]
-    with pytest.raises(TypeError, match=r"num_replicas must be an int, got str"):
+    with pytest.raises(TypeError, match=r"num_replicas: expected an int, got str '2'$"):
         ops.gather_coalesced(t, "2", 0, CPU)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"dim must be an int, got float"):
+    with pytest.raises(TypeError, match=r"dim: expected an int, got float 0.0$"):
         ops.gather_coalesced(t, 2, 0.0, CPU)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"takes 4 arguments \(tensors, num_replicas, dim, device\), got 3"):
         ops._eager(t, 2, 0)
