@@ -16,7 +16,6 @@ for tensors, tuples, lists and dicts are unchanged.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -33,7 +32,6 @@ LEAF, NONE, OTHER = "*", "-", "="
 _LEAVES = (LEAF, NONE, OTHER)
 _LEAF_SET = frozenset(_LEAVES)
 _TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS, _NODE = range(6)
-_TENSORS = itertools.repeat(Tensor)
 Spec = Any
 
 
@@ -120,16 +118,25 @@ def _mapping(cls: Any, keys: tuple[Any, ...], values: list[Any]) -> Any:
         ) from exc
 
 
-@functools.lru_cache(maxsize=256)
+# One shared tuple per length, so comparing the specs of replicas is an identity check.
+# A bounded dict rather than functools.lru_cache, which torch.compile warns about.
+_ALL_LEAVES: dict[int, tuple[str, ...]] = {}
+
+
 def _all_leaves(n: int) -> tuple[str, ...]:
-    # One shared tuple per length, so comparing the specs of replicas is an identity check.
-    return (LEAF,) * n
+    spec = _ALL_LEAVES.get(n)
+    if spec is None:
+        spec = (LEAF,) * n
+        if len(_ALL_LEAVES) < 256:
+            _ALL_LEAVES[n] = spec
+    return spec
 
 
 def _children(values: list[Any], leaves: list[Any]) -> tuple[Spec, ...]:
     # A container of tensors only (the common output) is handled without a Python-level
-    # step per leaf; `map(isinstance, ...)` runs in C.
-    if all(map(isinstance, values, _TENSORS)):
+    # step per leaf; `map(isinstance, ...)` runs in C. The itertools.repeat is made here,
+    # not kept in a global: torch.compile models one built while tracing, not one it finds.
+    if all(map(isinstance, values, itertools.repeat(Tensor))):
         leaves.extend(values)
         return _all_leaves(len(values))
     append = leaves.append

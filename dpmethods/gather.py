@@ -27,7 +27,9 @@ from .values import join_values, reduce
 
 __all__ = ["gather"]
 
-_TENSORS = itertools.repeat(Tensor)
+# `all(map(isinstance, xs, itertools.repeat(Tensor)))` checks a list in C. The repeat is
+# made per call, not kept in a global: torch.compile models an itertools.repeat built
+# while tracing, but not one it finds (fullgraph=True failed on the public gather).
 
 
 def _pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Tensor]:
@@ -247,7 +249,7 @@ def gather(
     # An int gather_dim is the caller's word on where every output's batch is.
     check_dims = check and (gather_dim is None or isinstance(gather_dim, Mapping))
 
-    if mode == "cat" and key_dims is None and all(map(isinstance, outputs, _TENSORS)) and outputs[0].dim():
+    if mode == "cat" and key_dims is None and all(map(isinstance, outputs, itertools.repeat(Tensor))) and outputs[0].dim():
         coupled_one = check and check_shares([outputs], sizes, [dim], None, lambda i: "output", batch_dim=check_dims)
         if coupled_one and not joinable(outputs, dim):  # warned: the pieces, rather than an error
             return [t.to(device) for t in outputs]
@@ -287,7 +289,7 @@ def gather(
     if (
         mode == "cat"
         and key_dims is None
-        and all(map(isinstance, leaves0, _TENSORS))
+        and all(map(isinstance, leaves0, itertools.repeat(Tensor)))
         and all(map(Tensor.dim, leaves0))
     ):
         coupled = (

@@ -27,6 +27,7 @@ Rules for torch's own types (``PackedSequence``, ``torch.distributions``) are in
 
 from __future__ import annotations
 
+import builtins
 import copy
 import inspect
 import sys
@@ -244,10 +245,12 @@ def _install_shipped(kind: type) -> None:
         return
     # A library's classes (and subclasses of them) can only show up once it is
     # imported, so checking the libraries of a class's bases when it is first seen is enough.
-    for root in {getattr(k, "__module__", "").partition(".")[0] for k in kind.__mro__}:
+    # Builtin bases are skipped: torch.compile cannot read their __module__ while tracing.
+    for root in {k.__module__.partition(".")[0] for k in kind.__mro__ if k not in _BUILTIN_TYPES}:
         install = _PENDING.get(root)
         if install is not None and install():
             del _PENDING[root]
 
 
+_BUILTIN_TYPES = frozenset(v for v in vars(builtins).values() if isinstance(v, type))
 _tree.on_miss.append(_install_shipped)

@@ -8,6 +8,7 @@ instance each call ran on; a counting dynamo backend sees each run of compiled c
 
 from __future__ import annotations
 
+import collections
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -296,3 +297,75 @@ def test_replicas_take_turns_in_the_callers_thread_where_torch_cannot_compile_in
         got = DataParallel(torch.compile(model, backend=backend), device_ids=["cpu"] * 3)(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert threads == [threading.get_ident()] * 3  # every replica ran in this thread
+
+
+# --- torch.compile over the public gather (issue 18, item 19) ------------------------
+
+needs_dynamo = pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here"
+)
+
+
+def _outputs(kind: str) -> tuple[list[Any], dict[str, Any]]:
+    gen = torch.Generator().manual_seed(3)
+    a = [torch.randn(n, 4, generator=gen) for n in (3, 2, 2)]
+    b = [torch.randn(n, generator=gen) for n in (3, 2, 2)]
+    if kind == "tensor":
+        return a, {}
+    if kind == "tuple":
+        return [(x, [y]) for x, y in zip(a, b)], {}
+    if kind == "dict":
+        return [{"h": x, "loss": y.sum(), "y": y} for x, y in zip(a, b)], {"mode": {"loss": "mean"}}
+    if kind == "namedtuple":  # a class first seen while tracing: its rule lookup is traced
+        pair = collections.namedtuple("Pair", "h y")  # type: ignore[misc]
+        return [pair(x, y) for x, y in zip(a, b)], {}
+    if kind == "model_output":  # a type with a shipped rule lookup (transformers)
+        outputs = pytest.importorskip("transformers.modeling_outputs")
+        return [outputs.BaseModelOutput(last_hidden_state=x) for x in a], {}
+    assert kind == "dim1"
+    return [x.T for x in a], {"dim": 1, "sizes": [3, 2, 2]}
+
+
+@needs_dynamo
+@pytest.mark.parametrize("extension", [True, False], ids=["extension", "fallback"])
+@pytest.mark.parametrize("kind", ["tensor", "tuple", "dict", "namedtuple", "model_output", "dim1"])
+def test_public_gather_compiles_with_fullgraph(
+    kind: str, extension: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dpmethods import ops
+
+    if not extension:
+        monkeypatch.setattr(ops, "_op", None)  # the pure-PyTorch torch.cat path
+    elif ops._op is None:
+        pytest.skip("dpmethods._C is not built")
+    torch._dynamo.reset()
+    outputs, kwargs = _outputs(kind)
+    backend = Counter()
+    compiled = torch.compile(
+        lambda outs: dpmethods.gather(outs, "cpu", **kwargs), backend=backend, fullgraph=True
+    )
+    got = compiled(outputs)
+    want = dpmethods.gather(outputs, "cpu", **kwargs)
+    assert backend.runs == 1  # one graph, no break (fullgraph=True would have raised)
+    assert type(got) is type(want)
+    got_leaves, got_spec = torch.utils._pytree.tree_flatten(got)
+    want_leaves, want_spec = torch.utils._pytree.tree_flatten(want)
+    assert got_spec == want_spec and len(got_leaves) >= 1
+    for g, w in zip(got_leaves, want_leaves, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+@needs_dynamo
+def test_compiled_gather_backward_matches_eager() -> None:
+    # aot_eager traces the op's fake kernel and its autograd formula.
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(4)
+    pieces = [torch.randn(n, 3, generator=gen, requires_grad=True) for n in (2, 3)]
+    compiled = torch.compile(
+        lambda ps: dpmethods.gather([{"y": p * 2} for p in ps], "cpu")["y"],
+        backend="aot_eager", fullgraph=True,
+    )
+    weight = torch.randn(5, 3, generator=gen)
+    (compiled(pieces) * weight).sum().backward()
+    for p, w in zip(pieces, torch.split(weight, [2, 3]), strict=True):
+        torch.testing.assert_close(p.grad, 2 * w)
