@@ -1,26 +1,31 @@
-"""Throughput of ``dp.map`` against a loop of ``dp.method`` calls and a one-device loop.
+"""Throughput of ``dp.map`` and of calls, on threads and on processes, against one device.
 
-Two workloads, each a list of batches run to the end by every path:
+Workloads, each a list of batches run to the end by every path:
 
+- ``gil``: greedy ``generate`` of a tiny random GPT-2 (Python-bound: the interpreter's
+  loop over tokens and layers costs more than the matmuls), 16 batches of 4 prompts, 24
+  new tokens;
 - ``ragged``: ``generate`` of a small random GPT-2 (matmuls dominate a step), greedy,
   where every prompt stops at its own length (a StoppingCriteria reads each row's
-  target length from its first token, so splitting a batch keeps it), so some
-  sequences run several times longer than others;
-- ``uniform``: ``forward`` of a random BERT encoder on batches of one shape.
+  target length from its first token, so splitting a batch keeps it);
+- ``uniform``: ``forward`` of a random BERT encoder on batches of one shape;
+- ``encode`` (needs sentence-transformers): ``SentenceTransformer.encode`` of 2,048
+  sentences with a tiny random BERT, against sentence-transformers' own
+  ``start_multi_process_pool(["cpu", "cpu"])``.
 
 Paths, interleaved round by round (the order rotates each round, so drift of the
 shared host hits them alike):
 
-- ``map``        ``list(dp.map(method, batches))``: each batch whole on the first free replica;
-- ``lock-step``  ``[dp.method(**b) for b in batches]``: every batch split over every replica;
-- ``one-device`` ``[model.method(**b) for b in batches]`` on the first device, on the CPU
-  with ``--one-device-threads`` torch threads (default: one replica's, ``--threads``; on
-  this busy 2-core host two OpenMP threads made the ragged loop 15x slower, 104 s
-  against 6.9 s a pass, so "all cores" is an option, not the default).
+- ``map``            ``list(dp.map(method, batches))`` on threads: each batch whole on the first free replica;
+- ``map-processes``  the same with ``workers="processes"`` (one worker process per device, pool warm);
+- ``calls``          ``[dp.method(**b) for b in batches]``: every batch split over every replica (threads);
+- ``calls-processes`` the same on a ``workers="processes"`` wrapper;
+- ``one-device``     ``[model.method(**b) for b in batches]`` on the first device, on the CPU
+  with ``--one-device-threads`` torch threads (default: one replica's, ``--threads``).
 
-It reports per path the median pass time and throughput with p10/p90, the paired
-per-round ratio ``lock-step time / map time`` against the targets (ragged >= 1.25,
-uniform >= 0.95), whether ``map``'s outputs equal the one-device loop's, and writes
+It reports per path the median pass time and throughput with p10/p90, paired per-round
+ratios against the targets, the pools' start-up times (measured apart, never in a pass),
+whether every path's outputs equal the one-device loop's, and writes
 ``map_<device>.json`` and ``.png``.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_map.py [--quick] [--device cpu|cuda] [--out DIR]``
@@ -33,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -47,12 +53,21 @@ import _common
 
 import dpmethods
 from dpmethods import DataParallel
+from dpmethods._process_pool import pool_for
 
 __all__ = ["Figure", "main", "run"]
 
-PATHS = ("map", "lock-step", "one-device")
-TARGETS = {"ragged": 1.25, "uniform": 0.95}  # lock-step time / map time, at least
 PROMPT, PAD, VOCAB = 8, 1, 4096
+# (workload, faster path, slower path, at least): slower's time / faster's time, paired per round.
+TARGETS = [
+    ("gil", "map-processes", "map", 2.0),
+    ("gil", "map-processes", "one-device", 1.5),
+    ("gil", "calls-processes", "calls", 2.0),
+    ("ragged", "map", "calls", 1.25),
+    ("uniform", "map", "calls", 0.95),
+    ("uniform", "map-processes", "map", 1.0),
+    ("encode", "calls-processes", "st-pool", 1.0),
+]
 
 
 @dataclass
@@ -68,7 +83,7 @@ class Figure:
     items: int
     items_per_s: float
     rounds: list[float] = field(default_factory=list)
-    cpu_rounds: list[float] = field(default_factory=list)  # process CPU seconds per pass
+    cpu_rounds: list[float] = field(default_factory=list)  # this process's CPU seconds per pass
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -81,7 +96,8 @@ def _quantile(xs: list[float], q: float) -> float:
 
 class _RowStop:
     """Stop each row at its own length, read from its first prompt token (so a split
-    batch keeps every row's length): ``PROMPT + 4 + first_token % spread`` tokens."""
+    batch keeps every row's length): ``PROMPT + 4 + first_token % spread`` tokens.
+    A plain module-level class, so worker processes can unpickle it."""
 
     def __init__(self, spread: int) -> None:
         self.spread = spread
@@ -91,19 +107,42 @@ class _RowStop:
         return input_ids.shape[1] >= target
 
 
-def _ragged(device: torch.device, quick: bool) -> dict[str, Any]:
+def _gpt2(device: torch.device, n_embd: int, n_layer: int, vocab: int) -> Any:
     import transformers
-    from transformers import StoppingCriteria, StoppingCriteriaList
 
-    stop = type("RowStop", (_RowStop, StoppingCriteria), {})(spread=44)
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=128, n_embd=512, n_layer=4, n_head=8,
+        vocab_size=vocab, n_positions=128, n_embd=n_embd, n_layer=n_layer, n_head=max(2, n_embd // 64),
         bos_token_id=0, eos_token_id=PAD, pad_token_id=PAD,
     )
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval().to(device)
+    return transformers.GPT2LMHeadModel(config).eval().to(device)
+
+
+def _gil(device: torch.device, quick: bool) -> dict[str, Any]:
+    model = _gpt2(device, 64, 2, 256)
+    g = torch.Generator().manual_seed(2)
+    n, size, new = (8, 4, 24) if quick else (16, 4, 24)
+    batches = [
+        {"input_ids": torch.randint(2, 256, (size, PROMPT), generator=g).to(device)} for _ in range(n)
+    ]
+    # min_new_tokens: every row runs all 24 steps (nothing to balance: the GIL is the test).
+    kwargs = {"do_sample": False, "pad_token_id": PAD, "max_new_tokens": new, "min_new_tokens": new}
+    return {
+        "model": model, "method": "generate", "batches": batches, "kwargs": kwargs,
+        "items": n * size, "options": {"generate": {"gather": "pad", "pad_value": PAD}},
+        "rounds": 3 if quick else 5,
+        "describe": f"tiny GPT-2 (n_embd 64, 2 layers, vocab 256); {n} batches of {size} prompts "
+        f"of {PROMPT} tokens, greedy, {new} new tokens",
+    }
+
+
+def _ragged(device: torch.device, quick: bool) -> dict[str, Any]:
+    from transformers import StoppingCriteriaList
+
+    stop = _RowStop(spread=44)
+    model = _gpt2(device, 512, 4, VOCAB)
     g = torch.Generator().manual_seed(0)
-    n, size = (6, 4) if quick else (12, 4)
+    n, size = (4, 4) if quick else (6, 4)
     batches = [
         {"input_ids": torch.randint(2, VOCAB, (size, PROMPT), generator=g).to(device)}
         for _ in range(n)
@@ -115,6 +154,7 @@ def _ragged(device: torch.device, quick: bool) -> dict[str, Any]:
     return {
         "model": model, "method": "generate", "batches": batches, "kwargs": kwargs,
         "items": n * size, "options": {"generate": {"gather": "pad", "pad_value": PAD}},
+        "rounds": 3,
         "describe": f"GPT-2 n_embd 512, 4 layers, vocab {VOCAB}; {n} batches of {size} "
         f"prompts of {PROMPT} tokens, greedy, each row stopping after 4..{3 + stop.spread} "
         "new tokens",
@@ -131,7 +171,7 @@ def _uniform(device: torch.device, quick: bool) -> dict[str, Any]:
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval().to(device)
     g = torch.Generator().manual_seed(1)
-    n, size, seq = (6, 32, 64) if quick else (12, 32, 64)
+    n, size, seq = (4, 32, 64) if quick else (8, 32, 64)
     batches = [
         {
             "input_ids": torch.randint(0, VOCAB, (size, seq), generator=g).to(device),
@@ -141,17 +181,41 @@ def _uniform(device: torch.device, quick: bool) -> dict[str, Any]:
     ]
     return {
         "model": model, "method": "forward", "batches": batches, "kwargs": {},
-        "items": n * size, "options": None,
+        "items": n * size, "options": None, "rounds": 4 if quick else 6,
         "describe": f"BERT hidden 256, 4 layers; {n} batches of {size} x {seq} tokens",
     }
 
 
+_WORDS = "the a cat dog sat on mat runs fast slow big small red blue green old new".split()
+
+
+def _sentence_model(tmp: Path) -> Any:
+    import transformers
+    from sentence_transformers import SentenceTransformer, models
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
+    (tmp / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(tmp)
+    transformers.BertTokenizer(str(tmp / "vocab.txt")).save_pretrained(tmp)
+    transformer = models.Transformer(str(tmp))
+    pooling = models.Pooling(transformer.auto_model.config.hidden_size, "mean")
+    return SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
+
+
 def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     a = a.last_hidden_state if hasattr(a, "last_hidden_state") else a
     b = b.last_hidden_state if hasattr(b, "last_hidden_state") else b
+    a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
     if a.dtype.is_floating_point:
-        return bool(torch.allclose(a.cpu(), b.cpu(), rtol=1e-4, atol=1e-5))
-    return bool(torch.equal(a.cpu(), b.cpu()))
+        return bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
+    return bool(torch.equal(a, b))
 
 
 def _devices(kind: str) -> list[Any]:
@@ -161,12 +225,26 @@ def _devices(kind: str) -> list[Any]:
     return ["cpu"] * 2
 
 
+def _start(dp: DataParallel[Any]) -> float:
+    """Start a wrapper's worker processes (model sent): its pool's start-up, in seconds."""
+    pool = pool_for(dp)
+    t0 = time.perf_counter()
+    pool.open(dp.module)
+    pool.release()
+    return time.perf_counter() - t0
+
+
 def _paths(
-    w: dict[str, Any], dp: DataParallel, device: str, per_replica: int, one_device_threads: int
-) -> dict[str, Callable[[], Any]]:
+    w: dict[str, Any], ids: list[Any], device: str, per_replica: int, one_device_threads: int
+) -> tuple[dict[str, Callable[[], Any]], dict[str, float], Callable[[], None]]:
+    """Each path's pass, the pools' start-up seconds, and what stops them."""
     model, method, batches, kwargs = w["model"], w["method"], w["batches"], w["kwargs"]
     call = model if method == "forward" else getattr(model, method)
+    dp = DataParallel(model, device_ids=ids, methods=w["options"], cache_replicas=True)
+    dpp = DataParallel(model, device_ids=ids, methods=w["options"], workers="processes")
+    startup = {"processes": _start(dpp)}
     dcall = dp if method == "forward" else getattr(dp, method)
+    pcall = dpp if method == "forward" else getattr(dpp, method)
 
     def one_device() -> Any:
         if device == "cpu":
@@ -177,35 +255,91 @@ def _paths(
             if device == "cpu":
                 torch.set_num_threads(per_replica)
 
-    return {
+    paths = {
         "map": lambda: list(dp.map(method, batches, **kwargs)),
-        "lock-step": lambda: [dcall(**b, **kwargs) for b in batches],
+        "map-processes": lambda: list(dpp.map(method, batches, **kwargs)),
+        "calls": lambda: [dcall(**b, **kwargs) for b in batches],
+        "calls-processes": lambda: [pcall(**b, **kwargs) for b in batches],
         "one-device": one_device,
+    }
+    return paths, startup, dpp.close
+
+
+def _encode_paths(
+    w: dict[str, Any], ids: list[Any], device: str, per_replica: int, one_device_threads: int
+) -> tuple[dict[str, Callable[[], Any]], dict[str, float], Callable[[], None]]:
+    model, sentences = w["model"], w["sentences"]
+    dp = DataParallel(model, device_ids=ids)
+    dpp = DataParallel(model, device_ids=ids, workers="processes")
+    startup = {"processes": _start(dpp)}
+    t0 = time.perf_counter()
+    pool = model.start_multi_process_pool(["cpu"] * len(ids))
+    model.encode(sentences[:8], pool=pool)  # its workers load the model on first use
+    startup["st-pool"] = time.perf_counter() - t0
+
+    def stop() -> None:
+        dpp.close()
+        model.stop_multi_process_pool(pool)
+
+    paths = {
+        "one-device": lambda: model.encode(sentences),
+        "st-pool": lambda: model.encode(sentences, pool=pool),
+        "calls": lambda: dp.encode(sentences),
+        "calls-processes": lambda: dpp.encode(sentences),
+    }
+    return paths, startup, stop
+
+
+def _encode(device: torch.device, quick: bool) -> dict[str, Any] | None:
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        print("no sentence-transformers: the encode workload is skipped", file=sys.stderr)
+        return None
+    tmp = Path(tempfile.mkdtemp(prefix="bench_map_st_"))
+    g = torch.Generator().manual_seed(3)
+    n = 512 if quick else 2048
+    sentences = [
+        " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (3 + k % 9,), generator=g))
+        for k in range(n)
+    ]
+    return {
+        "model": _sentence_model(tmp), "sentences": sentences, "method": "encode", "items": n,
+        "rounds": 3 if quick else 5, "paths": _encode_paths,
+        "describe": f"SentenceTransformer (BERT hidden 32, 2 layers, mean pooling) encode of {n} "
+        "sentences of 3-11 words, batch_size 32",
     }
 
 
+def _ratios(times: dict[str, list[float]], fast: str, slow: str) -> list[float]:
+    return sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
+
+
 def _measure(
-    name: str, w: dict[str, Any], ids: list[Any], device: str, rounds: int, threads: tuple[int, int]
+    name: str, w: dict[str, Any], ids: list[Any], device: str, threads: tuple[int, int]
 ) -> tuple[list[Figure], dict[str, Any]]:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    dp = DataParallel(w["model"], device_ids=ids, methods=w["options"], cache_replicas=True)
     per_replica = threads[0] if threads[0] > 0 else torch.get_num_threads()
-    paths = _paths(w, dp, device, per_replica, threads[1] if threads[1] > 0 else per_replica)
+    make = w.get("paths", _paths)
+    paths, startup, stop = make(w, ids, device, per_replica, threads[1] if threads[1] > 0 else per_replica)
     times: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, list[float]] = {p: [] for p in paths}
     order = list(paths.items())
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # transformers' notes on attention masks
-        reference = paths["one-device"]()
-        outputs = {p: fn() for p, fn in paths.items() if p != "one-device"}  # and warm-up
-        sync()
-        for r in range(rounds):
-            for p, fn in order[r % len(order) :] + order[: r % len(order)]:
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                sync()
-                times[p].append(time.perf_counter() - t0)
-                cpu[p].append(time.process_time() - c0)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' notes on attention masks
+            reference = paths["one-device"]()
+            outputs = {p: fn() for p, fn in paths.items() if p != "one-device"}  # and warm-up
+            sync()
+            for r in range(w["rounds"]):
+                for p, fn in order[r % len(order) :] + order[: r % len(order)]:
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    fn()
+                    sync()
+                    times[p].append(time.perf_counter() - t0)
+                    cpu[p].append(time.process_time() - c0)
+    finally:
+        stop()
     figures = []
     for p, ts in times.items():
         med = statistics.median(ts)
@@ -216,67 +350,78 @@ def _measure(
                 rounds=ts, cpu_rounds=cpu[p],
             )
         )
-    ratios = sorted(a / b for a, b in zip(times["lock-step"], times["map"], strict=True))
-    med = {p: statistics.median(ts) for p, ts in times.items()}
+    targets = []
+    for wl, fast, slow, least in TARGETS:
+        if wl == name and fast in times and slow in times:
+            rs = _ratios(times, fast, slow)
+            targets.append({
+                "faster": fast, "slower": slow, "at_least": least, "median": statistics.median(rs),
+                "p10": _quantile(rs, 0.1), "p90": _quantile(rs, 0.9),
+                "met": statistics.median(rs) >= least,
+            })
+    one = statistics.median(times["one-device"])
     facts = {
         "workload": w["describe"],
         "method": w["method"],
         "devices": [str(i) for i in ids],
-        "rounds": rounds,
-        "ratio_lockstep_over_map": statistics.median(ratios),
-        "ratio_p10": _quantile(ratios, 0.1),
-        "ratio_p90": _quantile(ratios, 0.9),
-        "ratio_of_medians": med["lock-step"] / med["map"],
-        "target": TARGETS[name],
-        "met": statistics.median(ratios) >= TARGETS[name],
-        "one_device_over_map": med["one-device"] / med["map"],
-        # CPU seconds spent per pass: on a host shared with other work (where a pass may
-        # get less than one core) this shows each path's cost better than the wall clock.
-        "cpu_lockstep_over_map": statistics.median(cpu["lock-step"]) / statistics.median(cpu["map"]),
-        "cpu_one_device_over_map": statistics.median(cpu["one-device"]) / statistics.median(cpu["map"]),
-        "cores_used": {p: statistics.median(c / t for c, t in zip(cpu[p], times[p])) for p in paths},
+        "rounds": w["rounds"],
+        "startup_s": startup,
+        "targets": targets,
+        "speed_over_one_device": {p: one / statistics.median(ts) for p, ts in times.items()},
         "outputs_match_one_device": {
-            p: all(_same(a, b) for a, b in zip(outs, reference, strict=True))
+            p: _same(outs if isinstance(outs, list) else [outs],
+                     reference if isinstance(reference, list) else [reference])
             for p, outs in outputs.items()
         },
-        "new_tokens_per_batch": (
-            [int(o.shape[1]) - PROMPT for o in reference] if name == "ragged" else None
-        ),
     }
     return figures, facts
 
 
-def run(device: str, quick: bool, threads: tuple[int, int] = (1, 0)) -> tuple[list[Figure], dict[str, Any]]:
-    """Time every path on both workloads; return the figures and facts per workload."""
+def run(
+    device: str, quick: bool, threads: tuple[int, int] = (1, 0), only: list[str] | None = None
+) -> tuple[list[Figure], dict[str, Any]]:
+    """Time every path on every workload; return the figures and facts per workload."""
     ids = _devices(device)
     dev = torch.device("cuda", ids[0]) if device == "cuda" else torch.device("cpu")
     figures: list[Figure] = []
     facts: dict[str, Any] = {}
-    for name, make in (("ragged", _ragged), ("uniform", _uniform)):
-        # The uniform passes are short and the host is shared: more rounds for its median.
-        rounds = (3 if quick else 5) * (2 if name == "uniform" else 1)
-        figs, facts[name] = _measure(name, make(dev, quick), ids, device, rounds, threads)
+    makers = {"gil": _gil, "ragged": _ragged, "uniform": _uniform, "encode": _encode}
+    for name, make in makers.items():
+        if only and name not in only:
+            continue
+        w = make(dev, quick)
+        if w is None:
+            continue
+        print(f"{name}: {w['describe']}", file=sys.stderr, flush=True)
+        figs, facts[name] = _measure(name, w, ids, device, threads)
         figures += figs
     return figures, facts
 
 
 def table(figures: list[Figure], facts: dict[str, Any]) -> str:
-    """A markdown table: one row per workload and path, and the ratio against the target."""
+    """Markdown: one row per workload and path, then one per target (paired ratios)."""
     rows = [
-        "| workload | path | pass s (p10-p90) | items/s | lock-step / map (paired p10-p90) | target |",
-        "|---|---|---:|---:|---:|---:|",
+        "| workload | path | pass s (p10-p90) | items/s | x one device |",
+        "|---|---|---:|---:|---:|",
     ]
     for f in figures:
-        ratio = target = ""
-        if f.path == "map":
-            x = facts[f.workload]
-            verdict = "met" if x["met"] else "NOT met"
-            ratio = f"**{x['ratio_lockstep_over_map']:.2f}x** ({x['ratio_p10']:.2f}-{x['ratio_p90']:.2f})"
-            target = f">= {x['target']} ({verdict})"
+        speed = facts[f.workload]["speed_over_one_device"][f.path]
         rows.append(
-            f"| {f.workload} | {f.path} | {f.median_s:.2f} ({f.p10_s:.2f}-{f.p90_s:.2f}) | "
-            f"{f.items_per_s:.1f} | {ratio} | {target} |"
+            f"| {f.workload} | {f.path} | {f.median_s:.3f} ({f.p10_s:.3f}-{f.p90_s:.3f}) | "
+            f"{f.items_per_s:.1f} | {speed:.2f}x |"
         )
+    rows += ["", "| workload | target | paired ratio (p10-p90) | verdict |", "|---|---|---:|---|"]
+    for wl, x in facts.items():
+        for t in x["targets"]:
+            verdict = "met" if t["met"] else "NOT met"
+            rows.append(
+                f"| {wl} | {t['slower']} time / {t['faster']} time >= {t['at_least']} | "
+                f"**{t['median']:.2f}x** ({t['p10']:.2f}-{t['p90']:.2f}) | {verdict} |"
+            )
+    rows += ["", "| workload | pool | start-up s |", "|---|---|---:|"]
+    for wl, x in facts.items():
+        for pool, s in x["startup_s"].items():
+            rows.append(f"| {wl} | {pool} | {s:.2f} |")
     return "\n".join(rows)
 
 
@@ -292,22 +437,22 @@ def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(f.workload for f in figures))
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5.2 * len(workloads), 4.2))
-    for ax, wl in zip(axes if len(workloads) > 1 else [axes], workloads, strict=True):
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 4.2), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
         sub = [f for f in figures if f.workload == wl]
         ys = [f.items_per_s for f in sub]
         lo = [f.items_per_s - f.items / f.p90_s for f in sub]
         hi = [f.items / f.p10_s - f.items_per_s for f in sub]
-        colors = ["tab:green" if f.path == "map" else "tab:gray" for f in sub]
+        colors = [
+            "tab:blue" if "processes" in f.path else "tab:green" if f.path in ("map", "calls")
+            else "tab:gray" for f in sub
+        ]
         ax.bar(range(len(sub)), ys, yerr=[lo, hi], capsize=3, color=colors)
         ax.set_xticks(range(len(sub)))
-        ax.set_xticklabels([f.path for f in sub], fontsize=8)
-        ax.set_ylabel("items per second (median, p10-p90)")
-        x = facts[wl]
-        ax.set_title(
-            f"{wl}: lock-step/map {x['ratio_lockstep_over_map']:.2f}x (target {x['target']})",
-            fontsize=9,
-        )
+        ax.set_xticklabels([f.path for f in sub], fontsize=7, rotation=25)
+        ax.set_ylabel("items per second (median, p10-p90)", fontsize=8)
+        best = max(facts[wl]["speed_over_one_device"].items(), key=lambda kv: kv[1])
+        ax.set_title(f"{wl}: best {best[0]} {best[1]:.2f}x one device", fontsize=9)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -334,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of the one-device loop on the CPU (default: --threads)",
     )
     parser.add_argument("--from-json", type=Path, help="redraw the table and plot of a saved run")
+    parser.add_argument("--only", nargs="*", help="these workloads only (gil ragged uniform encode)")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -354,18 +500,15 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    figures, facts = run(args.device, args.quick, (args.threads, args.one_device_threads))
+    figures, facts = run(args.device, args.quick, (args.threads, args.one_device_threads), args.only)
     print(table(figures, facts))
     for name, x in facts.items():
         print(f"{name}: outputs equal to the one-device loop: {x['outputs_match_one_device']}")
-        cores = ", ".join(f"{p} {c:.2f}" for p, c in x["cores_used"].items())
-        print(f"{name}: CPU seconds lock-step/map {x['cpu_lockstep_over_map']:.2f}, "
-              f"one-device/map {x['cpu_one_device_over_map']:.2f}; cores used: {cores}")
     info = _common.machine_info()
     info.update(threads_per_replica=args.threads, one_device_threads=args.one_device_threads or args.threads,
                 dpmethods=dpmethods.__version__, loadavg_before=load_before,
                 loadavg_after=os.getloadavg(), wall_s=time.perf_counter() - t0)
-    title = (f"dpmethods DataParallel.map, {args.device} x{len(_devices(args.device))}, torch "
+    title = (f"dpmethods map and calls, threads and processes, {args.device} x{len(_devices(args.device))}, torch "
              f"{torch.__version__}, load {load_before[0]:.1f}")
     result = {"machine": info, "quick": args.quick, "title": title, "workloads": facts,
               "figures": [asdict(f) for f in figures]}
