@@ -132,3 +132,6 @@ def __dir__() -> list[str]:
 # fake and autograd kernels; a missing or broken build, or
 # DPMETHODS_DISABLE_EXTENSION=1, leaves the pure-PyTorch gather, logged once as before.
 from . import ops as _ops  # noqa: E402, F401
+# The built-in integrations hook into the registries, to load each once its library is
+# imported (dpmethods.integrations); none imports its library itself.
+from . import integrations as _integrations  # noqa: E402, F401

@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from .compiled import method_owner
+from .coupled_modules import resolve_pending
 from .registry import MethodOptions, MethodsArg, resolve_methods
 
 __all__: list[str] = []
@@ -89,6 +90,7 @@ class _MethodWrapper(nn.Module):
 
     def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
         check_module(module)
+        resolve_pending()  # batch-coupled classes of libraries imported by now
         self._dpm_methods = resolve_methods(module, methods)
         self._dpm_warned: set[str] = set()
         # The instance moves to a subclass holding one method per parallel method. Done

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from . import _tree, ops, per_item
 from .coupled import check_shares, joinable
+from .gather_modes import known_modes, named_mode
 from .options import positional_modes
 from .registry import GATHER_MODES, GatherOption
 from .scatter import DeviceLike, _as_device
@@ -222,7 +223,10 @@ def gather(
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
-        raise ValueError(f"gather: mode: expected one of {list(GATHER_MODES)}, got {mode!r}")
+        named = named_mode(mode)
+        if named is None:
+            raise ValueError(f"gather: mode: expected one of {known_modes()}, got {mode!r}")
+        return named(outputs, device, None)  # a library's mode, outside a wrapper call
     if mode == "generate" or (isinstance(mode, Mapping) and "generate" in mode.values()):
         raise ValueError(
             "gather: mode: 'generate' needs the generate call's pad and eos ids, which only "

@@ -6,7 +6,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
-__all__ = ["GATHER_MODES", "GatherMode", "GatherOption", "MethodOptions"]
+from .call_hooks import CallHooks
+from .gather_modes import known_modes, named_mode
+
+__all__ = ["GATHER_MODES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions"]
 
 GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "same", "generate"]
 GATHER_MODES: tuple[str, ...] = (
@@ -50,6 +53,9 @@ class MethodOptions:
         scatter_dim: the dimension an argument is split along when it differs from
             ``dim``: a mapping from argument name to int (Encodec's ``decode`` takes
             ``audio_codes`` with the batch in dim 1). Arguments not named use ``dim``.
+        hooks: a :class:`~dpmethods.extending.CallHooks` that adapts each call's
+            arguments, each replica's share and the gathered output (what library
+            integrations use for calling conventions ``split`` can't express).
 
     Example:
         >>> MethodOptions(gather="pad", pad_value=-1).gather
@@ -67,6 +73,7 @@ class MethodOptions:
     split: tuple[str, ...] = ()
     gather_dim: int | Mapping[str, int] | None = None
     scatter_dim: Mapping[str, int] | None = None
+    hooks: CallHooks | None = None
     # Library rules only (dpmethods.known_methods): ``around(args, kwargs)`` returns the
     # call's arguments as the replicas should get them and a function applied to the
     # gathered output (or None), for results computed over the whole batch after the
@@ -95,6 +102,11 @@ class MethodOptions:
         object.__setattr__(self, "scatter_dim", _check_scatter_dim(self.scatter_dim))
         object.__setattr__(self, "gather", positional_modes(self.gather))
         _check_gather(self.gather)
+        if self.hooks is not None and not isinstance(self.hooks, CallHooks):
+            raise TypeError(
+                f"hooks: expected a dpmethods.extending.CallHooks or None, got "
+                f"{type(self.hooks).__name__} {self.hooks!r}"
+            )
         if isinstance(self.pad_value, bool) or not isinstance(self.pad_value, (int, float)):
             raise TypeError(
                 f"pad_value: expected an int or float, got {type(self.pad_value).__name__} "
@@ -106,7 +118,7 @@ class MethodOptions:
 
         Args:
             **changes: any of ``dim``, ``broadcast``, ``gather``, ``pad_value``,
-                ``split``, ``gather_dim``, ``scatter_dim``.
+                ``split``, ``gather_dim``, ``scatter_dim``, ``hooks``.
 
         Example:
             >>> MethodOptions().with_updates(dim=1).dim
@@ -120,7 +132,9 @@ class MethodOptions:
         return replace(self, **changes)
 
 
-_OPTION_NAMES = ("dim", "broadcast", "gather", "pad_value", "split", "gather_dim", "scatter_dim")
+_OPTION_NAMES = (
+    "dim", "broadcast", "gather", "pad_value", "split", "gather_dim", "scatter_dim", "hooks",
+)
 
 
 def names_option(option: str, value: Any) -> tuple[str, ...]:
@@ -207,8 +221,8 @@ def _check_scatter_dim(scatter_dim: Any) -> dict[str, int] | None:
 
 def _check_gather(gather: Any) -> None:
     if isinstance(gather, str):
-        if gather not in GATHER_MODES:
-            raise ValueError(f"gather: expected one of {list(GATHER_MODES)}, got {gather!r}")
+        if gather not in GATHER_MODES and named_mode(gather) is None:
+            raise ValueError(f"gather: expected one of {known_modes()}, got {gather!r}")
     elif isinstance(gather, Mapping):
         for key, mode in gather.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from . import _tree
+from .coupled_modules import split_call
 from .compiled import takes_turns
 
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
@@ -325,7 +326,8 @@ def parallel_apply(
 
     def work(i: int) -> None:
         try:
-            with state.applied(), _device_context(devices[i], streams[i]), _entered(i, replicas):
+            with state.applied(), _device_context(devices[i], streams[i]), _entered(i, replicas), \
+                    split_call(n > 1):
                 replica = replicas[i]
                 fn = replica if method == "forward" else getattr(replica, method)
                 results[i] = fn(*inputs[i], **kwargs[i])

@@ -27,6 +27,7 @@ __all__ = [
     "parallel_method",
     "parallel_methods",
     "register",
+    "register_method_finder",
     "resolve_methods",
 ]
 
@@ -223,10 +224,47 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
     return _builtin(cls).get(name)  # libraries' methods, lowest precedence
 
 
-def _builtin(cls: type) -> dict[str, MethodOptions]:
-    from .known_methods import builtin_methods  # imported late: it imports this module
+MethodFinder = Callable[[type], Mapping[str, MethodOptions]]
+# Libraries' finders (dpmethods.integrations and users' own), in registration order; a
+# later finder's options win for a name both give.
+_FINDERS: list[MethodFinder] = []
+# Run before each lookup of library methods: the integrations hook in here to load
+# the ones whose library was imported since.
+before_lookup: list[Callable[[], None]] = []
 
-    return builtin_methods(cls)
+
+def register_method_finder(find: MethodFinder) -> None:
+    """Add ``find(cls) -> {name: MethodOptions}``: a library's built-in parallel methods.
+
+    ``find`` is asked for each wrapped module's class and returns the methods it makes
+    parallel (an empty dict for classes not of its library). These have the lowest
+    precedence: ``@parallel_method``, :func:`register` and ``methods=`` override them.
+
+    Example:
+        >>> import torch
+        >>> class Doubler(torch.nn.Module):
+        ...     def double(self, x):
+        ...         return 2 * x
+        >>> register_method_finder(  # (the class as a default: the finder outlives this scope)
+        ...     lambda cls, own=Doubler: {"double": MethodOptions()} if issubclass(cls, own) else {})
+        >>> sorted(parallel_methods(Doubler))
+        ['double']
+    """
+    if not callable(find):
+        raise TypeError(
+            f"register_method_finder: find: expected a callable find(cls), got "
+            f"{type(find).__name__} {find!r}"
+        )
+    _FINDERS.append(find)
+
+
+def _builtin(cls: type) -> dict[str, MethodOptions]:
+    for hook in list(before_lookup):
+        hook()
+    found: dict[str, MethodOptions] = {}
+    for find in list(_FINDERS):
+        found.update(find(cls))
+    return found
 
 
 def parallel_methods(cls: type) -> dict[str, MethodOptions]:

@@ -158,3 +158,33 @@ def test_child_module_call_binds_arguments_by_its_forward_names() -> None:
         scatter_call((torch.randn(6, 4), torch.randn(4, 3)), {}, ["cpu"] * 2, fn=bilinear)
     r = scatter_call((torch.randn(6, 4), torch.randn(6, 3)), {}, ["cpu"] * 2, fn=bilinear, broadcast=("input2",))
     assert [(a[0].shape[0], a[1].shape[0]) for a in r[0]] == [(3, 6), (3, 6)]
+
+
+def test_a_list_of_images_of_different_sizes_warns_naming_split() -> None:
+    import warnings
+
+    from dpmethods import DataParallel, warn_once
+
+    class Model(torch.nn.Module):
+        def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [im.mean() for im in images]
+
+    warn_once.reset()
+    images = [torch.rand(3, 8, 8 + i) for i in range(4)]
+    with pytest.warns(UserWarning, match=r"argument 'images' is a list of 4 tensors of different shapes \(\[3, 8, 8\], \[3, 8, 9\], \[3, 8, 10\], \.\.\.\), and each one is split along dim 0.*pass split=\('images',\)"):
+        DataParallel(Model(), device_ids=["cpu"] * 3)(images)
+    with warnings.catch_warnings():  # equal shapes: a list of batch tensors, quietly split
+        warnings.simplefilter("error")
+        scatter_call(([torch.rand(6, 2), torch.rand(6, 2)],), {}, ["cpu"] * 2)
+
+
+def test_a_size_mismatch_inside_a_list_suggests_split_not_broadcast() -> None:
+    def forward(images: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> None: ...
+
+    images = torch.rand(4, 3, 8, 8)
+    targets = [{"boxes": torch.rand(1 + i, 4)} for i in range(4)]
+    with pytest.raises(ValueError, match=r"'targets' is a list whose tensors were split as batches: if each entry belongs to one batch item \(an image, a target dict\), pass split=\('targets',\)") as info:
+        scatter_call((images, targets), {}, ["cpu"] * 2, fn=forward)
+    assert "broadcast" not in str(info.value)
+    with pytest.raises(ValueError, match=r"Pass broadcast=\(name, \.\.\.\) for arguments that every replica needs whole"):
+        scatter_call((torch.rand(4, 2), torch.rand(5, 2)), {}, ["cpu"] * 2)

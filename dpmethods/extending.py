@@ -1,0 +1,47 @@
+"""The extension API: what a library integration (built in or your own) plugs in with.
+
+Everything dpmethods knows about a third-party library is written with these functions,
+the same ones you have for your own library:
+
+- :func:`register_method_finder`: which methods of a library's classes are parallel
+  methods, with what options (the lowest precedence: decorations, ``register`` and
+  ``methods=`` win);
+- :func:`dpmethods.register_type`: how a library's class comes apart into tensors;
+- :func:`register_gather_mode`: a named gather mode that joins a whole output and sees
+  the call (the model, the arguments, each replica's share);
+- :class:`CallHooks`, as the ``hooks`` option: adapt a call's arguments, each replica's
+  share and the gathered output;
+- :func:`mark_batch_coupled`: a module class whose result couples the batch (an
+  in-batch-negatives loss), warned about when it runs on a replica's share.
+
+Example:
+    >>> import torch
+    >>> from dpmethods import DataParallel, MethodOptions
+    >>> from dpmethods.extending import register_method_finder, register_gather_mode
+    >>> class Scorer(torch.nn.Module):  # a class of "your library"
+    ...     def score(self, x):
+    ...         return x.sum(1)
+    >>> register_gather_mode("total", lambda outs, device, call: sum(o.sum() for o in outs))
+    >>> register_method_finder(
+    ...     lambda cls, own=Scorer: {"score": MethodOptions(gather="total")} if issubclass(cls, own) else {})
+    >>> DataParallel(Scorer(), device_ids=["cpu"] * 2).score(torch.ones(4, 3)).item()
+    12.0
+"""
+
+from __future__ import annotations
+
+from .call_hooks import CallHooks
+from .coupled_modules import is_batch_coupled, mark_batch_coupled
+from .gather_modes import GatherCall, Mode, known_modes, register_gather_mode
+from .registry import register_method_finder
+
+__all__ = [
+    "CallHooks",
+    "GatherCall",
+    "Mode",
+    "is_batch_coupled",
+    "known_modes",
+    "mark_batch_coupled",
+    "register_gather_mode",
+    "register_method_finder",
+]

@@ -1,0 +1,123 @@
+"""The names of the gather modes, and the table of named modes that libraries add.
+
+The built-in modes join tensors leaf by leaf (``"cat"``, ``"stack"``, ...). A named
+mode, added with :func:`register_gather_mode`, joins a whole output and sees the call
+it came from (the model, the call's arguments, each replica's share): what a
+``generate`` result needs, whose fill token comes from the model's config and the
+call's ``pad_token_id``. Mode names are plain strings everywhere; :class:`Mode` names
+the built-in ones once, and its members are those strings.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+__all__ = ["BUILTIN_MODES", "GatherCall", "Mode", "named_mode", "on_unknown_mode", "register_gather_mode"]
+
+
+class Mode(str, enum.Enum):
+    """The built-in gather modes; each member equals its string (``Mode.CAT == "cat"``).
+
+    Example:
+        >>> Mode.EXTEND == "extend", Mode("same") is Mode.SAME
+        (True, True)
+    """
+
+    CAT = "cat"
+    STACK = "stack"
+    MEAN = "mean"
+    SUM = "sum"
+    PAD = "pad"
+    LIST = "list"
+    EXTEND = "extend"
+    SAME = "same"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})
+
+
+class GatherCall(NamedTuple):
+    """What a named gather mode sees of the call whose outputs it joins.
+
+    Attributes:
+        module: the wrapped module (the model whose method ran).
+        method: the method's name.
+        args: the call's positional arguments, as the caller gave them.
+        kwargs: the call's keyword arguments, as the caller gave them.
+        sizes: the batch items each replica got, in replica order.
+        options: the method's :class:`~dpmethods.MethodOptions`.
+    """
+
+    module: Any
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    sizes: Sequence[int]
+    options: Any
+
+
+GatherFn = Callable[[list[Any], Any, "GatherCall | None"], Any]
+_NAMED: dict[str, GatherFn] = {}
+# Called with a name that is neither built in nor registered, before it is refused: the
+# integrations hook in here to load the one that provides it ("generate").
+on_unknown_mode: list[Callable[[str], None]] = []
+
+
+def register_gather_mode(name: str, fn: GatherFn) -> None:
+    """Add a gather mode ``name``: ``fn(outputs, device, call)`` joins a whole output.
+
+    ``outputs`` holds one output per replica, ``device`` is the output device, and
+    ``call`` is a :class:`GatherCall` (``None`` when :func:`dpmethods.gather` is called
+    directly, outside a wrapper call). Registering a name again replaces its function.
+
+    Example:
+        >>> register_gather_mode("first", lambda outputs, device, call: outputs[0])
+        >>> named_mode("first")(["a", "b"], "cpu", None)
+        'a'
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_gather_mode: name: expected a non-empty str, got {name!r}")
+    if name in BUILTIN_MODES:
+        raise ValueError(
+            f"register_gather_mode: name: expected a name other than the built-in modes "
+            f"{list(BUILTIN_MODES)}, got {name!r}"
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"register_gather_mode: fn: expected a callable fn(outputs, device, call), got "
+            f"{type(fn).__name__} {fn!r}"
+        )
+    _NAMED[name] = fn
+
+
+def named_mode(name: str) -> GatherFn | None:
+    """The function of the named mode ``name``, or None (a built-in or unknown name).
+
+    Example:
+        >>> named_mode("cat") is None
+        True
+    """
+    if name in BUILTIN_MODES:
+        return None
+    fn = _NAMED.get(name)
+    if fn is None:
+        for hook in on_unknown_mode:
+            hook(name)
+        fn = _NAMED.get(name)
+    return fn
+
+
+def known_modes() -> list[str]:
+    """The built-in modes, then the named modes registered so far.
+
+    Example:
+        >>> known_modes()[:3]
+        ['cat', 'stack', 'mean']
+    """
+    return [*BUILTIN_MODES, *sorted(_NAMED)]

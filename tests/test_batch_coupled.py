@@ -1,0 +1,125 @@
+"""Modules that couple their batch (in-batch-negatives losses) warn when run on a share.
+
+Real losses from sentence-transformers and open_clip, and a class of a user's own marked
+with the public API. The warning names the loss and the pattern that gives the
+full-batch loss; that pattern is checked against one device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dpmethods import DataParallel, parallel_method, warn_once
+from dpmethods.extending import is_batch_coupled, mark_batch_coupled
+
+from _tiny_models import random_sentences, tiny_sentence_transformer
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    warn_once.reset()
+
+
+def test_sentence_transformers_in_batch_negatives_loss_is_warned(tmp_path: Path) -> None:
+    model = tiny_sentence_transformer(tmp_path)
+    losses = pytest.importorskip("sentence_transformers.sentence_transformer.losses")
+    loss = losses.MultipleNegativesRankingLoss(model)
+    anchors, positives = random_sentences(8), random_sentences(9)[1:]
+    features = [model.tokenize(anchors), model.tokenize(positives)]
+    labels = torch.zeros(8)
+    ref = loss(features, labels)
+    dp = DataParallel(loss, device_ids=["cpu"] * 4, methods={"forward": {"gather": "mean"}})
+    with pytest.warns(UserWarning, match=r"MultipleNegativesRankingLoss couples the items of its batch \(in-batch negatives\).*Gather the embeddings or features with dpmethods"):
+        per_share = dp(features, labels)
+    assert not torch.allclose(per_share, ref)  # what the warning is about
+    # The documented pattern: embeddings gathered with dpmethods, the loss outside.
+    with torch.no_grad():
+        enc = DataParallel(model, device_ids=["cpu"] * 4)
+        a = enc.encode(anchors, convert_to_tensor=True)
+        p = enc.encode(positives, convert_to_tensor=True)
+        scores = loss.similarity_fct(a, p) * loss.scale
+        full = nn.functional.cross_entropy(scores, torch.arange(8))
+        torch.testing.assert_close(full, ref.detach(), atol=1e-5, rtol=1e-5)
+
+
+class _ClipTrainer(nn.Module):
+    """A user's training module with open_clip's ClipLoss inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        open_clip_loss = pytest.importorskip("open_clip.loss")
+        self.img, self.txt = nn.Linear(6, 4), nn.Linear(5, 4)
+        self.loss = open_clip_loss.ClipLoss()
+
+    @parallel_method(gather="mean")
+    def training_step(self, images: torch.Tensor, texts: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.img(images), self.txt(texts), torch.tensor(10.0))
+
+    @parallel_method
+    def features(self, images: torch.Tensor, texts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.img(images), self.txt(texts)
+
+
+def test_open_clip_loss_inside_a_method_is_warned_and_the_pattern_matches() -> None:
+    model = _ClipTrainer()
+    images, texts = torch.randn(8, 6), torch.randn(8, 5)
+    dp = DataParallel(model, device_ids=["cpu"] * 4)
+    with pytest.warns(UserWarning, match=r"ClipLoss couples the items of its batch"):
+        dp.training_step(images, texts)
+    with warnings.catch_warnings():  # gathering the features, the loss outside: quiet
+        warnings.simplefilter("error")
+        img, txt = dp.features(images, texts)
+        full = model.loss(img, txt, torch.tensor(10.0))
+    torch.testing.assert_close(full, model.training_step(images, texts))
+    # One device, and a map (each batch whole on one replica): the loss sees its batch.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_once.reset()
+        DataParallel(model, device_ids=["cpu"]).training_step(images, texts)
+        list(dp.map("training_step", [(images, texts)]))
+
+
+def test_a_users_own_class_marked_through_the_public_api() -> None:
+    class InBatch(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return nn.functional.cross_entropy(a @ b.T, torch.arange(len(a)))
+
+    class Derived(InBatch):  # inherits forward: marked through the base
+        pass
+
+    assert not is_batch_coupled(InBatch)
+    mark_batch_coupled(InBatch, what="in-batch negatives")
+    assert is_batch_coupled(InBatch) and is_batch_coupled(Derived)
+    a, b = torch.randn(6, 3), torch.randn(6, 3)
+    torch.testing.assert_close(InBatch()(a, b), nn.functional.cross_entropy(a @ b.T, torch.arange(6)))
+    with pytest.warns(UserWarning, match=r"Derived couples the items of its batch \(in-batch negatives\)"):
+        DataParallel(Derived(), device_ids=["cpu"] * 2, methods={"forward": {"gather": "mean"}})(a, b)
+    with pytest.raises(TypeError, match=r"mark_batch_coupled: cls: expected an nn.Module subclass, got 3"):
+        mark_batch_coupled(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"expected a class or 'module:Class', got 'nope'"):
+        mark_batch_coupled("nope")
+
+
+def test_open_clip_forward_gathers_logit_scale_and_bias_as_one_value() -> None:
+    model_mod = pytest.importorskip("open_clip.model")
+    torch.manual_seed(0)
+    clip = model_mod.CLIP(
+        embed_dim=16,
+        vision_cfg=model_mod.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
+        text_cfg=model_mod.CLIPTextCfg(context_length=8, vocab_size=50, width=32, heads=2, layers=1),
+        init_logit_bias=-10.0,
+    ).eval()
+    images, texts = torch.randn(4, 3, 16, 16), torch.randint(0, 50, (4, 8))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = DataParallel(clip, device_ids=["cpu"] * 4)(images, texts)
+        ref = clip(images, texts)
+    assert len(got) == 4 and got[2].dim() == 0 and got[3].dim() == 0
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r)
