@@ -188,21 +188,24 @@ def _short_cause(exc: BaseException) -> str:
 
 
 def _torch_load(source: Any, given: Any) -> Any:
+    if not isinstance(given, (bytes, bytearray, memoryview)):
+        # A path or file the user named as a checkpoint: torch's own errors fit.
+        return torch.load(source, map_location="cpu", weights_only=True)
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
-    except OSError:  # a missing file, a directory: torch's message names the path
-        raise
     except Exception as exc:  # corrupt data raises anything: EOFError, KeyError, ...
-        if isinstance(given, (bytes, bytearray, memoryview)):
-            what = f"the {memoryview(given).nbytes} bytes given were taken as a serialized checkpoint"
-            verb = "they"
-        elif isinstance(given, (str, os.PathLike)):
-            what, verb = f"the file {os.fspath(given)!r} was taken as a saved checkpoint", "it"
-        else:
-            what, verb = f"the {type(given).__name__} given was taken as a checkpoint file", "it"
+        # Bytes could be anything: say how they were taken, with torch's reason in one
+        # line (its message is paragraphs of advice with terminal escape codes).
+        hint = ""
+        if "Weights only load failed" in str(exc):
+            hint = (
+                " It is a checkpoint that needs weights_only=False: if you trust its source, "
+                "load it with torch.load(..., weights_only=False) and pass the state dict."
+            )
         raise ValueError(
-            f"state_dict: {what} (read with torch.load(..., weights_only=True)), and {verb} "
-            f"could not be read: {_short_cause(exc)}"
+            f"state_dict: the {memoryview(given).nbytes} bytes given were taken as a serialized "
+            "checkpoint (read with torch.load(..., weights_only=True)), and they could not be "
+            f"read: {_short_cause(exc)}{hint}"
         ) from exc
 
 
