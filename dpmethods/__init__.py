@@ -125,6 +125,10 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
+# The built-in integrations hook into the registries, to load each once its library is
+# imported (dpmethods.integrations); none imports its library itself.
+from . import integrations as _integrations  # noqa: E402, F401
+
 # Load dpmethods._C now, as torchvision registers its ops on import: code that calls
 # torch.ops.dpmethods.gather_coalesced directly, or loads a saved torch.export program
 # holding it, must find the op after `import dpmethods`. Importing dpmethods.ops loads
@@ -132,6 +136,3 @@ def __dir__() -> list[str]:
 # fake and autograd kernels; a missing or broken build, or
 # DPMETHODS_DISABLE_EXTENSION=1, leaves the pure-PyTorch gather, logged once as before.
 from . import ops as _ops  # noqa: E402, F401
-# The built-in integrations hook into the registries, to load each once its library is
-# imported (dpmethods.integrations); none imports its library itself.
-from . import integrations as _integrations  # noqa: E402, F401
