@@ -12,7 +12,7 @@ import itertools
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -167,6 +167,35 @@ def _same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
     return first
 
 
+class _Plan(NamedTuple):
+    """What one gather call joins, and how, once its arguments are checked."""
+
+    n: int
+    device: torch.device
+    dim: int
+    mode: Any  # a mode or a mapping of keys/positions to modes
+    pad_value: float
+    weights: list[float]
+    sizes: list[int] | None
+    key_dims: Mapping[Any, int] | None
+    gather_dim: Any
+    check: bool  # per-item and batch-coupled checks (the shares are known)
+    check_dims: bool  # the batch-dim check too (no int gather_dim overrode it)
+
+
+class _Paths:
+    """Leaf paths for messages, computed on first use (most gathers need none)."""
+
+    def __init__(self, spec: _tree.Spec) -> None:
+        self._spec = spec
+        self._paths: list[str] | None = None
+
+    def __call__(self, i: int) -> str:
+        if self._paths is None:
+            self._paths = _tree.leaf_paths(self._spec)
+        return self._paths[i]
+
+
 def gather(
     outputs: Sequence[Any],
     target_device: DeviceLike,
@@ -191,9 +220,10 @@ def gather(
         target_device: where the result goes (``"cpu"``, a CUDA index or device).
         dim: the dimension tensors are joined along.
         mode: ``"cat"``, ``"stack"``, ``"mean"``, ``"sum"``, ``"pad"``, ``"list"``,
-            ``"extend"``, ``"same"``, a mapping of top-level output keys or tuple
-            positions to those (others use ``"cat"``), a tuple of modes (one per
-            position), or a callable ``fn(outputs, target_device)``.
+            ``"extend"``, ``"same"``, a named mode (``dpmethods.extending``), a mapping
+            of top-level output keys or tuple positions to built-in modes (others use
+            ``"cat"``), a tuple of modes (one per position), or a callable
+            ``fn(outputs, target_device)``.
         pad_value: the fill value of ``"pad"``.
         weights: each replica's share of the batch, for ``"mean"`` (default: from
             ``sizes``, else equal).
@@ -214,8 +244,7 @@ def gather(
         ['a', 'b', 'c']
     """
     outputs = list(outputs)
-    n = len(outputs)
-    if n == 0:
+    if not outputs:
         raise ValueError("gather: outputs: expected at least one replica output, got none")
     device = _as_device(target_device)
     _check_dim(dim)
@@ -227,6 +256,31 @@ def gather(
         if named is None:
             raise ValueError(f"gather: mode: expected one of {known_modes()}, got {mode!r}")
         return named(outputs, device, None)  # a library's mode, outside a wrapper call
+    plan = _plan(outputs, device, dim, mode, pad_value, weights, sizes, gather_dim)
+    if _all_batch_tensors(outputs, plan):
+        return _gather_tensors(outputs, plan)
+    spec, columns = _flatten(outputs, plan)
+    paths = _Paths(spec)
+    coupled: set[int] | None = None
+    if _cat_only(spec, columns, plan):
+        coupled = _coupled(spec, columns, plan, paths, None)
+        if not coupled:
+            joined = _cat_all(spec, columns, plan)
+            if joined is not None:
+                return joined
+    modes = _leaf_modes(spec, plan.mode, len(columns))
+    dims = [plan.dim] * len(columns) if plan.key_dims is None else _leaf_dims(spec, plan.key_dims, plan.dim)
+    if coupled is None:  # not checked above (the same checks, once)
+        coupled = _coupled(spec, columns, plan, paths, (modes, dims))
+    return _tree.unflatten(spec, _join(spec, columns, modes, dims, coupled, paths, plan))
+
+
+def _plan(
+    outputs: list[Any], device: torch.device, dim: int, mode: Any, pad_value: float,
+    weights: Sequence[float] | None, sizes: Sequence[int] | None, gather_dim: Any,
+) -> _Plan:
+    """Check the arguments that depend on the number of outputs, and settle the dims."""
+    n = len(outputs)
     if mode == "generate" or (isinstance(mode, Mapping) and "generate" in mode.values()):
         raise ValueError(
             "gather: mode: 'generate' needs the generate call's pad and eos ids, which only "
@@ -244,131 +298,168 @@ def gather(
         weights = [s / total for s in sizes] if sizes and total else [1.0 / n] * n
     elif len(weights) != n:
         raise ValueError(f"gather: weights: expected {n} values (one per output), got {len(weights)}")
-    key_dims: Mapping[str, int] | None = None
-    if isinstance(gather_dim, Mapping):
-        key_dims = gather_dim
-    elif gather_dim is not None:
+    key_dims = gather_dim if isinstance(gather_dim, Mapping) else None
+    if gather_dim is not None and key_dims is None:
         dim = gather_dim
     check = sizes is not None and n > 1
     # An int gather_dim is the caller's word on where every output's batch is.
-    check_dims = check and (gather_dim is None or isinstance(gather_dim, Mapping))
+    check_dims = check and (gather_dim is None or key_dims is not None)
+    return _Plan(
+        n, device, dim, mode, pad_value, list(weights), sizes, key_dims, gather_dim,
+        check, check_dims,
+    )
 
-    if mode == "cat" and key_dims is None and all(map(isinstance, outputs, itertools.repeat(Tensor))) and outputs[0].dim():
-        coupled_one = check and check_shares([outputs], sizes, [dim], None, lambda i: "output", batch_dim=check_dims)
-        if coupled_one and not joinable(outputs, dim):  # warned: the pieces, rather than an error
-            return [t.to(device) for t in outputs]
-        return _coalesced(outputs, n, dim, device)[0]  # one tensor per replica
+
+def _all_batch_tensors(outputs: list[Any], plan: _Plan) -> bool:
+    return (
+        plan.mode == "cat"
+        and plan.key_dims is None
+        and all(map(isinstance, outputs, itertools.repeat(Tensor)))
+        and bool(outputs[0].dim())
+    )
+
+
+def _gather_tensors(outputs: list[Tensor], plan: _Plan) -> Any:
+    """One tensor per replica, the most common output: no structure to walk."""
+    if plan.check:
+        coupled = check_shares(
+            [outputs], plan.sizes, [plan.dim], None, lambda i: "output", batch_dim=plan.check_dims,  # type: ignore[arg-type]
+        )
+        if coupled and not joinable(outputs, plan.dim):  # warned: the pieces, not an error
+            return [t.to(plan.device) for t in outputs]
+    return _coalesced(outputs, plan.n, plan.dim, plan.device)[0]
+
+
+def _flatten(outputs: list[Any], plan: _Plan) -> tuple[_tree.Spec, list[tuple[Any, ...]]]:
+    """Every replica's output flattened, dict keys aligned, per-item lists marked, and
+    the structures checked: replica 0's spec and the leaves as columns (one per leaf)."""
     flat = [_tree.flatten(o) for o in outputs]
     spec = flat[0][0]
     if any(f[0] != spec for f in flat[1:]):
         # As torch, dicts are matched by key, not by order: put every replica's keys in
         # replica 0's order, then compare again.
         flat = [flat[0]] + [_tree.flatten(_align(outputs[0], o)) for o in outputs[1:]]
-    if n > 1 and (
-        per_item.wants_extend(mode)
-        or (check and any(f[0] != spec for f in flat[1:]))
-        or (check and per_item.needs_marking(spec, sizes[0]))  # type: ignore[index]
+    sizes = plan.sizes
+    if plan.n > 1 and (
+        per_item.wants_extend(plan.mode)
+        or (plan.check and any(f[0] != spec for f in flat[1:]))
+        or (plan.check and per_item.needs_marking(spec, sizes[0]))  # type: ignore[index]
     ):
-        flat = per_item.mark_items(flat, sizes, mode, dim)
+        flat = per_item.mark_items(flat, sizes, plan.mode, plan.dim)
         spec = flat[0][0]
-    for r in range(1, n):
+    for r in range(1, plan.n):
         if flat[r][0] != spec:
             raise ValueError(
                 f"gather: replica outputs differ in structure between replica 0 and replica {r}: "
                 + _tree.describe_mismatch(spec, flat[r][0])
             )
-    columns = list(zip(*[leaves for _, leaves in flat]))
-    leaves0 = flat[0][1]
-    paths: list[str] | None = None
+    return spec, list(zip(*[leaves for _, leaves in flat]))
 
-    def path(i: int) -> str:
-        nonlocal paths
-        if paths is None:
-            paths = _tree.leaf_paths(spec)
-        return paths[i]
 
-    # The common case, every leaf a tensor with a batch dim, in one call. Equal specs
-    # already say the other replicas have tensors in the same places.
-    coupled: set[int] | None = None
-    if (
-        mode == "cat"
-        and key_dims is None
+def _cat_only(spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan) -> bool:
+    """Every leaf a tensor with a batch dim, joined with ``"cat"``: one coalesced call.
+    Equal specs already say the other replicas have tensors in the same places."""
+    leaves0 = [c[0] for c in columns]
+    return (
+        plan.mode == "cat"
+        and plan.key_dims is None
         and all(map(isinstance, leaves0, itertools.repeat(Tensor)))
         and all(map(Tensor.dim, leaves0))
-    ):
-        coupled = (
-            check_shares(
-                columns, sizes, [dim] * len(columns), None, path,
-                lambda: _tree.per_item_leaves(spec), batch_dim=check_dims,
-            )
-            if check
-            else set()
-        )
-        if not coupled:
-            tensors = list(itertools.chain.from_iterable(columns))
-            try:
-                return _tree.unflatten(spec, _coalesced(tensors, n, dim, device))
-            except ValueError:
-                if not _tree.ragged_leaves(spec):
-                    raise
-                # Ragged children of a rule (packed sequences): joined padded below.
+    )
 
-    modes = _leaf_modes(spec, mode, len(columns))
-    dims = [dim] * len(columns) if key_dims is None else _leaf_dims(spec, key_dims, dim)
-    if coupled is None:  # not checked above (the same checks, once)
-        coupled = (
-            check_shares(
-                columns, sizes, dims, modes, path,
-                lambda: _named_leaves(spec, mode, gather_dim) | _tree.per_item_leaves(spec),
-                batch_dim=check_dims,
-            )
-            if check
-            else set()
-        )
 
+def _coupled(
+    spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan, paths: _Paths,
+    modes_dims: tuple[list[str], list[int]] | None,
+) -> set[int]:
+    """The batch-coupled leaves (warned about by ``check_shares``), if the shares are known."""
+    if not plan.check:
+        return set()
+    if modes_dims is None:
+        return check_shares(
+            columns, plan.sizes, [plan.dim] * len(columns), None, paths,  # type: ignore[arg-type]
+            lambda: _tree.per_item_leaves(spec), batch_dim=plan.check_dims,
+        )
+    modes, dims = modes_dims
+    return check_shares(
+        columns, plan.sizes, dims, modes, paths,  # type: ignore[arg-type]
+        lambda: _named_leaves(spec, plan.mode, plan.gather_dim) | _tree.per_item_leaves(spec),
+        batch_dim=plan.check_dims,
+    )
+
+
+def _cat_all(spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan) -> Any | None:
+    tensors = list(itertools.chain.from_iterable(columns))
+    try:
+        return _tree.unflatten(spec, _coalesced(tensors, plan.n, plan.dim, plan.device))
+    except ValueError:
+        if not _tree.ragged_leaves(spec):
+            raise
+        return None  # ragged children of a rule (packed sequences): joined padded
+
+
+def _join(
+    spec: _tree.Spec, columns: list[tuple[Any, ...]], modes: list[str], dims: list[int],
+    coupled: set[int], paths: _Paths, plan: _Plan,
+) -> list[Any]:
+    """Each leaf by its mode; the concatenated ones in one coalesced call per join dim."""
     result: list[Any] = [None] * len(columns)
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim
-    ragged = _tree.ragged_leaves(spec) if n > 1 else set()
+    ragged = _tree.ragged_leaves(spec) if plan.n > 1 else set()
     for i, (col, m, d) in enumerate(zip(columns, modes, dims)):
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
-            result[i] = join_values(col, m, d, path(i), device, weights)
+            result[i] = join_values(col, m, d, paths(i), plan.device, plan.weights)
             continue
-        if m == "same":
-            result[i] = _same(col, device, path(i))
-        elif m == "list" or (i in coupled and not joinable(col, d)):
-            # A coupled leaf that cat can't join comes back in pieces: it was warned about.
-            result[i] = [t.to(device) for t in col]
-        elif m in ("mean", "sum"):
-            if any(t.shape != col[0].shape for t in col):
-                raise ValueError(
-                    f"gather: {path(i)}: {m!r} needs the same shape on every replica, got "
-                    f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
-                )
-            result[i] = reduce(col, weights, device, m == "mean")
-        elif n == 1 and m != "stack":
-            # One replica ran (one device, or nothing to split): its output is the
-            # result, as torch returns it; a 0-dim value stays 0-dim.
-            result[i] = col[0].to(device)
-        else:  # "cat", "extend" (a tensor is a sequence of items), "stack", "pad"
-            parts: Sequence[Tensor] = col
-            if m == "stack" or col[0].dim() == 0:
-                if m != "stack":
-                    warnings.warn(
-                        f"gather: {path(i)} is 0-dim on every replica, so it was stacked into "
-                        f"a vector of {n} values; use gather='mean' for a loss (weighted by "
-                        "each replica's share of the batch) or 'stack' to silence this",
-                        UserWarning,
-                        stacklevel=2,
-                    )
-                parts = [t.unsqueeze(d) for t in col]
-            elif m == "pad":
-                parts = _pad(col, d, pad_value, path(i))
-            elif i in ragged and not joinable(col, d):
-                parts = _pad(col, d, 0, path(i))  # the rule's lengths say what is padding
+        done, parts = _join_tensors(col, m, d, i in coupled, i in ragged, paths, i, plan)
+        if parts is None:
+            result[i] = done
+        else:
             indices, pieces = joined.setdefault(d, ([], []))
             indices.append(i)
             pieces.extend(parts)
     for d, (indices, pieces) in joined.items():
-        for i, t in zip(indices, _coalesced(pieces, n, d, device)):
+        for i, t in zip(indices, _coalesced(pieces, plan.n, d, plan.device)):
             result[i] = t
-    return _tree.unflatten(spec, result)
+    return result
+
+
+def _join_tensors(
+    col: Sequence[Tensor], m: str, d: int, coupled: bool, ragged: bool, paths: _Paths,
+    i: int, plan: _Plan,
+) -> tuple[Any, Sequence[Tensor] | None]:
+    """One tensor leaf: ``(result, None)`` when joined here, or ``(None, parts)`` for the
+    pieces to concatenate along ``d`` with the other leaves."""
+    device, n = plan.device, plan.n
+    if m == "same":
+        return _same(col, device, paths(i)), None
+    if m == "list" or (coupled and not joinable(col, d)):
+        # A coupled leaf that cat can't join comes back in pieces: it was warned about.
+        return [t.to(device) for t in col], None
+    if m in ("mean", "sum"):
+        if any(t.shape != col[0].shape for t in col):
+            raise ValueError(
+                f"gather: {paths(i)}: {m!r} needs the same shape on every replica, got "
+                f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
+            )
+        return reduce(col, plan.weights, device, m == "mean"), None
+    if n == 1 and m != "stack":
+        # One replica ran (one device, or nothing to split): its output is the result,
+        # as torch returns it; a 0-dim value stays 0-dim.
+        return col[0].to(device), None
+    # "cat", "extend" (a tensor is a sequence of items), "stack", "pad"
+    if m == "stack" or col[0].dim() == 0:
+        if m != "stack":
+            warnings.warn(
+                f"gather: {paths(i)} is 0-dim on every replica, so it was stacked into "
+                f"a vector of {n} values; use gather='mean' for a loss (weighted by "
+                "each replica's share of the batch), 'same' for a value every replica "
+                "shares, or 'stack' to silence this",
+                UserWarning,
+                stacklevel=4,
+            )
+        return None, [t.unsqueeze(d) for t in col]
+    if m == "pad":
+        return None, _pad(col, d, plan.pad_value, paths(i))
+    if ragged and not joinable(col, d):
+        return None, _pad(col, d, 0, paths(i))  # the rule's lengths say what is padding
+    return None, col

@@ -71,7 +71,7 @@ class MethodOptions:
     gather: GatherOption = "cat"
     pad_value: float = 0
     split: tuple[str, ...] = ()
-    gather_dim: int | Mapping[str, int] | None = None
+    gather_dim: int | Mapping[str | int, int] | None = None
     scatter_dim: Mapping[str, int] | None = None
     hooks: CallHooks | None = None
     # Library rules only (dpmethods.known_methods): ``around(args, kwargs)`` returns the
@@ -178,11 +178,11 @@ def _check_dim_value(where: str, value: Any) -> int:
     return value
 
 
-def _check_gather_dim(gather_dim: Any) -> int | Mapping[str, int] | None:
+def _check_gather_dim(gather_dim: Any) -> int | Mapping[str | int, int] | None:
     if gather_dim is None:
         return None
     if isinstance(gather_dim, Mapping):
-        checked: dict[str, int] = {}
+        checked: dict[str | int, int] = {}
         for key, value in gather_dim.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):
                 raise TypeError(

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from . import _tree
-from .coupled_modules import split_call
 from .compiled import takes_turns
+from .coupled_modules import split_call
 
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 

@@ -180,7 +180,7 @@ def mark_items(
     """
     n = len(flat)
     # Per replica: (start, end, spec) of each list replaced, in leaf order.
-    cuts: list[list[tuple[int, int, _tree.Spec]]] = [[] for _ in range(n)]
+    cuts: list[list[tuple[int, int, _tree.Spec, type]]] = [[] for _ in range(n)]
 
     def walk(specs: list[_tree.Spec], starts: list[int], path: str, m: Any, top: bool) -> list[Any]:
         first = specs[0]

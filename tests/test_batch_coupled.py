@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
 from dpmethods import DataParallel, parallel_method, warn_once
 from dpmethods.extending import is_batch_coupled, mark_batch_coupled
-
-from _tiny_models import random_sentences, tiny_sentence_transformer
 
 
 @pytest.fixture(autouse=True)
