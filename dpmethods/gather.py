@@ -205,7 +205,7 @@ def gather(
     pad_value: float = 0,
     weights: Sequence[float] | None = None,
     sizes: Sequence[int] | None = None,
-    gather_dim: int | Mapping[str, int] | None = None,
+    gather_dim: int | Mapping[str | int, int] | None = None,
 ) -> Any:
     """Gather the outputs of several replicas into one output on ``target_device``.
 

@@ -109,7 +109,7 @@ def parallel_method(
     gather: GatherOption = "cat",
     pad_value: float = 0,
     split: Iterable[str] = (),
-    gather_dim: int | Mapping[str, int] | None = None,
+    gather_dim: int | Mapping[str | int, int] | None = None,
 ) -> Callable[[_F], _F]: ...
 
 
@@ -121,7 +121,7 @@ def parallel_method(
     gather: GatherOption = "cat",
     pad_value: float = 0,
     split: Iterable[str] = (),
-    gather_dim: int | Mapping[str, int] | None = None,
+    gather_dim: int | Mapping[str | int, int] | None = None,
 ) -> Any:
     """Mark a method of an ``nn.Module`` subclass to run data-parallel.
 
