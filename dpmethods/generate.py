@@ -122,6 +122,8 @@ def gather_generate(
     fill_token_id: int | None,
     num_beams: int = 1,
     num_return_sequences: int = 1,
+    trimmed_pad_id: int | None = None,
+    max_new_tokens: int | None = None,
 ) -> Any:
     """Join the replicas' ``generate`` outputs as one call on the whole batch returns them.
 
@@ -136,6 +138,11 @@ def gather_generate(
         fill_token_id: the token that fills finished sequences (see the module doc).
         num_beams: the beams per batch item, to offset ``beam_indices``.
         num_return_sequences: the sequences returned per batch item.
+        trimmed_pad_id: set when the model trimmed each finished row's last
+            ``fill_token_id`` (eos) and right-padded its rows with this id (Whisper's
+            beam search with one eos id): shorter outputs are filled with eos up to the
+            length of the longest output's finished rows, then with this id.
+        max_new_tokens: the most tokens a row may generate, with ``trimmed_pad_id``.
 
     Example:
         >>> import torch
@@ -149,6 +156,8 @@ def gather_generate(
     device = _as_device(target_device)
     if all(isinstance(o, Tensor) for o in outputs):
         width = max(o.shape[-1] for o in outputs)
+        if trimmed_pad_id is not None and fill_token_id is not None:
+            outputs = _pad_trimmed(outputs, width, fill_token_id, trimmed_pad_id, max_new_tokens)
         padded = [_pad_width(o, width, fill_token_id, "sequences") for o in outputs]
         return torch.cat([p.to(device) for p in padded], dim=0)
     per = [_fields(o) for o in outputs]
@@ -217,6 +226,28 @@ def gather_generate(
     return _rebuild(outputs[0], {k: joined.get(k) for k in first})
 
 
+def _pad_trimmed(
+    outputs: list[Tensor], width: int, eos: int, pad: int, steps: int | None
+) -> list[Tensor]:
+    """Shorter outputs filled as a model that trims one eos per row and pads with ``pad``.
+
+    On one device every finished row runs to the batch's last step with eos fill, loses
+    its last eos, and is padded with ``pad`` to the longest row. A replica that stopped
+    earlier has only finished rows, one eos short each: they get eos up to the length of
+    the longest output's finished rows, then ``pad``. ``steps`` is the most tokens a row
+    may generate (``max_new_tokens``), if known.
+    """
+    longest = next(o for o in outputs if o.shape[-1] == width)
+    if bool((longest[..., -1] == pad).any()) or (steps is not None and width >= steps):
+        # Some row ran to the last step untrimmed (the others are padded after it), or
+        # every row did (the longest output used all the steps): finished rows are one short.
+        finished = width - 1
+    else:  # every row of the longest output finished and was trimmed
+        finished = width
+    filled = [_pad_width(o, max(finished, o.shape[-1]), eos, "sequences") for o in outputs]
+    return [_pad_width(o, width, pad, "sequences") for o in filled]
+
+
 def _gather_cat(values: list[Any], device: torch.device) -> Any:
     from .gather import gather
 
@@ -280,7 +311,14 @@ def _call_fill(
     returns = int(config.num_return_sequences or 1)
     # Whisper repeats each item num_return_sequences times before its beam search, so
     # every returned sequence has num_beams rows of scores.
-    found = {"num_beams": beams, "num_return_sequences": 1 if _is_whisper(model) else returns}
+    whisper = _is_whisper(model)
+    found: dict[str, Any] = {"num_beams": beams, "num_return_sequences": 1 if whisper else returns}
+    if whisper and beams > 1 and isinstance(config.eos_token_id, int) and pad is not None:
+        # Whisper's short-form output drops each row's last token when it is the (one)
+        # eos id, then pads the rows with the pad id (generation_whisper: "remove eos
+        # token", _pad_to_max_length).
+        found["trimmed_pad_id"] = pad
+        found["max_new_tokens"] = config.max_new_tokens
     fill: int | None
     if beams > 1:
         # transformers: `pad_token_id or eos_token_id[0] if eos_token_id is not None else -1`,

@@ -276,3 +276,24 @@ def test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch(n: in
     new = got[:, inputs["input_ids"].shape[1]:]
     for i, row in enumerate(new.tolist()):
         assert set(row) <= set(allowed[i])
+
+
+@pytest.mark.parametrize("eos", [6, 31, 45])
+def test_whisper_beam_rows_trimmed_of_their_eos_are_padded_as_one_device_pads_them(eos: int) -> None:
+    # With one eos id (an int, here from the model's generation config) Whisper drops each
+    # finished row's last eos and pads its rows with the pad id; a replica whose rows all
+    # finish early returns fewer columns, which must be filled as one device fills them.
+    torch.manual_seed(0)
+    model = _whisper().eval()
+    model.generation_config.eos_token_id = eos
+    inputs = _inputs("whisper", 7)
+    kwargs = dict(max_new_tokens=NEW, num_beams=3, pad_token_id=0)
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model.generate(**inputs, **kwargs)
+        got = dp.generate(**inputs, **kwargs)
+        widths = {int(model.generate(input_features=x, **kwargs).shape[-1])
+                  for x in inputs["input_features"].split([2, 2, 2, 1])}
+    assert len(widths) > 1  # the replicas returned different numbers of columns
+    assert torch.equal(got, want), (got.tolist(), want.tolist())
