@@ -6,13 +6,18 @@ methods it knows for the module's class:
 
 - transformers: ``generate`` of every ``GenerationMixin`` model, with the gather mode
   ``"generate"`` (and ``prefix_allowed_tokens_fn`` given each item's index in the whole
-  batch); every ``get_*_features`` method of a ``PreTrainedModel``
-  (``get_text_features``, ``get_image_features``, ...);
+  batch); ``forward`` of every ``PreTrainedModel``, its ``loss`` joined as transformers
+  joins it (``num_items_in_batch``, the model's reduction; see
+  :mod:`dpmethods.known_transformers`); a cache passed into either is updated in place
+  (:mod:`dpmethods.known_caches`); the Qwen2-VL family's patches split by image; Encodec
+  ``encode``/``decode`` with its codes' batch in dim 1; every ``get_*_features`` method
+  of a ``PreTrainedModel`` (``get_text_features``, ``get_image_features``, ...);
 - sentence-transformers: ``SentenceTransformer.encode`` (and ``encode_query``,
   ``encode_document``), with ``split`` on the sentences (numpy results are joined too),
   one string taken as one input, and ``int8``/``uint8`` precision calibrated on the
   whole batch, as on one device;
-- peft: ``generate`` of a ``PeftModel`` (LoRA and other adapters), as transformers';
+- peft: ``generate`` of a ``PeftModel`` (LoRA and other adapters), as transformers',
+  with ``adapter_names`` (one per row) split with the rows;
 - diffusers: ``encode`` and ``decode`` of ``AutoencoderKL`` and its image and video
   variants, ``AutoencoderTiny``, ``AutoencoderDC`` and ``VQModel``;
 - timm: ``forward_features`` and ``forward_head`` of timm models;
@@ -31,10 +36,12 @@ import re
 import sys
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from .registry import MethodOptions
+from . import known_caches as _caches
+from . import known_transformers as _hf
+from .registry import MethodOptions, register_method_finder
 
 __all__ = ["KnownMethods", "builtin_methods", "known_methods"]
 
@@ -84,13 +91,44 @@ def _transformers(cls: type) -> dict[str, MethodOptions]:
     found: dict[str, MethodOptions] = {}
     mixin = _class_in("transformers.generation.utils", "GenerationMixin")
     if mixin is not None and issubclass(cls, mixin) and _defines(cls, "generate"):
-        found["generate"] = MethodOptions(gather="generate", _per_replica=_offset_prefix_fn)
+        found["generate"] = MethodOptions(
+            gather="generate", _around=_caches.cache_around, _per_replica=_offset_prefix_fn
+        )
     pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
     if pretrained is not None and issubclass(cls, pretrained):
+        if _defines(cls, "forward"):
+            # Losses joined as transformers joins them, caches passed in updated in place.
+            found["forward"] = MethodOptions(
+                gather=_hf.forward_gather, _around=_caches.cache_around,
+                _per_replica=_hf.loss_per_replica,
+            )
+        if _hf.takes_vision_grids(cls):
+            # Qwen2-VL family: all images' patches in one tensor, cut per replica's rows.
+            for name, opts in list(found.items()):
+                if name in ("forward", "generate"):
+                    steps = (opts._per_replica, _hf.vision_per_replica)
+                    found[name] = replace(
+                        opts, broadcast=opts.broadcast + _hf.VISION_ARGUMENTS,
+                        _per_replica=_hf.chain_per_replica(*(s for s in steps if s is not None)),
+                    )
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):
             if _defines(cls, name):
                 found[name] = MethodOptions()
+    found.update(_encodec(cls))
     return found
+
+
+def _encodec(cls: type) -> dict[str, MethodOptions]:
+    # Encodec's codes are [chunks, batch, quantizers, frames]: encode returns them with
+    # the batch in dim 1, and decode takes them so (its audio_scales and the audio it
+    # returns have the batch in dim 0).
+    encodec = _class_in("transformers.models.encodec.modeling_encodec", "EncodecModel")
+    if encodec is None or not issubclass(cls, encodec):
+        return {}
+    return {
+        "encode": MethodOptions(gather_dim={"audio_codes": 1}),
+        "decode": MethodOptions(scatter_dim={"audio_codes": 1}),
+    }
 
 
 class _OffsetPrefixFn:
@@ -195,7 +233,13 @@ def _peft(cls: type) -> dict[str, MethodOptions]:
     peft_model = _class_in("peft.peft_model", "PeftModel")
     if peft_model is None or not issubclass(cls, peft_model) or not _defines(cls, "generate"):
         return {}
-    return {"generate": MethodOptions(gather="generate", _per_replica=_offset_prefix_fn)}
+    # adapter_names holds one adapter per row (peft's mixed-batch inference): each replica
+    # gets its rows' names.
+    return {
+        "generate": MethodOptions(
+            gather="generate", split=("adapter_names",), _per_replica=_offset_prefix_fn
+        )
+    }
 
 
 def _by_module(prefix: str, names: tuple[str, ...]) -> Callable[[type], dict[str, MethodOptions]]:
@@ -211,8 +255,9 @@ def _by_module(prefix: str, names: tuple[str, ...]) -> Callable[[type], dict[str
 
 _RULES = (
     KnownMethods(
-        "transformers", "GenerationMixin models; PreTrainedModel",
-        "generate (gather='generate'); get_*_features", _transformers,
+        "transformers", "GenerationMixin models; PreTrainedModel; EncodecModel",
+        "generate (gather='generate'); forward (loss joined by num_items_in_batch); "
+        "get_*_features; Encodec encode/decode (codes' batch in dim 1)", _transformers,
     ),
     KnownMethods(
         "sentence_transformers", "SentenceTransformer",
@@ -220,7 +265,10 @@ _RULES = (
         "int8/uint8 calibrated on the whole batch)",
         _sentence_transformers,
     ),
-    KnownMethods("peft", "PeftModel (LoRA and other adapters)", "generate (gather='generate')", _peft),
+    KnownMethods(
+        "peft", "PeftModel (LoRA and other adapters)",
+        "generate (gather='generate', adapter_names split per row)", _peft,
+    ),
     KnownMethods(
         "diffusers", "AutoencoderKL and its image and video variants, AutoencoderTiny, "
         "AutoencoderDC, VQModel", "encode, decode", _diffusers,
@@ -299,3 +347,6 @@ def registrations() -> list[dict[str, Any]]:
             "applies_to": rule.applies_to, "methods": rule.methods,
         })
     return rows
+
+
+register_method_finder(builtin_methods)

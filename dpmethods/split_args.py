@@ -16,7 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .per_item import _to
+from . import _tree
+from .per_item import to_device as _to
 from .warn_once import warn_once
 
 __all__: list[str] = []
@@ -204,3 +205,83 @@ def warn_whole_items(
             f"replica needs it whole, broadcast=({name!r},) says so and silences this warning.",
             stacklevel=5,
         )
+
+
+class _Moved(NamedTuple):
+    where: int | str  # positional index or keyword
+    at: int  # the dim the argument has its batch in
+
+
+def move_dims(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    scatter_dim: Mapping[str, int],
+    selected: Callable[[Sequence[str]], list[tuple[bool, Any]]],
+    dim: int,
+) -> tuple[tuple[Any, ...], dict[str, Any], list[_Moved]]:
+    """Arguments named in ``scatter_dim`` with their batch dim moved to ``dim`` (views).
+
+    The scatter then splits every argument along ``dim``; :func:`restore_dims` moves each
+    replica's chunk back, so the method gets its own layout (Encodec's ``audio_codes``
+    are ``[chunks, batch, quantizers, frames]``).
+    """
+    positional, keyword = list(args), dict(kwargs)
+    keys: list[int | str] = [*range(len(args)), *kwargs]
+    moved: list[_Moved] = []
+    for at in sorted(set(scatter_dim.values())):
+        names = [n for n, d in scatter_dim.items() if d == at]
+        for (named, value), where in zip(selected(names), keys):
+            if not named or at == dim or not _tensor_leaves(value):
+                continue
+            changed = _map_tensors(value, _forth(at, dim, where))
+            if isinstance(where, int):
+                positional[where] = changed
+            else:
+                keyword[where] = changed
+            moved.append(_Moved(where, at))
+    return tuple(positional), keyword, moved
+
+
+def _moved(t: Tensor, at: int, dim: int, where: int | str) -> Tensor:
+    if not (-t.dim() <= at < t.dim() and -t.dim() <= dim < t.dim()):
+        name = f"argument {where!r}" if isinstance(where, str) else f"positional argument {where}"
+        raise ValueError(
+            f"scatter_dim: {name} has shape {list(t.shape)}, which has no dim {at} to split "
+            f"along; expected at least {max(at, dim) + 1} dims"
+        )
+    return t.movedim(at, dim)
+
+
+def restore_dims(
+    per_replica: list[tuple[tuple[Any, ...], dict[str, Any]]], moved: list[_Moved], dim: int
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Each replica's arguments with the dims :func:`move_dims` moved put back."""
+    out = []
+    for args, kwargs in per_replica:
+        positional, keyword = list(args), dict(kwargs)
+        for m in moved:
+            if isinstance(m.where, int):
+                positional[m.where] = _map_tensors(positional[m.where], _back(m.at, dim))
+            else:
+                keyword[m.where] = _map_tensors(keyword[m.where], _back(m.at, dim))
+        out.append((tuple(positional), keyword))
+    return out
+
+
+def _forth(at: int, dim: int, where: int | str) -> Callable[[Tensor], Tensor]:
+    return lambda t: _moved(t, at, dim, where)
+
+
+def _back(at: int, dim: int) -> Callable[[Tensor], Tensor]:
+    return lambda t: t.movedim(dim, at)
+
+
+def _tensor_leaves(value: Any) -> bool:
+    return any(isinstance(leaf, Tensor) and leaf.dim() for leaf in _tree.flatten(value)[1])
+
+
+def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    spec, leaves = _tree.flatten(value)
+    return _tree.unflatten(
+        spec, [fn(v) if isinstance(v, Tensor) and v.dim() else v for v in leaves]
+    )

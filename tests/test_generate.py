@@ -278,6 +278,27 @@ def test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch(n: in
         assert set(row) <= set(allowed[i])
 
 
+def test_a_cache_passed_to_generate_that_cannot_be_updated_in_place_is_warned_about() -> None:
+    torch.manual_seed(0)
+    model = _gpt2().eval()
+    inputs = _inputs("gpt2", 7)
+    dp = DataParallel(model, device_ids=["cpu"] * 3)
+    dpmethods.warn_once.reset()
+    cache = transformers.DynamicCache()
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"the DynamicCache passed in is not updated in place.*out\.past_key_values"):
+        got = dp.generate(**inputs, max_new_tokens=3, pad_token_id=0, past_key_values=cache)
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=3, pad_token_id=0)
+    assert torch.equal(got, want)
+    # With the joined cache in the output (every replica ran max_new_tokens), it is.
+    cache = transformers.DynamicCache()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        out = dp.generate(**inputs, max_new_tokens=3, pad_token_id=0, past_key_values=cache,
+                          return_dict_in_generate=True)
+    assert out.past_key_values is cache and cache.get_seq_length() == want.shape[1] - 1
+
+
 @pytest.mark.parametrize("eos", [6, 31, 45])
 def test_whisper_beam_rows_trimmed_of_their_eos_are_padded_as_one_device_pads_them(eos: int) -> None:
     # With one eos id (an int, here from the model's generation config) Whisper drops each

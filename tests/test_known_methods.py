@@ -218,3 +218,133 @@ def test_info_lists_the_registrations() -> None:
     for rule in known_methods():
         assert rule.library in out
     assert "generate (gather='generate')" in out
+
+
+# --- transformers forward: losses joined as transformers joins them ----------------
+
+
+def _loss_call(model: nn.Module, kwargs: dict[str, Any], devices: int) -> tuple[Any, Any, list[str]]:
+    import warnings
+
+    dpmethods.warn_once.reset()
+    model.eval()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = model(**kwargs)
+        got = DataParallel(model, device_ids=["cpu"] * devices)(**kwargs)
+    return got, want, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def _tokens(n: int, vocab: int = 50, width: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(5, vocab, (n, width), generator=g)
+    labels = ids.masked_fill(torch.rand(n, width, generator=g) < 0.6, -100)  # uneven counts per row
+    return ids, labels
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_gpt2_left_padded_loss_equals_the_full_batch_loss(n: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    )
+    ids, _ = _tokens(n)
+    mask = torch.ones_like(ids)
+    for row, width in ((0, 3), (1, 6), (n - 1, 1)):  # left padding, different per row
+        mask[row, :width] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    got, want, warned = _loss_call(model, dict(input_ids=ids, attention_mask=mask, labels=labels), devices)
+    assert warned == []
+    assert got.loss.dim() == 0
+    _close(got.loss, want.loss)
+    _close(got.logits, want.logits)
+    # Gradients too: each replica's loss is its share of the full-batch loss.
+    model.train()
+    model.config.embd_pdrop = model.config.resid_pdrop = model.config.attn_pdrop = 0.0
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    model(**kwargs).loss.backward()
+    want_grad = model.transformer.wte.weight.grad.clone()
+    model.zero_grad()
+    DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
+    _close(model.transformer.wte.weight.grad, want_grad)
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_masked_lm_loss_with_ignored_labels_equals_the_full_batch_loss(n: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ModernBertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+        sep_token_id=2, global_attn_every_n_layers=1,
+    )
+    ids, labels = _tokens(n)
+    got, want, warned = _loss_call(transformers.ModernBertForMaskedLM(config), dict(input_ids=ids, labels=labels), devices)
+    assert warned == []
+    _close(got.loss, want.loss)
+
+
+def _wav2vec2(reduction: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+        num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, ctc_loss_reduction=reduction,
+    )
+    return transformers.Wav2Vec2ForCTC(config)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_ctc_loss_follows_the_configured_reduction(n: int, devices: int, reduction: str) -> None:
+    g = torch.Generator().manual_seed(n)
+    audio = torch.randn(n, 400, generator=g)
+    labels = torch.randint(1, 12, (n, 6), generator=g)
+    labels[torch.rand(n, 6, generator=g) < 0.3] = -100
+    got, want, warned = _loss_call(_wav2vec2(reduction), dict(input_values=audio, labels=labels), devices)
+    assert warned == []
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5 * float(want.loss.abs()))
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_a_loss_without_num_items_in_batch_keeps_per_replica_losses_with_a_warning(n: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
+    )
+    ids, _ = _tokens(n)
+    labels = _tokens(n + 1, width=5)[1][:n]
+    got, want, warned = _loss_call(
+        transformers.T5ForConditionalGeneration(config), dict(input_ids=ids, labels=labels), devices
+    )
+    assert got.loss.shape == (devices,)  # as before: one value per replica
+    assert any(
+        "T5ForConditionalGeneration.forward computes its loss without num_items_in_batch" in w
+        and "{'loss': 'mean'}" in w
+        for w in warned
+    ), warned
+    _close(got.logits, want.logits)
+
+
+def test_forward_without_labels_and_with_gather_given_is_unchanged() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    )
+    ids, labels = _tokens(7)
+    got, want, warned = _loss_call(model, dict(input_ids=ids), 3)
+    assert warned == [] and got.loss is None
+    _close(got.logits, want.logits)
+    # The user's gather wins, and then no num_items_in_batch is passed: row-weighted mean.
+    dp = DataParallel(model, device_ids=["cpu"] * 3, methods={"forward": {"gather": {"loss": "mean"}}})
+    with torch.no_grad():
+        per_row = [model(input_ids=ids[a:b], labels=labels[a:b]).loss for a, b in ((0, 3), (3, 5), (5, 7))]
+        mean = dp(input_ids=ids, labels=labels).loss
+    _close(mean, sum(loss * w for loss, w in zip(per_row, (3 / 7, 2 / 7, 2 / 7))))

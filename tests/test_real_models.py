@@ -13,6 +13,7 @@ import torch
 from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
+import dpmethods
 from dpmethods import DataParallel, warn_once
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
@@ -312,6 +313,44 @@ def test_gpt2_cache_joined_and_used_for_the_next_step(batch: int, devices: int) 
     assert next_cache.get_seq_length() == 6 and next_cache.layers[1].keys.shape[0] == batch
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_a_cache_passed_in_is_updated_in_place_as_on_one_device(batch: int, devices: int, kind: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99, n_positions=64)
+    gpt = transformers.GPT2LMHeadModel(config).eval()
+    ids, nxt = torch.randint(0, 99, (batch, 5)), torch.randint(0, 99, (batch, 1))
+
+    def new_cache() -> Any:
+        if kind == "dynamic":
+            return transformers.DynamicCache()
+        return transformers.StaticCache(config=config, max_cache_len=8)
+
+    def steps(model: Any) -> tuple[Any, Any, Any]:
+        cache = new_cache()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # past_key_values renamed in 5.x
+            first = model(ids, past_key_values=cache, use_cache=True)
+            # Code that keeps its own cache object: the next step reuses it.
+            second = model(nxt, past_key_values=cache, use_cache=True)
+        return cache, first, second
+
+    ref_cache, ref1, ref2 = steps(gpt)
+    dp = DataParallel(gpt, device_ids=["cpu"] * devices)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        cache, got1, got2 = steps(dp)
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == 6
+    assert got2.past_key_values is cache  # the object passed in, as on one device
+    _close(got1.logits, ref1.logits)
+    _close(got2.logits, ref2.logits)
+    for g, w in zip(cache.layers, ref_cache.layers):
+        _close(g.keys, w.keys)
+
+
 # --- Encodec: codes with the batch in dim 1 -----------------------------------------
 
 
@@ -327,14 +366,23 @@ def test_encodec_codes_batch_in_dim_1(batch: int, devices: int) -> None:
     cpus = ["cpu"] * devices
     with torch.no_grad():
         ref = model.encode(audio, bandwidth=3.0)
-        # audio_codes is [chunks, batch, quantizers, frames]: joined on dim 1.
-        enc = DataParallel(model, device_ids=cpus, methods={"encode": {"gather_dim": {"audio_codes": 1}}})
-        got = enc.encode(audio, bandwidth=3.0)
+        # audio_codes is [chunks, batch, quantizers, frames]: joined on dim 1, with no
+        # configuration.
+        dp = DataParallel(model, device_ids=cpus)
+        got = dp.encode(audio, bandwidth=3.0)
         assert torch.equal(got.audio_codes, ref.audio_codes)
-        # decode takes the codes (batch in dim 1) and returns audio [batch, 1, t].
+        # decode takes the codes (batch in dim 1, split there) and returns audio [batch, 1, t].
+        seen = []
+        hook = model.decoder.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+        try:
+            got_audio = dp.decode(ref.audio_codes, ref.audio_scales).audio_values
+        finally:
+            hook.remove()
+        assert sorted(seen) == sorted(dpmethods.chunk_sizes(batch, devices))  # each replica its rows
+        _close(got_audio, model.decode(ref.audio_codes, ref.audio_scales).audio_values)
+        # The options spelled out, as before: the same.
         dec = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1, "gather_dim": 0}})
-        _close(dec.decode(ref.audio_codes, ref.audio_scales).audio_values,
-               model.decode(ref.audio_codes, ref.audio_scales).audio_values)
+        _close(dec.decode(ref.audio_codes, ref.audio_scales).audio_values, got_audio)
         if batch % devices == 0:  # equal shares: joining the audio on dim 1 would succeed, wrongly
             plain = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1}})
             with pytest.warns(UserWarning, match=r"audio_values is joined along dim 1.*its dim 0 has them"):
@@ -422,6 +470,32 @@ def test_peft_generate_is_parallel_with_no_configuration(batch: int, devices: in
     assert first == sorted(2 * (batch // devices + (i < batch % devices)) for i in range(devices))
 
 
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_peft_generate_splits_adapter_names_with_no_configuration(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
+                                     bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(**lora))
+    model.eval()
+    ids = torch.randint(1, 64, (batch, 5))
+    names = [("one", "two", "__base__")[i % 3] for i in range(batch)]  # one adapter per row
+    kwargs = dict(input_ids=ids, adapter_names=names, max_new_tokens=4, do_sample=False)
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "every replica gets all of it"
+        got = DataParallel(model, device_ids=["cpu"] * devices).generate(**kwargs)
+    with torch.no_grad():
+        ref = model.generate(**kwargs)
+        base = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, ref)
+    assert not torch.equal(ref, base)  # the adapters change the tokens: the split matters
+
+
 def test_no_library_is_imported_by_dpmethods() -> None:
     # The shipped rules are installed only for libraries the user imported.
     code = (
@@ -437,3 +511,57 @@ def test_no_library_is_imported_by_dpmethods() -> None:
                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
+        pytest.skip("this transformers has no Qwen2-VL")
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=1, in_channels=3),
+        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    # Images per row 1, 0, 2, 1, 1, 0, 1, of different sizes; each stands in the text as
+    # prod(t, h, w) / merge**2 image tokens between vision start and end.
+    grids_per_row = [[(1, 4, 4)], [], [(1, 2, 4), (1, 4, 2)], [(1, 2, 2)], [(1, 4, 4)], [], [(1, 2, 6)]]
+    g = torch.Generator().manual_seed(0)
+    rows, grids = [], []
+    for row in grids_per_row:
+        tokens = torch.randint(1, 50, (3,), generator=g).tolist()
+        for t, h, w in row:
+            tokens += [62] + [60] * (t * h * w // 4) + [63]
+            grids.append((t, h, w))
+        rows.append(tokens + torch.randint(1, 50, (2,), generator=g).tolist())
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left padding
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2, generator=g)  # all images' patches
+    return model, dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == 60).int())
+
+
+@pytest.mark.parametrize("devices", [3, 4])
+def test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration(devices: int) -> None:
+    import warnings
+
+    model, inputs = _tiny_qwen2_vl()
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        want, got = model(**inputs), dp(**inputs)
+        want_tokens, got_tokens = model.generate(**inputs, **kwargs), dp.generate(**inputs, **kwargs)
+    _close(got.logits, want.logits)
+    assert len(got.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 6
+    for g, w in zip(got.image_outputs.pooler_output, want.image_outputs.pooler_output):
+        _close(g, w)
+    assert torch.equal(got_tokens, want_tokens)
