@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import accumulate, chain
 from typing import Any, TypeVar
 
@@ -18,10 +18,13 @@ from torch import nn
 
 from . import generate as _generate
 from ._call import _Call, _current, _entered
+from ._process_map import process_map
+from ._process_pool import call_chunks, check_factory, check_workers, close_pool
 from ._wrapping import _MethodWrapper, check_module
 from .compiled import method_owner
 from .devices import DeviceId, _resolve_devices, _resolve_output
 from .gather import gather as _gather
+from .gather_modes import GatherCall, named_mode
 from .parallel_apply import WorkerPool
 from .parallel_apply import parallel_apply as _parallel_apply
 from .registry import MethodOptions, MethodsArg
@@ -63,6 +66,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             ``"distinct"`` (each CPU entry of ``device_ids`` gets its own parameter and
             buffer copies, through the autograd broadcast distinct GPUs get); default
             ``$DPMETHODS_CPU_REPLICAS``, else ``"shared"``. See docs/reliability.md.
+        workers: ``"threads"`` (default) or ``"processes"``: one worker process per device
+            runs maps and inference calls, past the GIL (outputs must not require grad);
+            ``map(workers=)`` overrides it per map. See docs/map.md; ``close()`` stops them.
+        factory: with processes, a picklable zero-argument callable that builds the
+            module in each worker, instead of sending it (changes to it are then not seen).
 
     Tensors are split along the method's ``dim``; other arguments go whole to every
     replica, and an iterator or generator argument is read once, lazily, with every
@@ -101,6 +109,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         *,
         cache_replicas: bool = False,
         cpu_replicas: str | None = None,
+        workers: str = "threads",
+        factory: Callable[[], nn.Module] | None = None,
     ) -> None:
         # torch's __init__ turns into a passthrough without GPUs, so it can't take CPU devices.
         check_module(module)
@@ -116,6 +126,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.dim = dim
         self.cache_replicas = cache_replicas
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
+        self.workers = check_workers(workers)
+        self.__dict__["_dpm_factory"] = check_factory(factory)
         self._devices = _resolve_devices(device_ids)
         self._init_methods(module, methods)
         self._check_broadcast_names()
@@ -181,6 +193,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         progress: bool | str = False,
         prefetch: int = 2,
         shard: bool = False,
+        workers: str | None = None,
         **kwargs: Any,
     ) -> Iterator[Any]:
         """Run ``method`` over many batches, each whole on whichever replica is free.
@@ -199,6 +212,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             prefetch: batches in flight per replica (memory stays bounded).
             shard: under torch.distributed, run only batch i with
                 ``i % world_size == rank`` and yield only those outputs.
+            workers: ``"threads"`` or ``"processes"`` (each batch in a worker process,
+                past the GIL); default: the wrapper's ``workers``.
             **kwargs: keyword arguments passed to every call.
 
         Returns:
@@ -213,6 +228,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             >>> len(outs), outs[0].shape
             (5, torch.Size([3, 2]))
         """
+        if check_workers(self.workers if workers is None else workers) == "processes" and self._devices:
+            return process_map(
+                self, method, batches, kwargs,
+                ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
+            )
         return map_batches(
             self, method, batches, kwargs,
             ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
@@ -252,6 +272,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         finish = None
         if opts._around is not None:
             args, kwargs, finish = opts._around(args, kwargs)
+        if opts.hooks is not None and opts.hooks.prepare is not None:
+            args, kwargs, finish = opts.hooks.prepare(args, kwargs)
         with _entered(_Call(self, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
             # torch's seams, with torch's signatures; the rest of the call is in ctx.
             inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
@@ -260,6 +282,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             self._warn_small(ctx.sizes, len(inputs))
             if len(self.device_ids) == 1:
                 outputs = [call(*inputs[0], **kwargs_tup[0])]
+            elif self.workers == "processes":  # each chunk in its device's worker process
+                outputs = call_chunks(self, name, inputs, kwargs_tup)
             else:
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
                 outputs = self.parallel_apply(replicas, inputs, kwargs_tup)
@@ -296,11 +320,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         opts = ctx.options if ctx is not None else self._options("forward")
         result = scatter_call(
             tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast,
-            ctx.fn if ctx is not None else None, split=opts.split,
+            ctx.fn if ctx is not None else None, split=opts.split, scatter_dim=opts.scatter_dim,
         )
         if ctx is not None:
             ctx.sizes = result.sizes
-        adapt = opts._per_replica
+        adapt = opts._per_replica or (opts.hooks.per_replica if opts.hooks is not None else None)
         if adapt is not None and len(result.sizes) > 1:
             starts = accumulate(result.sizes[:-1], initial=0)
             pairs = [adapt(a, k, s) for a, k, s in zip(result[0], result[1], starts)]
@@ -339,7 +363,20 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         state = super().__getstate__()
         state["_replica_cache"] = None  # rebuilt on demand; threads can't be copied
         state.pop("_workers", None)
+        state.pop("_process_pool", None)  # processes can't be copied either
         return state
+
+    def close(self) -> None:
+        """Stop and join the worker processes of ``workers="processes"`` (if started).
+
+        The next map or call that needs them starts fresh ones.
+
+        Example:
+            >>> import torch, dpmethods
+            >>> dp = dpmethods.DataParallel(torch.nn.Linear(2, 2), ["cpu"] * 2, workers="processes")
+            >>> dp.close()
+        """
+        close_pool(self)
 
     def parallel_apply(  # type: ignore[override]
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any = None
@@ -374,6 +411,12 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.generate
             return _generate._gather_call(outputs, output_device, ctx)
         sizes = ctx.sizes if ctx is not None else None
+        named = named_mode(opts.gather) if isinstance(opts.gather, str) else None
+        if named is not None:  # a library's mode: it joins the whole output, seeing the call
+            call = None
+            if ctx is not None:
+                call = GatherCall(self.module, ctx.name, ctx.args, ctx.kwargs, list(ctx.sizes), opts)
+            return named(list(outputs), _as_device(output_device), call)
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
             weights=weights, gather_dim=opts.gather_dim,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import itertools
 import threading
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from torch import Tensor
 
 from . import _tree, split_args
 from ._signature import argument_names, signature_of
+from .warn_once import warn_once
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
@@ -119,9 +120,55 @@ def _per_replica(leaf: Any, n: int) -> list[Any]:
     return [leaf] * n
 
 
+def _mismatch_hint(lists: list[str]) -> str:
+    # Never broadcast for a list: every replica would run all of its entries (all the
+    # targets beside its share of the images), which gives a wrong answer silently.
+    if lists:
+        names = ", ".join(map(repr, lists))
+        return (
+            f"{names} {'is a list' if len(lists) == 1 else 'are lists'} whose tensors were "
+            f"split as batches: if each entry belongs to one batch item (an image, a target "
+            f"dict), pass split=({names},) so each replica gets its items' entries."
+        )
+    return "Pass broadcast=(name, ...) for arguments that every replica needs whole."
+
+
+def _list_arguments(names: list[str], values: list[Any]) -> list[str]:
+    """The arguments that are lists or tuples holding tensors (the ones split= is for)."""
+    return [
+        name
+        for name, value in zip(names, values)
+        if isinstance(value, (list, tuple))
+        and any(isinstance(t, Tensor) for t in _tree.flatten(value)[1])
+    ]
+
+
+def _warn_ragged_lists(names: list[str], values: list[Any], whole: Container[str], dim: int) -> None:
+    """Warn once when a list of tensors of different shapes is split entry by entry.
+
+    Entries of different shapes are seldom one batch each: they are the items (images
+    of several sizes for a detection model), and splitting each one along ``dim`` gives
+    every replica a piece of every item.
+    """
+    for name, value in zip(names, values):
+        if name in whole or not isinstance(value, (list, tuple)) or len(value) < 2:
+            continue
+        shapes = [tuple(t.shape) for t in value if isinstance(t, Tensor)]
+        if len(shapes) == len(value) and len(set(shapes)) > 1:
+            shown = ", ".join(str(list(s)) for s in shapes[:3])
+            warn_once(
+                f"scatter: argument {name!r} is a list of {len(shapes)} tensors of different "
+                f"shapes ({shown}{', ...' if len(shapes) > 3 else ''}), and each one is split "
+                f"along dim {dim} as a batch of its own, so every replica gets a piece of "
+                f"every entry. If each entry is one batch item (an image), pass "
+                f"split=({name!r},) to give each replica whole entries.",
+                stacklevel=5,
+            )
+
+
 def _batch_size(
     leaves: list[Any], whole: Container[int], dim: int, names: Callable[[], list[str]],
-    split: bool = False,
+    split: bool = False, lists: Callable[[], list[str]] = list,
 ) -> tuple[int | None, set[int]]:
     """The batch size, and the leaves of size 1 along ``dim`` beside a larger batch.
 
@@ -157,8 +204,8 @@ def _batch_size(
             }
             listing = ", ".join(f"{p} has {s}" for p, s in sizes.items())
             raise ValueError(
-                f"scatter: tensors split along dim {dim} must agree on its size, but {listing}. "
-                "Pass broadcast=(name, ...) for arguments that every replica needs whole."
+                f"scatter: tensors split along dim {dim} must agree on its size, but "
+                f"{listing}. {_mismatch_hint(lists())}"
             )
     if batch == 0:
         raise ValueError(
@@ -244,6 +291,7 @@ def scatter_call(
     broadcast: Sequence[str] = (),
     fn: Callable[..., Any] | None = None,
     split: Sequence[str] = (),
+    scatter_dim: Mapping[str, int] | None = None,
 ) -> ScatterResult:
     """Scatter the arguments of one call, binding them by name through ``fn``'s signature.
 
@@ -258,6 +306,8 @@ def scatter_call(
         split: names of arguments that are Python sequences with one entry per batch
             item; each replica gets the run of items that lines up with its tensor chunk
             (see :mod:`dpmethods.split_args`).
+        scatter_dim: argument names mapped to the dim they are split along, where it is
+            not ``dim`` (their batch is moved to ``dim`` for the split, and back).
 
     Example:
         >>> import torch
@@ -272,7 +322,7 @@ def scatter_call(
     if not devices:
         raise ValueError("scatter: devices: expected at least one device, got none")
     targets = [_as_device(d) for d in devices]
-    if not kwargs and not broadcast and not split and args and all(map(isinstance, args, _TENSORS)):
+    if not kwargs and not broadcast and not split and not scatter_dim and args and all(map(isinstance, args, _TENSORS)):
         # Positional batch tensors only, the most common call: no structure to walk.
         first = args[0]
         batch = first.shape[dim] if -first.dim() <= dim < first.dim() else 0
@@ -309,6 +359,9 @@ def scatter_call(
         args, kwargs, taken = split_args.take(
             args, kwargs, split, selected, argument_names(params, len(args))
         )
+    moved = split_args.move_dims(args, kwargs, scatter_dim, selected, dim) if scatter_dim else None
+    if moved is not None:
+        args, kwargs = moved[0], moved[1]
     # After the split sequences are taken out: they are not walked as containers.
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
     whole: set[int] = set()
@@ -320,9 +373,16 @@ def scatter_call(
             if is_whole:
                 whole.update(range(offset, offset + count))
             offset += count
-    batch, ones = _batch_size(leaves, whole, dim, names, split=bool(taken))
-    whole |= ones  # beside a larger batch, or beside split sequences: broadcast
     arg_names = [*argument_names(params, len(args)), *kwargs]
+    values = [*args, *kwargs.values()]
+    batch, ones = _batch_size(
+        leaves, whole, dim, names, split=bool(taken),
+        lists=lambda: _list_arguments(arg_names, values),
+    )
+    whole |= ones  # beside a larger batch, or beside split sequences: broadcast
+    if len(targets) > 1 and any(isinstance(v, (list, tuple)) for v in values):
+        broadcast_names = {n for (is_whole, _), n in zip(entries, arg_names) if is_whole}
+        _warn_ragged_lists(arg_names, values, broadcast_names, dim)
     if taken:
         batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)
     elif batch is None and len(targets) > 1:
@@ -332,6 +392,8 @@ def scatter_call(
     per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, batch)
     if taken:
         per_replica = split_args.put(per_replica, taken, sizes, targets)
+    if moved is not None and moved[2]:
+        per_replica = split_args.restore_dims(per_replica, moved[2], dim)
     return ScatterResult(
         tuple(r[0] for r in per_replica), tuple(r[1] for r in per_replica), sizes
     )
