@@ -53,7 +53,6 @@ import _common
 
 import dpmethods
 from dpmethods import DataParallel
-from dpmethods._process_pool import pool_for
 
 __all__ = ["Figure", "main", "run"]
 
@@ -225,12 +224,10 @@ def _devices(kind: str) -> list[Any]:
     return ["cpu"] * 2
 
 
-def _start(dp: DataParallel[Any]) -> float:
+def _start(dp: DataParallel[Any], method: str) -> float:
     """Start a wrapper's worker processes (model sent): its pool's start-up, in seconds."""
-    pool = pool_for(dp)
     t0 = time.perf_counter()
-    pool.open(dp.module)
-    pool.release()
+    list(dp.map(method, []))  # a map of no batch starts the pool all the same
     return time.perf_counter() - t0
 
 
@@ -242,7 +239,7 @@ def _paths(
     call = model if method == "forward" else getattr(model, method)
     dp = DataParallel(model, device_ids=ids, methods=w["options"], cache_replicas=True)
     dpp = DataParallel(model, device_ids=ids, methods=w["options"], workers="processes")
-    startup = {"processes": _start(dpp)}
+    startup = {"processes": _start(dpp, method)}
     dcall = dp if method == "forward" else getattr(dp, method)
     pcall = dpp if method == "forward" else getattr(dpp, method)
 
@@ -271,7 +268,7 @@ def _encode_paths(
     model, sentences = w["model"], w["sentences"]
     dp = DataParallel(model, device_ids=ids)
     dpp = DataParallel(model, device_ids=ids, workers="processes")
-    startup = {"processes": _start(dpp)}
+    startup = {"processes": _start(dpp, "encode")}
     t0 = time.perf_counter()
     pool = model.start_multi_process_pool(["cpu"] * len(ids))
     model.encode(sentences[:8], pool=pool)  # its workers load the model on first use
@@ -326,7 +323,7 @@ def _measure(
     cpu: dict[str, list[float]] = {p: [] for p in paths}
     order = list(paths.items())
     try:
-        with warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # transformers' notes on attention masks
             reference = paths["one-device"]()
             outputs = {p: fn() for p, fn in paths.items() if p != "one-device"}  # and warm-up
@@ -493,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_map needs transformers (pip install transformers)", file=sys.stderr)
         return 2
     transformers.logging.set_verbosity_error()  # its notes on attention masks, once per call
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # and in the worker processes
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device is available", file=sys.stderr)
         return 2
