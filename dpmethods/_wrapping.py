@@ -18,9 +18,9 @@ from typing import Any
 
 from torch import nn
 
-from .compiled import method_owner
-from .coupled_modules import resolve_pending
-from .registry import MethodOptions, MethodsArg, resolve_methods
+from dpmethods.core.compiled import method_owner
+from dpmethods.registry import MethodOptions, MethodsArg, resolve_methods
+from dpmethods.types.coupled_modules import resolve_pending
 
 __all__: list[str] = []
 

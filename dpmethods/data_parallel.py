@@ -16,24 +16,24 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from . import generate as _generate
-from ._call import _Call, _current, _entered
-from ._process_map import process_map
-from ._process_pool import call_chunks, check_factory, check_workers, close_pool
-from ._wrapping import _MethodWrapper, check_module
-from .compiled import method_owner
-from .devices import DeviceId, _resolve_devices, _resolve_output
-from .gather import gather as _gather
-from .gather_modes import GatherCall, named_mode
-from .parallel_apply import WorkerPool
-from .parallel_apply import parallel_apply as _parallel_apply
-from .registry import MethodOptions, MethodsArg
-from .replica_cache import CachedReplicas
-from .replicate import cpu_replicas_mode, fingerprint
-from .replicate import replicate as _replicate
-from .scatter import _as_device, scatter_call
-from .streaming import map_batches
-from .utils import _load_fitted
+from dpmethods._wrapping import _MethodWrapper, check_module
+from dpmethods.checkpoints import _load_fitted
+from dpmethods.core.call import _Call, _current, _entered
+from dpmethods.core.compiled import method_owner
+from dpmethods.core.devices import DeviceId, _resolve_devices, _resolve_output
+from dpmethods.core.gather import gather as _gather
+from dpmethods.core.parallel_apply import WorkerPool
+from dpmethods.core.parallel_apply import parallel_apply as _parallel_apply
+from dpmethods.core.replica_cache import CachedReplicas
+from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
+from dpmethods.core.replicate import replicate as _replicate
+from dpmethods.core.scatter import _as_device, scatter_call
+from dpmethods.gather_modes import GatherCall, named_mode
+from dpmethods.integrations import generate as _generate
+from dpmethods.registry import MethodOptions, MethodsArg
+from dpmethods.streaming.map import map_batches
+from dpmethods.streaming.process_map import process_map
+from dpmethods.streaming.process_pool import call_chunks, check_factory, check_workers, close_pool
 
 __all__ = ["DataParallel"]
 
@@ -311,7 +311,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         kwargs: dict[str, Any] | None,
         device_ids: Sequence[DeviceId],
     ) -> Any:
-        """Split a call's arguments per device; see :func:`dpmethods.scatter.scatter_call`.
+        """Split a call's arguments per device; see :func:`dpmethods.core.scatter.scatter_call`.
 
         Returns ``(inputs, kwargs)``: per replica, a tuple of positional arguments and
         a dict of keyword arguments, as torch's ``DataParallel.scatter``.
@@ -408,7 +408,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
         weights = ctx.weights(len(outputs)) if ctx is not None else None
-        if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.generate
+        if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.integrations.generate
             return _generate._gather_call(outputs, output_device, ctx)
         sizes = ctx.sizes if ctx is not None else None
         named = named_mode(opts.gather) if isinstance(opts.gather, str) else None

@@ -30,10 +30,10 @@ Example:
 
 from __future__ import annotations
 
-from .call_hooks import CallHooks
-from .coupled_modules import is_batch_coupled, mark_batch_coupled
-from .gather_modes import GatherCall, Mode, known_modes, register_gather_mode
-from .registry import register_method_finder
+from dpmethods.call_hooks import CallHooks
+from dpmethods.gather_modes import GatherCall, Mode, known_modes, register_gather_mode
+from dpmethods.registry import register_method_finder
+from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
 
 __all__ = [
     "CallHooks",

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Union
 
-from .call_hooks import CallHooks
-from .gather_modes import known_modes, named_mode
+from dpmethods.call_hooks import CallHooks
+from dpmethods.gather_modes import known_modes, named_mode
 
 __all__ = ["GATHER_MODES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions"]
 
@@ -74,7 +74,7 @@ class MethodOptions:
     gather_dim: int | Mapping[str | int, int] | None = None
     scatter_dim: Mapping[str, int] | None = None
     hooks: CallHooks | None = None
-    # Library rules only (dpmethods.known_methods): ``around(args, kwargs)`` returns the
+    # Library rules only (dpmethods.integrations.known_methods): ``around(args, kwargs)`` returns the
     # call's arguments as the replicas should get them and a function applied to the
     # gathered output (or None), for results computed over the whole batch after the
     # per-item work (sentence-transformers' int8 calibration) and calling conventions

@@ -16,7 +16,7 @@ from typing import Any, TypeVar, Union, overload
 
 from torch import nn
 
-from .options import GATHER_MODES, GatherMode, GatherOption, MethodOptions, names_option
+from dpmethods.options import GATHER_MODES, GatherMode, GatherOption, MethodOptions, names_option
 
 __all__ = [
     "GATHER_MODES",
@@ -203,7 +203,7 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
     """The options of ``cls.name`` if it is a parallel method, else ``None``.
 
     Decorations and :func:`register` come first; then the built-in methods of imported
-    libraries (see :mod:`dpmethods.known_methods`).
+    libraries (see :mod:`dpmethods.integrations.known_methods`).
 
     Args:
         cls: the class to look the method up on (its MRO is searched).
@@ -305,7 +305,9 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
         >>> sorted(resolve_methods(torch.nn.Linear(1, 1), ["forward"]))
         ['forward']
     """
-    from .compiled import method_owner  # imported late: compiled is imported by replicate
+    from dpmethods.core.compiled import (
+        method_owner,  # imported late: compiled is imported by replicate
+    )
 
     owner = method_owner(module)  # the model's class, through torch.compile's wrapper
     found = parallel_methods(owner)

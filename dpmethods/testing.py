@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .parallel_apply import _REPLICA_CONTEXTS
+from dpmethods.core.parallel_apply import _REPLICA_CONTEXTS
 
 __all__ = ["IsolationReport", "assert_replicas_isolated"]
 

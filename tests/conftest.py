@@ -12,7 +12,7 @@ import torch
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    from dpmethods.replicate import cpu_replicas_mode
+    from dpmethods.core.replicate import cpu_replicas_mode
 
     return f"dpmethods CPU replicas: {cpu_replicas_mode()} (DPMETHODS_CPU_REPLICAS)"
 

@@ -21,7 +21,7 @@ from torch import nn
 import dpmethods
 import dpmethods.data_parallel
 from dpmethods import DataParallel, parallel_method
-from dpmethods.replicate import fingerprint
+from dpmethods.core.replicate import fingerprint
 
 __all__: list[str] = []
 
@@ -62,7 +62,7 @@ class Counter:
 
 @pytest.fixture
 def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
-    """Counts ``dpmethods.replicate.replicate`` calls made by DataParallel."""
+    """Counts ``dpmethods.core.replicate.replicate`` calls made by DataParallel."""
     counter = Counter()
     real = dpmethods.data_parallel._replicate
 

@@ -281,7 +281,7 @@ def test_replicas_take_turns_in_the_callers_thread_where_torch_cannot_compile_in
 ) -> None:
     import threading
 
-    from dpmethods import compiled as compiled_module
+    from dpmethods.core import compiled as compiled_module
     from dpmethods import warn_once
 
     monkeypatch.setattr(compiled_module, "_CONCURRENT_COMPILE", False)  # as on torch 2.11

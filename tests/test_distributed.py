@@ -219,7 +219,7 @@ def _suite_features(rank: int, world: int) -> dict[str, Any]:
     ddp = DistributedDataParallel(net, methods=["plain_step"])
     out["methods_arg"] = _train(ddp.plain_step, net, rank, world)
     try:
-        from dpmethods.utils import unwrap
+        from dpmethods.checkpoints import unwrap
     except ImportError:
         out["unwrap"] = None
     else:
@@ -547,7 +547,7 @@ def test_methods_argument_and_attribute_forwarding(features: list[dict[str, Any]
 @needs_gloo
 def test_unwrap(features: list[dict[str, Any]]) -> None:
     if features[0]["unwrap"] is None:
-        pytest.skip("dpmethods.utils.unwrap is not there yet")
+        pytest.skip("dpmethods.checkpoints.unwrap is not there yet")
     assert all(r["unwrap"] for r in features)
 
 

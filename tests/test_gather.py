@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from dpmethods import gather
+from dpmethods.parallel import gather
 
 
 class Out(NamedTuple):

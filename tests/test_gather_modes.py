@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from dpmethods import DataParallel, MethodOptions, parallel_method
-from dpmethods.gather import gather
+from dpmethods.core.gather import gather
 
 
 class _Mixed(nn.Module):

@@ -19,7 +19,7 @@ from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel
-from dpmethods.known_methods import builtin_methods, known_methods
+from dpmethods.integrations.known_methods import builtin_methods, known_methods
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 

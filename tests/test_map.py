@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import dpmethods
-from dpmethods import streaming
+from dpmethods.streaming import map as streaming
 
 _REPO = Path(__file__).resolve().parents[1]
 

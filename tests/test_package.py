@@ -32,7 +32,7 @@ def test_functions_keep_their_names_over_submodules() -> None:
     # gather, scatter, replicate and parallel_apply are functions and submodules; importing
     # a submodule directly, first, must not rebind the package attribute to the module.
     out = _run(
-        "import dpmethods.data_parallel, dpmethods.streaming, dpmethods\n"
+        "import dpmethods.data_parallel, dpmethods.streaming.map, dpmethods\n"
         "names = ['gather', 'scatter', 'replicate', 'parallel_apply']\n"
         "print([callable(getattr(dpmethods, n)) for n in names])\n"
     )
@@ -47,7 +47,7 @@ def test_import_loads_only_the_op_and_walks_see_the_shipped_type_rules() -> None
         "import sys, dpmethods\n"
         "print('torch' in sys.modules, 'dpmethods.data_parallel' in sys.modules)\n"
         "dpmethods.scatter\n"
-        "print('dpmethods.type_rules' in sys.modules)\n"
+        "print('dpmethods.types.rules' in sys.modules)\n"
     )
     assert out.split() == ["True", "False", "True"]
 

@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 from dpmethods import DataParallel, parallel_method
-from dpmethods.cpu_broadcast import CpuBroadcast
-from dpmethods.replicate import replicate
+from dpmethods.core.cpu_broadcast import CpuBroadcast
+from dpmethods.core.replicate import replicate
 from dpmethods.testing import assert_replicas_isolated
 
 __all__: list[str] = []
 
 N = 3
 DEVICES = ["cpu"] * N
-_replicate_module = sys.modules["dpmethods.replicate"]
+_replicate_module = sys.modules["dpmethods.core.replicate"]
 
 
 class Mixed(nn.Module):

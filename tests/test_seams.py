@@ -163,7 +163,7 @@ def test_dict_outputs_with_keys_in_another_order_gather_by_key() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without GPUs")
 def test_gpu_ids_without_gpus_are_a_plain_call_with_one_warning(monkeypatch: Any) -> None:
-    monkeypatch.setattr("dpmethods.devices._warned_no_gpu", False)
+    monkeypatch.setattr("dpmethods.core.devices._warned_no_gpu", False)
     ref, model = _pair()
     with pytest.warns(UserWarning, match=r"device_ids \[0, 1\] were ignored because no GPU is available"):
         dp = DataParallel(model, device_ids=[0, 1])

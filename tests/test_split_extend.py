@@ -17,7 +17,7 @@ from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, MethodOptions, parallel_method, warn_once
-from dpmethods.gather import gather
+from dpmethods.core.gather import gather
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 

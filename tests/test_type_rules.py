@@ -14,7 +14,7 @@ from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_method, warn_once
-from dpmethods.gather import gather
+from dpmethods.core.gather import gather
 
 
 @pytest.fixture(autouse=True)

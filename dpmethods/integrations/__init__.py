@@ -12,18 +12,18 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .. import gather_modes, registry
+from dpmethods import gather_modes, registry
 
 __all__ = ["INTEGRATIONS", "load_imported"]
 
 # library import name -> the integration modules that know it.
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
-    "transformers": ("dpmethods.known_methods",),
-    "sentence_transformers": ("dpmethods.known_methods", f"{__name__}.sentence_transformers"),
-    "peft": ("dpmethods.known_methods",),
-    "diffusers": ("dpmethods.known_methods",),
-    "timm": ("dpmethods.known_methods",),
-    "open_clip": ("dpmethods.known_methods", f"{__name__}.open_clip"),
+    "transformers": ("dpmethods.integrations.known_methods",),
+    "sentence_transformers": ("dpmethods.integrations.known_methods", f"{__name__}.sentence_transformers"),
+    "peft": ("dpmethods.integrations.known_methods",),
+    "diffusers": ("dpmethods.integrations.known_methods",),
+    "timm": ("dpmethods.integrations.known_methods",),
+    "open_clip": ("dpmethods.integrations.known_methods", f"{__name__}.open_clip"),
     "torchvision": (f"{__name__}.torchvision",),
 }
 _loaded: set[str] = set()

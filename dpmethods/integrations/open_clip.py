@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 
-from ..extending import mark_batch_coupled, register_method_finder
-from ..options import MethodOptions
+from dpmethods.extending import mark_batch_coupled, register_method_finder
+from dpmethods.options import MethodOptions
 
 __all__: list[str] = []
 

@@ -8,7 +8,7 @@ share they see fewer negatives and give a different loss, so they are warned abo
 
 from __future__ import annotations
 
-from ..extending import mark_batch_coupled
+from dpmethods.extending import mark_batch_coupled
 
 __all__: list[str] = []
 

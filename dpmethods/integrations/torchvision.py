@@ -14,9 +14,9 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from ..extending import GatherCall, register_gather_mode, register_method_finder
-from ..gather import gather
-from ..options import MethodOptions
+from dpmethods.extending import GatherCall, register_gather_mode, register_method_finder
+from dpmethods.options import MethodOptions
+from dpmethods.parallel import gather
 
 __all__: list[str] = []
 

@@ -2,9 +2,9 @@
 
 The first map or call that needs them starts them (``spawn``: never ``fork``, which
 breaks CUDA and threads); later ones reuse them. Each worker gets the module once, as
-one shared-memory copy of its tensors (see :mod:`dpmethods._process_io`), or builds it
+one shared-memory copy of its tensors (see :mod:`dpmethods.streaming.process_io`), or builds it
 with the wrapper's ``factory``; when the module's
-:func:`~dpmethods.replicate.fingerprint` changes (parameters, buffers, attributes,
+:func:`~dpmethods.core.replicate.fingerprint` changes (parameters, buffers, attributes,
 hooks), the next map or call sends it again.
 
 One map or call uses the pool at a time. A map stopped early (``break``, ``close()``,
@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _tree
-from ._process_io import check_factory as check_factory  # for DataParallel
-from ._process_io import dumps, loads, model_payloads
-from .parallel_apply import ReplicaError, _ThreadState
-from .replicate import fingerprint
+from dpmethods.core.parallel_apply import ReplicaError, _ThreadState
+from dpmethods.core.replicate import fingerprint
+from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
+from dpmethods.streaming.process_io import dumps, loads, model_payloads
+from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
 
@@ -81,7 +81,7 @@ class _Slot:
         return not self.broken and self.process is not None and self.process.is_alive()
 
     def start(self, ctx: Any, threads: int) -> None:
-        from ._process_worker import serve
+        from dpmethods.streaming.process_worker import serve
 
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(

@@ -8,8 +8,8 @@ methods it knows for the module's class:
   ``"generate"`` (and ``prefix_allowed_tokens_fn`` given each item's index in the whole
   batch); ``forward`` of every ``PreTrainedModel``, its ``loss`` joined as transformers
   joins it (``num_items_in_batch``, the model's reduction; see
-  :mod:`dpmethods.known_transformers`); a cache passed into either is updated in place
-  (:mod:`dpmethods.known_caches`); the Qwen2-VL family's patches split by image; Encodec
+  :mod:`dpmethods.integrations.known_transformers`); a cache passed into either is updated in place
+  (:mod:`dpmethods.integrations.known_caches`); the Qwen2-VL family's patches split by image; Encodec
   ``encode``/``decode`` with its codes' batch in dim 1; every ``get_*_features`` method
   of a ``PreTrainedModel`` (``get_text_features``, ``get_image_features``, ...);
 - sentence-transformers: ``SentenceTransformer.encode`` (and ``encode_query``,
@@ -39,9 +39,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from . import known_caches as _caches
-from . import known_transformers as _hf
-from .registry import MethodOptions, register_method_finder
+from dpmethods.integrations import known_caches as _caches
+from dpmethods.integrations import known_transformers as _hf
+from dpmethods.registry import MethodOptions, register_method_finder
 
 __all__ = ["KnownMethods", "builtin_methods", "known_methods"]
 

@@ -22,7 +22,7 @@ happens to equal a replica's share (as many attention heads as rows) is not repo
 batch-coupled.
 
 Rules for torch's own types (``PackedSequence``, ``torch.distributions``) are in
-:mod:`dpmethods.torch_rules`.
+:mod:`dpmethods.types.torch_rules`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from typing import Any
 
 from torch import Tensor
 
-from . import _tree, torch_rules
+from dpmethods.types import torch_rules
+from dpmethods.types import tree as _tree
 
 __all__ = ["register_type"]
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _tree
-from ._map_workers import move
-from ._process_io import dumps, loads
+from dpmethods.streaming.process_io import dumps, loads
+from dpmethods.streaming.threads import move
+from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .warn_once import warn_once
+from dpmethods.warn_once import warn_once
 
 __all__ = ["method_owner", "one_at_a_time", "takes_turns"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from .warn_once import warn_once
+from dpmethods.warn_once import warn_once
 
 __all__ = [
     "in_split_call", "is_batch_coupled", "mark_batch_coupled", "resolve_pending", "split_call",

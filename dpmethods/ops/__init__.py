@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from dpmethods import _extension
+from dpmethods.ops import extension as _extension
 
 __all__ = ["extension_info", "gather_coalesced"]
 

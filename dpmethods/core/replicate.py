@@ -15,7 +15,7 @@ gradients flow back to the module's own parameters. Three things differ:
 With ``cpu_replicas="distinct"`` (or the environment variable
 ``DPMETHODS_CPU_REPLICAS=distinct``) each CPU entry of ``devices`` is treated as a
 device of its own, as distinct GPUs are: every replica but the first gets its own
-parameter and buffer copies, through :class:`dpmethods.cpu_broadcast.CpuBroadcast`
+parameter and buffer copies, through :class:`dpmethods.core.cpu_broadcast.CpuBroadcast`
 (torch's ``Broadcast`` structure, whose backward sums the gradients back).
 """
 
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .compiled import bound_attributes, rebind, shallow_replica
-from .cpu_broadcast import broadcast_copies
+from dpmethods.core.compiled import bound_attributes, rebind, shallow_replica
+from dpmethods.core.cpu_broadcast import broadcast_copies
 
 __all__ = [
     "CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "HOOK_DICTS", "cpu_replicas_mode", "fingerprint", "replicate",

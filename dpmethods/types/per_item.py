@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _tree
-from .warn_once import warn_once
+from dpmethods.types import tree as _tree
+from dpmethods.warn_once import warn_once
 
 __all__ = ["Items", "Whole", "extend", "mark_items", "needs_marking", "wants_extend"]
 

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _tree, split_args
-from ._signature import argument_names, signature_of
-from .warn_once import warn_once
+from dpmethods.core.signature import argument_names, signature_of
+from dpmethods.types import per_item_args as split_args
+from dpmethods.types import tree as _tree
+from dpmethods.warn_once import warn_once
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
@@ -151,7 +152,7 @@ def _warn_ragged_lists(names: list[str], values: list[Any], whole: Container[str
     every replica a piece of every item.
     """
     for name, value in zip(names, values):
-        if name in whole or not isinstance(value, (list, tuple)) or len(value) < 2:
+        if name in whole or type(value) not in (list, tuple) or len(value) < 2:
             continue
         shapes = [tuple(t.shape) for t in value if isinstance(t, Tensor)]
         if len(shapes) == len(value) and len(set(shapes)) > 1:
@@ -305,7 +306,7 @@ def scatter_call(
         fn: the function called on each replica; used for argument names.
         split: names of arguments that are Python sequences with one entry per batch
             item; each replica gets the run of items that lines up with its tensor chunk
-            (see :mod:`dpmethods.split_args`).
+            (see :mod:`dpmethods.types.per_item_args`).
         scatter_dim: argument names mapped to the dim they are split along, where it is
             not ``dim`` (their batch is moved to ``dim`` for the split, and back).
 

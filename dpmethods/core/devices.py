@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .scatter import _as_device
+from dpmethods.core.scatter import _as_device
 
 __all__: list[str] = []
 

@@ -18,13 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _tree, ops, per_item
-from .coupled import check_shares, joinable
-from .gather_modes import known_modes, named_mode
-from .options import positional_modes
-from .registry import GATHER_MODES, GatherOption
-from .scatter import DeviceLike, _as_device
-from .values import join_values, reduce
+from dpmethods import ops
+from dpmethods.core.scatter import DeviceLike, _as_device
+from dpmethods.gather_modes import known_modes, named_mode
+from dpmethods.options import positional_modes
+from dpmethods.registry import GATHER_MODES, GatherOption
+from dpmethods.types import per_item
+from dpmethods.types import tree as _tree
+from dpmethods.types.coupled import check_shares, joinable
+from dpmethods.types.values import join_values, reduce
 
 __all__ = ["gather"]
 
@@ -228,8 +230,8 @@ def gather(
         weights: each replica's share of the batch, for ``"mean"`` (default: from
             ``sizes``, else equal).
         sizes: the number of batch items each replica got. With it, per-item lists are
-            recognised (see :mod:`dpmethods.per_item`) and batch-coupled outputs warned
-            about (see :mod:`dpmethods.coupled`).
+            recognised (see :mod:`dpmethods.types.per_item`) and batch-coupled outputs warned
+            about (see :mod:`dpmethods.types.coupled`).
         gather_dim: the join dim when it is not ``dim``: an int, or a mapping of
             top-level output keys to ints (others use ``dim``).
 

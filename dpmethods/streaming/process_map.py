@@ -1,6 +1,6 @@
 """``DataParallel.map(..., workers="processes")``: each batch whole in a worker process.
 
-The contract is the thread map's (:mod:`dpmethods.streaming`): input order through a
+The contract is the thread map's (:mod:`dpmethods.streaming.map`): input order through a
 bounded reorder buffer (or ``(index, output)`` pairs as batches finish), at most
 ``prefetch`` batches per worker pulled ahead, a progress bar, ``shard=True``, Mapping
 and tuple batches, ``**kwargs`` to every call. Here the caller's thread does the
@@ -22,8 +22,11 @@ from typing import Any
 
 from torch import nn
 
-from ._process_io import dumps
-from ._process_pool import (
+from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.scatter import _as_device
+from dpmethods.streaming.map import _as_call, _check_options, _items, _progress_factory, _shard
+from dpmethods.streaming.process_io import dumps
+from dpmethods.streaming.process_pool import (
     ProcessPool,
     WorkerDiedError,
     annotate,
@@ -32,9 +35,6 @@ from ._process_pool import (
     remote_error,
     wait_any,
 )
-from .parallel_apply import _ThreadState
-from .scatter import _as_device
-from .streaming import _as_call, _check_options, _items, _progress_factory, _shard
 
 __all__: list[str] = []
 

@@ -5,7 +5,7 @@ On one device transformers updates the cache object it is given (``past_key_valu
 object across steps relies on it. Each replica updates its own copy, so after the
 gather the joined cache's state is copied into the object passed in, which the output
 then holds. Each cache type has an in-place rule (:data:`_IN_PLACE`, beside its split
-and join rule in :mod:`dpmethods.type_rules`); where none applies, or the call returned
+and join rule in :mod:`dpmethods.types.rules`); where none applies, or the call returned
 no joined cache (``generate`` without ``return_dict_in_generate``, replicas stopped at
 different steps), a one-time warning names the pattern that works.
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .warn_once import warn_once
+from dpmethods.warn_once import warn_once
 
 __all__ = ["in_place_types"]
 

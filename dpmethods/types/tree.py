@@ -8,7 +8,7 @@ runs per call on every replica and its cost matters as much as the copy.
 
 Besides the built-in containers, dataclasses and namedtuples, a type is walked when it
 has a rule: one given to :func:`dpmethods.register_type` (or shipped for a library in
-:mod:`dpmethods.type_rules`), else one registered with ``torch.utils._pytree``. Those
+:mod:`dpmethods.types.rules`), else one registered with ``torch.utils._pytree``. Those
 lookups happen only for objects that are none of the common kinds, so the fast paths
 for tensors, tuples, lists and dicts are unchanged.
 """
@@ -56,7 +56,7 @@ class TypeRule(NamedTuple):
 RULES: dict[type, TypeRule] = {}
 _resolved: dict[type, TypeRule | None] = {}
 # Called once per class not found in RULES, before torch's pytree registry is asked;
-# dpmethods.type_rules installs the shipped rules of libraries imported by then.
+# dpmethods.types.rules installs the shipped rules of libraries imported by then.
 on_miss: list[Callable[[type], None]] = []
 
 
@@ -78,7 +78,7 @@ def rule_for(kind: type) -> TypeRule | None:
     if not on_miss:
         # dpmethods imports its modules lazily: the shipped library rules register their
         # hook on import, which must happen before the first class is looked up.
-        from . import type_rules  # noqa: F401
+        from dpmethods.types import rules as type_rules  # noqa: F401
     for hook in on_miss:
         hook(kind)
     rule = next((RULES[k] for k in kind.__mro__ if k in RULES and (k is kind or not RULES[k].exact)), None)
@@ -362,4 +362,4 @@ def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
 # The shipped rules (diffusers, transformers) hook into on_miss when type_rules is
 # imported. dpmethods/__init__.py imports its names lazily, so import it here, where
 # every walk starts: type_rules imports this module, which is complete by now.
-from . import type_rules as _type_rules  # noqa: E402, F401
+from dpmethods.types import rules as _type_rules  # noqa: E402, F401

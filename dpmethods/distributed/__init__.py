@@ -4,7 +4,7 @@
 prepares for backward: gradients are not all-reduced and ranks drift apart, or the
 next step fails with "Expected to have finished reduction in the prior iteration".
 The wrappers here run such methods *through* the wrapper's own forward (see
-:mod:`dpmethods._redirect`), so every feature of the wrapper's forward applies.
+:mod:`dpmethods.distributed.redirect`), so every feature of the wrapper's forward applies.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._redirect import _redirected_call
-from ._wrapping import _MethodWrapper, check_module
-from .registry import MethodsArg, parallel_methods, resolve_methods
-from .warn_once import warn_once
+from dpmethods._wrapping import _MethodWrapper, check_module
+from dpmethods.distributed.redirect import _redirected_call
+from dpmethods.registry import MethodsArg, parallel_methods, resolve_methods
+from dpmethods.warn_once import warn_once
 
 __all__ = [
     "DistributedDataParallel",

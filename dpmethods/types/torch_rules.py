@@ -14,7 +14,7 @@
   classes come back as a list of the replicas' objects, with the one-time warning that
   names :func:`dpmethods.register_type`.
 
-The rules are registered through :mod:`dpmethods.type_rules`; torch's pytree registry
+The rules are registered through :mod:`dpmethods.types.rules`; torch's pytree registry
 is not touched.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import _tree
+from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
 

@@ -3,7 +3,7 @@
 A replica is a shallow copy of the module made for one call: whatever a method
 does to ``self`` (``self.count += 1``, ``self.buf.add_(1)`` on a replica's own copy)
 is lost when the call ends. Kept replicas must behave the same, so before each
-loan they are put back as :func:`dpmethods.replicate.replicate` made them: their
+loan they are put back as :func:`dpmethods.core.replicate.replicate` made them: their
 attribute dicts and hook dicts are restored, and if a tensor copy of their own (not the module's)
 was changed in place, they are not lent at all and the caller builds new ones.
 A call that finds them lent (to another thread, or to an outer call) builds its own.
@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .replicate import HOOK_DICTS
+from dpmethods.core.replicate import HOOK_DICTS
 
 __all__ = ["CachedReplicas"]
 
@@ -50,14 +50,14 @@ class CachedReplicas:
     """Replicas built once under ``key`` and lent to one call at a time, reset on each loan.
 
     Args:
-        key: the module's :func:`~dpmethods.replicate.fingerprint` when they were built.
+        key: the module's :func:`~dpmethods.core.replicate.fingerprint` when they were built.
         replicas: the replicas, one per device.
         module: the module they were made from (its own tensors need no version check:
             the fingerprint covers them).
 
     Example:
         >>> import torch
-        >>> from dpmethods.replicate import replicate
+        >>> from dpmethods.core.replicate import replicate
         >>> m = torch.nn.Linear(2, 2)
         >>> cache = CachedReplicas("k", replicate(m, ["cpu", "cpu"], detach=True), m)
         >>> loan = cache.lend(2)

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _tree
-from .compiled import one_at_a_time
-from .parallel_apply import _ThreadState
-from .replica_cache import CachedReplicas
+from dpmethods.core.compiled import one_at_a_time
+from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.replica_cache import CachedReplicas
+from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
 

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _tree
-from .compiled import takes_turns
-from .coupled_modules import split_call
+from dpmethods.core.compiled import takes_turns
+from dpmethods.types import tree as _tree
+from dpmethods.types.coupled_modules import split_call
 
 __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 

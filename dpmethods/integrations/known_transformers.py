@@ -1,6 +1,6 @@
 """transformers' calling conventions that a plain split and join would get wrong.
 
-The built-in rule of :mod:`dpmethods.known_methods` gives every ``PreTrainedModel``'s
+The built-in rule of :mod:`dpmethods.integrations.known_methods` gives every ``PreTrainedModel``'s
 ``forward`` (and ``generate``) these per-call steps:
 
 - **Losses as transformers joins them.** A loss averaged over the tokens that count
@@ -11,7 +11,7 @@ The built-in rule of :mod:`dpmethods.known_methods` gives every ``PreTrainedMode
   ``ctc_loss_reduction``). A model whose loss does not take ``num_items_in_batch``
   keeps the per-replica losses, with a one-time warning.
 - **Caches passed in are updated in place**, as on one device (see
-  :mod:`dpmethods.known_caches`).
+  :mod:`dpmethods.integrations.known_caches`).
 - **Images given as patches of all images** (the Qwen2-VL family's ``pixel_values``
   ``[patches, d]`` beside ``image_grid_thw`` ``[images, 3]``): each replica gets the
   patches and grid rows of its rows' images.
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _call
-from .warn_once import warn_once
+from dpmethods.core import call as _call
+from dpmethods.warn_once import warn_once
 
 __all__ = ["takes_vision_grids"]
 
@@ -210,7 +210,7 @@ def loss_per_replica(args: tuple[Any, ...], kwargs: dict[str, Any], start: int) 
 
 def forward_gather(outputs: list[Any], device: torch.device) -> Any:
     """The gather of a transformers ``forward``: ``"cat"``, with ``loss`` joined by plan."""
-    from .gather import gather
+    from dpmethods.core.gather import gather
 
     call = _current_call()
     n = len(outputs)
@@ -248,7 +248,7 @@ def _take_per_image(outputs: list[Any], device: torch.device) -> dict[str, Any]:
     A replica holds its rows' images only, none for rows without images: they are
     taken out of the outputs (left ``None``) and joined apart.
     """
-    from .gather import gather
+    from dpmethods.core.gather import gather
 
     taken: dict[str, Any] = {}
     for key in _PER_IMAGE:

@@ -34,9 +34,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _tree
-from . import type_rules as _type_rules  # noqa: F401  (installs the shipped Cache rules)
-from .scatter import DeviceLike, _as_device
+from dpmethods.core.scatter import DeviceLike, _as_device
+from dpmethods.types import rules as _type_rules  # noqa: F401  (installs the shipped Cache rules)
+from dpmethods.types import tree as _tree
 
 __all__ = ["gather_generate"]
 
@@ -249,7 +249,7 @@ def _pad_trimmed(
 
 
 def _gather_cat(values: list[Any], device: torch.device) -> Any:
-    from .gather import gather
+    from dpmethods.core.gather import gather
 
     return gather(values, device, 0, mode="cat")
 

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from . import _tree
-from ._map_workers import END, Run, pin, produced, shutdown
-from .parallel_apply import ReplicaError
-from .scatter import _as_device
+from dpmethods.core.parallel_apply import ReplicaError
+from dpmethods.core.scatter import _as_device
+from dpmethods.streaming.threads import END, Run, pin, produced, shutdown
+from dpmethods.types import tree as _tree
 
 __all__ = ["map_batches"]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
-from .warn_once import warn_once
+from dpmethods.warn_once import warn_once
 
 __all__ = ["check_batch_dim", "check_coupled", "check_shares", "joinable"]
 

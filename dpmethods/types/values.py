@@ -3,7 +3,7 @@
 Equal values (a config, a flag) come back once. Values that differ are joined where
 their meaning is clear: numpy arrays are concatenated like tensors (sentence-
 transformers returns them), shapes that differ only along the join dim are summed
-there, per-item lists are extended (:mod:`dpmethods.per_item`), numbers are reduced
+there, per-item lists are extended (:mod:`dpmethods.types.per_item`), numbers are reduced
 under ``"mean"``/``"sum"``. Anything else comes back as a list of the replicas'
 values, with a one-time warning: a silent list where one object was expected is how
 outputs go wrong without a word.
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Size, Tensor
 
-from .per_item import Items, Whole, extend, to_device
-from .warn_once import warn_once
+from dpmethods.types.per_item import Items, Whole, extend, to_device
+from dpmethods.warn_once import warn_once
 
 __all__ = ["join_values", "reduce", "same"]
 

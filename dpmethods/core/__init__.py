@@ -1,0 +1,1 @@
+"""The pipeline: scatter, replicate, parallel_apply, gather, and their helpers."""

@@ -1,0 +1,1 @@
+"""Streaming inference over many batches: DataParallel.map and its workers."""

@@ -1,0 +1,1 @@
+"""The type system: how structures come apart and are joined."""
