@@ -10,18 +10,42 @@ library as for the built-in integrations.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
-__all__ = ["CallHooks", "Finish", "Prepare", "PerReplica"]
+__all__ = ["Call", "CallHooks", "Finish", "PerReplica", "Prepare"]
+
+
+class Call(NamedTuple):
+    """One call of a parallel method, as hooks and named gather modes see it.
+
+    Attributes:
+        module: the wrapped module (the model whose method runs).
+        method: the method's name.
+        args: the call's positional arguments (as ``prepare`` returned them).
+        kwargs: the call's keyword arguments (as ``prepare`` returned them).
+        sizes: the batch items each replica got, in replica order (empty before the
+            scatter, so in ``prepare``).
+        options: the method's :class:`~dpmethods.MethodOptions`.
+    """
+
+    module: Any
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    sizes: Sequence[int]
+    options: Any
+
 
 Finish = Callable[[Any], Any]
 Prepare = Callable[
-    [tuple[Any, ...], dict[str, Any]],
+    [tuple[Any, ...], dict[str, Any], Call],
     tuple[tuple[Any, ...], dict[str, Any], Union[Finish, None]],  # noqa: UP007 (3.10 runtime)
 ]
-PerReplica = Callable[[tuple[Any, ...], dict[str, Any], int], tuple[tuple[Any, ...], dict[str, Any]]]
+PerReplica = Callable[
+    [tuple[Any, ...], dict[str, Any], int, Call], tuple[tuple[Any, ...], dict[str, Any]]
+]
 
 
 @dataclass(frozen=True)
@@ -29,17 +53,18 @@ class CallHooks:
     """How a parallel method's calls are adapted around scatter and gather.
 
     Args:
-        prepare: ``prepare(args, kwargs) -> (args, kwargs, finish)``, run once per call
-            before the scatter: the arguments as the replicas should see them, and a
-            function applied to the gathered output (or ``None``), for results computed
-            over the whole batch after the per-item work.
-        per_replica: ``per_replica(args, kwargs, start) -> (args, kwargs)``, run for
+        prepare: ``prepare(args, kwargs, call) -> (args, kwargs, finish)``, run once per
+            call before the scatter (``call`` is a :class:`Call`, with the model): the
+            arguments as the replicas should see them, and a function applied to the
+            gathered output (or ``None``), for results computed over the whole batch
+            after the per-item work.
+        per_replica: ``per_replica(args, kwargs, start, call) -> (args, kwargs)``, run for
             each replica's share after the scatter; ``start`` is the index of the
             replica's first item in the whole batch.
 
     Example:
-        >>> hooks = CallHooks(prepare=lambda a, k: ((a[0].lower(),), k, str.upper))
-        >>> args, kwargs, finish = hooks.prepare(("Hi",), {})
+        >>> hooks = CallHooks(prepare=lambda a, k, call: ((a[0].lower(),), k, str.upper))
+        >>> args, kwargs, finish = hooks.prepare(("Hi",), {}, None)
         >>> args, finish("done")
         (('hi',), 'DONE')
     """
@@ -61,8 +86,8 @@ class CallHooks:
         reverse; per-replica steps run in order.
 
         Example:
-            >>> a = CallHooks(per_replica=lambda a, k, s: (a + (s,), k))
-            >>> a.then(a).per_replica((), {}, 3)
+            >>> a = CallHooks(per_replica=lambda a, k, s, call: (a + (s,), k))
+            >>> a.then(a).per_replica((), {}, 3, None)
             ((3, 3), {})
         """
         if other is None:
@@ -77,9 +102,9 @@ def _chain_prepare(first: Prepare | None, second: Prepare | None) -> Prepare | N
     if first is None or second is None:
         return first or second
 
-    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        args, kwargs, finish_a = first(args, kwargs)
-        args, kwargs, finish_b = second(args, kwargs)
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+        args, kwargs, finish_a = first(args, kwargs, call)
+        args, kwargs, finish_b = second(args, kwargs, call)
         if finish_a is None or finish_b is None:
             return args, kwargs, finish_a or finish_b
         return args, kwargs, lambda out: finish_a(finish_b(out))
@@ -91,8 +116,8 @@ def _chain_per_replica(first: PerReplica | None, second: PerReplica | None) -> P
     if first is None or second is None:
         return first or second
 
-    def per_replica(args: tuple[Any, ...], kwargs: dict[str, Any], start: int) -> Any:
-        args, kwargs = first(args, kwargs, start)
-        return second(args, kwargs, start)
+    def per_replica(args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
+        args, kwargs = first(args, kwargs, start, call)
+        return second(args, kwargs, start, call)
 
     return per_replica

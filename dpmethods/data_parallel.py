@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dpmethods._wrapping import _MethodWrapper, check_module
+from dpmethods.call_hooks import Call
 from dpmethods.checkpoints import _load_fitted
 from dpmethods.core.call import _Call, _current, _entered
 from dpmethods.core.compiled import method_owner
@@ -28,8 +29,7 @@ from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.core.replicate import replicate as _replicate
 from dpmethods.core.scatter import _as_device, scatter_call
-from dpmethods.gather_modes import GatherCall, named_mode
-from dpmethods.integrations import generate as _generate
+from dpmethods.gather_modes import named_mode
 from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.process_map import process_map
@@ -270,10 +270,10 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             self._check_source_device()  # a cache hit means the devices were checked
         opts = self._options(name)
         finish = None
-        if opts._around is not None:
-            args, kwargs, finish = opts._around(args, kwargs)
         if opts.hooks is not None and opts.hooks.prepare is not None:
-            args, kwargs, finish = opts.hooks.prepare(args, kwargs)
+            args, kwargs, finish = opts.hooks.prepare(
+                args, kwargs, Call(self.module, name, args, kwargs, (), opts)
+            )
         with _entered(_Call(self, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
             # torch's seams, with torch's signatures; the rest of the call is in ctx.
             inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
@@ -324,10 +324,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         )
         if ctx is not None:
             ctx.sizes = result.sizes
-        adapt = opts._per_replica or (opts.hooks.per_replica if opts.hooks is not None else None)
-        if adapt is not None and len(result.sizes) > 1:
+        adapt = opts.hooks.per_replica if opts.hooks is not None else None
+        if adapt is not None and ctx is not None and len(result.sizes) > 1:
+            call = Call(self.module, ctx.name, ctx.args, ctx.kwargs, result.sizes, opts)
             starts = accumulate(result.sizes[:-1], initial=0)
-            pairs = [adapt(a, k, s) for a, k, s in zip(result[0], result[1], starts)]
+            pairs = [adapt(a, k, s, call) for a, k, s in zip(result[0], result[1], starts)]
             return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
         return result[0], result[1]
 
@@ -408,14 +409,12 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
         weights = ctx.weights(len(outputs)) if ctx is not None else None
-        if opts.gather == "generate":  # needs the call's pad/eos ids: see dpmethods.integrations.generate
-            return _generate._gather_call(outputs, output_device, ctx)
         sizes = ctx.sizes if ctx is not None else None
         named = named_mode(opts.gather) if isinstance(opts.gather, str) else None
         if named is not None:  # a library's mode: it joins the whole output, seeing the call
             call = None
             if ctx is not None:
-                call = GatherCall(self.module, ctx.name, ctx.args, ctx.kwargs, list(ctx.sizes), opts)
+                call = Call(self.module, ctx.name, ctx.args, ctx.kwargs, list(ctx.sizes), opts)
             return named(list(outputs), _as_device(output_device), call)
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,

@@ -8,7 +8,7 @@ the same ones you have for your own library:
   ``methods=`` win);
 - :func:`dpmethods.register_type`: how a library's class comes apart into tensors;
 - :func:`register_gather_mode`: a named gather mode that joins a whole output and sees
-  the call (the model, the arguments, each replica's share);
+  the :class:`Call` (the model, the arguments, each replica's share);
 - :class:`CallHooks`, as the ``hooks`` option: adapt a call's arguments, each replica's
   share and the gathered output;
 - :func:`mark_batch_coupled`: a module class whose result couples the batch (an
@@ -30,18 +30,20 @@ Example:
 
 from __future__ import annotations
 
-from dpmethods.call_hooks import CallHooks
-from dpmethods.gather_modes import GatherCall, Mode, known_modes, register_gather_mode
+from dpmethods.call_hooks import Call, CallHooks
+from dpmethods.gather_modes import Mode, known_modes, register_gather_mode
 from dpmethods.registry import register_method_finder
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
+from dpmethods.types.rules import register_type
 
 __all__ = [
     "CallHooks",
-    "GatherCall",
+    "Call",
     "Mode",
     "is_batch_coupled",
     "known_modes",
     "mark_batch_coupled",
     "register_gather_mode",
     "register_method_finder",
+    "register_type",
 ]

@@ -11,10 +11,12 @@ the built-in ones once, and its members are those strings.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["BUILTIN_MODES", "GatherCall", "Mode", "named_mode", "on_unknown_mode", "register_gather_mode"]
+from dpmethods.call_hooks import Call
+
+__all__ = ["BUILTIN_MODES", "Mode", "known_modes", "named_mode", "on_unknown_mode", "register_gather_mode"]
 
 
 class Mode(str, enum.Enum):
@@ -42,27 +44,7 @@ BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})
 
 
-class GatherCall(NamedTuple):
-    """What a named gather mode sees of the call whose outputs it joins.
-
-    Attributes:
-        module: the wrapped module (the model whose method ran).
-        method: the method's name.
-        args: the call's positional arguments, as the caller gave them.
-        kwargs: the call's keyword arguments, as the caller gave them.
-        sizes: the batch items each replica got, in replica order.
-        options: the method's :class:`~dpmethods.MethodOptions`.
-    """
-
-    module: Any
-    method: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    sizes: Sequence[int]
-    options: Any
-
-
-GatherFn = Callable[[list[Any], Any, "GatherCall | None"], Any]
+GatherFn = Callable[[list[Any], Any, "Call | None"], Any]
 _NAMED: dict[str, GatherFn] = {}
 # Called with a name that is neither built in nor registered, before it is refused: the
 # integrations hook in here to load the one that provides it ("generate").
@@ -73,7 +55,7 @@ def register_gather_mode(name: str, fn: GatherFn) -> None:
     """Add a gather mode ``name``: ``fn(outputs, device, call)`` joins a whole output.
 
     ``outputs`` holds one output per replica, ``device`` is the output device, and
-    ``call`` is a :class:`GatherCall` (``None`` when :func:`dpmethods.gather` is called
+    ``call`` is a :class:`~dpmethods.call_hooks.Call` (``None`` when :func:`dpmethods.gather` is called
     directly, outside a wrapper call). Registering a name again replaces its function.
 
     Example:

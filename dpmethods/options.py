@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Union
+from dataclasses import dataclass, replace
+from typing import Any, Union
 
 from dpmethods.call_hooks import CallHooks
-from dpmethods.gather_modes import known_modes, named_mode
+from dpmethods.gather_modes import BUILTIN_MODES, Mode, known_modes, named_mode
 
 __all__ = ["GATHER_MODES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions"]
 
-GatherMode = Literal["cat", "stack", "mean", "sum", "pad", "list", "extend", "same", "generate"]
-GATHER_MODES: tuple[str, ...] = (
-    "cat", "stack", "mean", "sum", "pad", "list", "extend", "same", "generate",
-)
+GatherMode = Mode
+GATHER_MODES: tuple[str, ...] = BUILTIN_MODES  # named modes (a library's) are registered apart
 # A mode; a mapping of top-level output keys, field names or tuple positions to modes;
 # a tuple of modes, one per position of a tuple output; or a callable.
 GatherOption = Union[  # noqa: UP007 (runtime alias on 3.10)
     str, Mapping[Union[str, int], str], tuple[str, ...], Callable[..., Any]  # noqa: UP007
 ]
-
-Around = Callable[
-    [tuple[Any, ...], dict[str, Any]],
-    tuple[tuple[Any, ...], dict[str, Any], Union[Callable[[Any], Any], None]],  # noqa: UP007
-]
-
-PerReplica = Callable[[tuple[Any, ...], dict[str, Any], int], tuple[tuple[Any, ...], dict[str, Any]]]
-
 
 @dataclass(frozen=True)
 class MethodOptions:
@@ -74,16 +64,6 @@ class MethodOptions:
     gather_dim: int | Mapping[str | int, int] | None = None
     scatter_dim: Mapping[str, int] | None = None
     hooks: CallHooks | None = None
-    # Library rules only (dpmethods.integrations.known_methods): ``around(args, kwargs)`` returns the
-    # call's arguments as the replicas should get them and a function applied to the
-    # gathered output (or None), for results computed over the whole batch after the
-    # per-item work (sentence-transformers' int8 calibration) and calling conventions
-    # split= can't express (one sentence rather than a list).
-    _around: Around | None = field(default=None, repr=False)
-    # Library rules only: ``per_replica(args, kwargs, start)`` adapts one replica's
-    # arguments, given the batch index of its first item (transformers'
-    # ``prefix_allowed_tokens_fn`` numbers the items of the batch it is called on).
-    _per_replica: PerReplica | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -230,12 +210,13 @@ def _check_gather(gather: Any) -> None:
                     f"gather: expected output keys or field names (str) or tuple positions "
                     f"(int) as the mapping's keys, got {type(key).__name__} {key!r}"
                 )
-            if not isinstance(mode, str) or mode not in GATHER_MODES or mode == "generate":
-                # "generate" joins a whole generate output, not one of its keys.
-                per_key = [m for m in GATHER_MODES if m != "generate"]
-                raise ValueError(f"gather[{key!r}]: expected one of {per_key}, got {mode!r}")
+            if not isinstance(mode, str) or mode not in GATHER_MODES:
+                # A named mode joins a whole output, not one of its keys.
+                raise ValueError(
+                    f"gather[{key!r}]: expected one of {list(GATHER_MODES)}, got {mode!r}"
+                )
     elif not callable(gather):
         raise TypeError(
-            f"gather: expected one of {list(GATHER_MODES)}, a mapping of output keys or tuple "
+            f"gather: expected one of {known_modes()}, a mapping of output keys or tuple "
             f"positions to those, a tuple of those, or a callable, got {type(gather).__name__} {gather!r}"
         )

@@ -33,8 +33,8 @@ class _Call:
     fn: Callable[..., Any] | None  # the bound method, for argument names
     key: Any = None  # the replica-cache fingerprint, when caching
     sizes: list[int] = field(default_factory=list)  # batch items per replica, set by scatter
-    args: tuple[Any, ...] = ()  # the call's own arguments (the "generate" gather reads its
-    kwargs: dict[str, Any] = field(default_factory=dict)  # pad/eos ids and num_beams there)
+    args: tuple[Any, ...] = ()  # the call's own arguments (hooks and named gather modes read
+    kwargs: dict[str, Any] = field(default_factory=dict)  # them: generate's pad/eos ids)
 
     def weights(self, n: int) -> list[float] | None:
         """Each replica's share of the batch, or None (equal) if unknown."""

@@ -283,12 +283,6 @@ def _plan(
 ) -> _Plan:
     """Check the arguments that depend on the number of outputs, and settle the dims."""
     n = len(outputs)
-    if mode == "generate" or (isinstance(mode, Mapping) and "generate" in mode.values()):
-        raise ValueError(
-            "gather: mode: 'generate' needs the generate call's pad and eos ids, which only "
-            "a wrapper call has; here use dpmethods.gather_generate(outputs, device, "
-            f"fill_token_id=...), got mode={mode!r}"
-        )
     if sizes is not None:
         sizes = list(sizes)
         if len(sizes) != n:

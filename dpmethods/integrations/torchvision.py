@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from dpmethods.extending import GatherCall, register_gather_mode, register_method_finder
+from dpmethods.extending import Call, register_gather_mode, register_method_finder
 from dpmethods.options import MethodOptions
 from dpmethods.parallel import gather
 
@@ -31,7 +31,7 @@ _DETECTORS = (
 )
 
 
-def _join_detections(outputs: list[Any], device: Any, call: GatherCall | None) -> Any:
+def _join_detections(outputs: list[Any], device: Any, call: Call | None) -> Any:
     sizes = list(call.sizes) if call is not None and len(call.sizes) == len(outputs) else None
     if isinstance(outputs[0], Mapping):  # training: a dict of 0-dim losses
         return gather(outputs, device, mode="mean", sizes=sizes)

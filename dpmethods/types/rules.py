@@ -6,48 +6,39 @@ rules live in dpmethods only: torch's global pytree registry is not touched, bec
 second registration of a class there raises, so a library should not register other
 libraries' classes in it.
 
-Rules for common library types are shipped here and installed only when their library
-has already been imported by the user (``sys.modules`` is checked), so dpmethods has
-no dependency on them:
-
-- diffusers ``DiagonalGaussianDistribution``: joined from its ``parameters`` (mean and
-  log-variance stacked on dim 1), so ``.sample(generator)``, ``.mode()`` and ``.kl()``
-  of the joined distribution equal one device's.
-- transformers ``DynamicCache``, ``StaticCache`` and ``EncoderDecoderCache`` (and their
-  subclasses): one cache holding the whole batch, usable for the next step; split per
-  replica when passed back in.
-
-Both are ``per_item`` rules: their tensors hold one row per batch item, so a dim that
-happens to equal a replica's share (as many attention heads as rows) is not reported as
-batch-coupled.
-
-Rules for torch's own types (``PackedSequence``, ``torch.distributions``) are in
-:mod:`dpmethods.types.torch_rules`.
+A class may be named as ``"module:Class"`` before its module is imported: its rule is
+registered once the module is (checked when an unseen class is first walked). That is
+how the integrations (:mod:`dpmethods.integrations`) give rules to a library's types
+without importing the library. Rules for torch's own types (``PackedSequence``,
+``torch.distributions``) are in :mod:`dpmethods.types.torch_rules`.
 """
 
 from __future__ import annotations
 
-import builtins
-import copy
 import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
-
-from torch import Tensor
 
 from dpmethods.types import torch_rules
 from dpmethods.types import tree as _tree
 
 __all__ = ["register_type"]
 
+Flatten = Callable[[Any], tuple[list[Any], Any]]
+Unflatten = Callable[[list[Any], Any], Any]
+# "module:Class" -> the rule, for classes whose module is not imported yet.
+_PENDING: dict[str, _tree.TypeRule] = {}
+
 
 def register_type(
-    cls: type,
-    flatten: Callable[[Any], tuple[list[Any], Any]],
-    unflatten: Callable[[list[Any], Any], Any],
+    cls: type | str,
+    flatten: Flatten,
+    unflatten: Unflatten,
     *,
     per_item: bool = False,
+    ragged: bool = False,
+    exact: bool = False,
 ) -> None:
     """Teach dpmethods to split and join objects of ``cls`` (and its subclasses).
 
@@ -59,27 +50,33 @@ def register_type(
     Registering a class again replaces its rule.
 
     Args:
-        cls: the class.
+        cls: the class, or ``"module:Class"`` for a class whose module may not be
+            imported yet (registered once it is).
         flatten: ``obj -> (children, context)``.
         unflatten: ``(children, context) -> obj``.
         per_item: the tensor children hold one row per batch item along the batch dim
             (a cache's keys and values), so gather never warns that they couple items
             of the batch, even when another of their dims equals a replica's share.
+        ragged: the replicas' tensor children may differ in their other dims (sequences
+            padded to each replica's longest): they are joined padded with zeros, which
+            the rule's own lengths must mask.
+        exact: the rule is for ``cls`` only, not its subclasses (whose constructors may
+            take other arguments).
 
     Example:
         >>> import torch, dpmethods
+        >>> from dpmethods.parallel import gather, scatter
         >>> class Box:
         ...     def __init__(self, t, tag):
         ...         self.t, self.tag = t, tag
         >>> dpmethods.register_type(Box, lambda b: ([b.t], b.tag), lambda c, tag: Box(c[0], tag))
-        >>> parts = dpmethods.scatter(Box(torch.arange(4), "x"), ["cpu", "cpu"])
+        >>> parts = scatter(Box(torch.arange(4), "x"), ["cpu", "cpu"])
         >>> [p.t.tolist() for p in parts], parts[1].tag
         ([[0, 1], [2, 3]], 'x')
-        >>> dpmethods.gather(parts, "cpu").t.tolist()
+        >>> gather(parts, "cpu").t.tolist()
         [0, 1, 2, 3]
     """
-    if not isinstance(cls, type):
-        raise TypeError(f"register_type: cls: expected a class, got {type(cls).__name__} {cls!r}")
+    label = cls if isinstance(cls, str) else getattr(cls, "__qualname__", repr(cls))
     for name, fn, params in (
         ("flatten", flatten, "(obj)"),
         ("unflatten", unflatten, "(children, context)"),
@@ -88,15 +85,40 @@ def register_type(
             raise TypeError(
                 f"register_type: {name}: expected a callable, got {type(fn).__name__} {fn!r}"
             )
-        _check_arity(cls, name, fn, params)
-    if not isinstance(per_item, bool):
-        raise TypeError(
-            f"register_type: per_item: expected True or False, got {type(per_item).__name__} {per_item!r}"
-        )
-    _tree.set_rule(cls, _tree.TypeRule(flatten, unflatten, per_item))
+        _check_arity(label, name, fn, params)
+    for name, flag in (("per_item", per_item), ("ragged", ragged), ("exact", exact)):
+        if not isinstance(flag, bool):
+            raise TypeError(
+                f"register_type: {name}: expected True or False, got {type(flag).__name__} {flag!r}"
+            )
+    rule = _tree.TypeRule(flatten, unflatten, per_item, ragged, exact)
+    if isinstance(cls, str):
+        if cls.count(":") != 1 or not all(cls.split(":")):
+            raise ValueError(f"register_type: cls: expected a class or 'module:Class', got {cls!r}")
+        _PENDING[cls] = rule
+        _resolve_pending()
+        return
+    if not isinstance(cls, type):
+        raise TypeError(f"register_type: cls: expected a class, got {type(cls).__name__} {cls!r}")
+    _tree.set_rule(cls, rule)
 
 
-def _check_arity(cls: type, name: str, fn: Callable[..., Any], params: str) -> None:
+def _resolve_pending(kind: type | None = None) -> None:
+    """Register the rules of named classes whose module is imported by now."""
+    if not _PENDING:
+        return
+    for path, rule in list(_PENDING.items()):
+        module_name, _, qualname = path.partition(":")
+        module = sys.modules.get(module_name)
+        if module is None:
+            continue
+        del _PENDING[path]
+        cls = getattr(module, qualname, None)
+        if isinstance(cls, type):
+            _tree.set_rule(cls, rule)
+
+
+def _check_arity(label: str, name: str, fn: Callable[..., Any], params: str) -> None:
     # Checked here, once: called with the wrong number of arguments deep inside a
     # gather, the rule would raise a bare "<lambda>() takes 1 positional argument".
     try:
@@ -108,150 +130,11 @@ def _check_arity(cls: type, name: str, fn: Callable[..., Any], params: str) -> N
     except TypeError:
         label = getattr(fn, "__name__", type(fn).__name__)
         raise TypeError(
-            f"register_type: {name} (of {cls.__qualname__}): expected a function called as "
+            f"register_type: {name} (of {label}): expected a function called as "
             f"{name}{params}, got {label}{signature}"
         ) from None
 
 
-class _Template:
-    """A context that compares by a key and carries an object to rebuild from.
-
-    Replicas' specs are compared with ``==``; the key says what must agree (layer
-    classes and sizes), while the template itself differs per replica.
-    """
-
-    __slots__ = ("key", "obj")
-
-    def __init__(self, key: Any, obj: Any) -> None:
-        self.key, self.obj = key, obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Template) and self.key == other.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def __repr__(self) -> str:
-        return f"{type(self.obj).__name__}{self.key!r}"
-
-
-# --- diffusers --------------------------------------------------------------------
-
-
-def _flatten_gaussian(dist: Any) -> tuple[list[Any], Any]:
-    return [dist.parameters], bool(dist.deterministic)
-
-
-def _gaussian_unflattener(cls: type) -> Callable[[list[Any], Any], Any]:
-    def unflatten(children: list[Any], deterministic: Any) -> Any:
-        return cls(children[0], deterministic=deterministic)
-
-    return unflatten
-
-
-def _install_diffusers() -> bool:
-    module = sys.modules.get("diffusers.models.autoencoders.vae")
-    cls = getattr(module, "DiagonalGaussianDistribution", None)
-    if cls is None:
-        return False
-    _tree.set_rule(cls, _tree.TypeRule(_flatten_gaussian, _gaussian_unflattener(cls), per_item=True))
-    return True
-
-
-# --- transformers caches ----------------------------------------------------------
-
-
-def _batch_tensors(layer: Any) -> list[str]:
-    # Per-layer state with a batch dim: keys and values [batch, heads, seq, head_dim],
-    # linear-attention states [batch, ...]. 0-dim counters and unset (None) or empty
-    # 1-dim placeholders stay in the template.
-    return sorted(
-        name for name, v in vars(layer).items() if isinstance(v, Tensor) and v.dim() >= 2
-    )
-
-
-def _flatten_cache(cache: Any) -> tuple[list[Any], Any]:
-    layers = list(cache.layers)
-    names = [_batch_tensors(layer) for layer in layers]
-    children = [getattr(layer, n) for layer, ns in zip(layers, names) for n in ns]
-    key = tuple((type(layer).__name__, tuple(ns)) for layer, ns in zip(layers, names))
-    return children, _Template(key, cache)
-
-
-def _unflatten_cache(children: list[Any], context: _Template) -> Any:
-    cache = copy.copy(context.obj)
-    it = iter(children)
-    layers = []
-    for layer, (_, names) in zip(context.obj.layers, context.key):
-        layer = copy.copy(layer)
-        for attr, value in vars(layer).items():
-            if isinstance(value, Tensor) and attr not in names:
-                # Counters updated in place (a static layer's cumulative_length) must not
-                # be shared by the caches of different replicas.
-                setattr(layer, attr, value.clone())
-        for name in names:
-            setattr(layer, name, next(it))
-        if names:
-            first = getattr(layer, names[0])
-            if hasattr(layer, "device"):
-                layer.device = first.device
-            if hasattr(layer, "batch_size"):  # StaticLayer keeps the batch size it was built for
-                layer.batch_size = first.shape[0]
-        layers.append(layer)
-    cache.layers = layers
-    return cache
-
-
-def _flatten_encoder_decoder(cache: Any) -> tuple[list[Any], Any]:
-    return [cache.self_attention_cache, cache.cross_attention_cache], _Template(
-        (), cache
-    )
-
-
-def _unflatten_encoder_decoder(children: list[Any], context: _Template) -> Any:
-    cache = copy.copy(context.obj)
-    cache.self_attention_cache, cache.cross_attention_cache = children
-    if hasattr(cache, "is_updated"):
-        cache.is_updated = dict(cache.is_updated)
-    return cache
-
-
-def _install_transformers() -> bool:
-    module = sys.modules.get("transformers.cache_utils")
-    if module is None:
-        return False
-    rule = _tree.TypeRule(_flatten_cache, _unflatten_cache, per_item=True)
-    for name in ("DynamicCache", "StaticCache"):
-        cls = getattr(module, name, None)
-        if cls is not None:
-            _tree.set_rule(cls, rule)
-    cls = getattr(module, "EncoderDecoderCache", None)
-    if cls is not None:
-        _tree.set_rule(cls, _tree.TypeRule(_flatten_encoder_decoder, _unflatten_encoder_decoder, per_item=True))
-    return True
-
-
 torch_rules.install_packed_sequence()
-
-_PENDING: dict[str, Callable[[], bool]] = {
-    "diffusers": _install_diffusers,
-    "transformers": _install_transformers,
-    "torch": torch_rules.install_distributions,
-}
-
-
-def _install_shipped(kind: type) -> None:
-    """Install the rules of libraries imported by now (runs once per unseen class)."""
-    if not _PENDING:
-        return
-    # A library's classes (and subclasses of them) can only show up once it is
-    # imported, so checking the libraries of a class's bases when it is first seen is enough.
-    # Builtin bases are skipped: torch.compile cannot read their __module__ while tracing.
-    for root in {k.__module__.partition(".")[0] for k in kind.__mro__ if k not in _BUILTIN_TYPES}:
-        install = _PENDING.get(root)
-        if install is not None and install():
-            del _PENDING[root]
-
-
-_BUILTIN_TYPES = frozenset(v for v in vars(builtins).values() if isinstance(v, type))
-_tree.on_miss.append(_install_shipped)
+_tree.on_miss.append(torch_rules.install_distributions_on_miss)
+_tree.on_miss.append(_resolve_pending)

@@ -183,3 +183,16 @@ def install_distributions() -> bool:
         _tree.TypeRule(_flatten_transformed, _unflatten_transformed, per_item=True, exact=True),
     )
     return True
+
+
+_installed: list[bool] = []
+
+
+def install_distributions_on_miss(kind: type) -> None:
+    """``tree.on_miss`` hook: install the distribution rules once they can be.
+
+    Example:
+        >>> install_distributions_on_miss(int)
+    """
+    if not _installed and install_distributions():
+        _installed.append(True)

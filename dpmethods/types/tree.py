@@ -75,10 +75,6 @@ def rule_for(kind: type) -> TypeRule | None:
         return _resolved[kind]
     except KeyError:
         pass
-    if not on_miss:
-        # dpmethods imports its modules lazily: the shipped library rules register their
-        # hook on import, which must happen before the first class is looked up.
-        from dpmethods.types import rules as type_rules  # noqa: F401
     for hook in on_miss:
         hook(kind)
     rule = next((RULES[k] for k in kind.__mro__ if k in RULES and (k is kind or not RULES[k].exact)), None)
@@ -357,9 +353,3 @@ def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
         if ca != cb:
             return describe_mismatch(ca, cb, root + label)
     return f"{root}: structures differ"
-
-
-# The shipped rules (diffusers, transformers) hook into on_miss when type_rules is
-# imported. dpmethods/__init__.py imports its names lazily, so import it here, where
-# every walk starts: type_rules imports this module, which is complete by now.
-from dpmethods.types import rules as _type_rules  # noqa: E402, F401
