@@ -101,7 +101,7 @@ def collect_info() -> dict[str, Any]:
 
 
 def _registrations() -> list[dict[str, Any]]:
-    from dpmethods.integrations.known_methods import registrations
+    from dpmethods.integrations import registrations
 
     return registrations()
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, Union, overload
 
 from torch import nn
 
+from dpmethods.core.compiled import method_owner
 from dpmethods.options import GATHER_MODES, GatherMode, GatherOption, MethodOptions, names_option
 
 __all__ = [
@@ -305,10 +306,6 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
         >>> sorted(resolve_methods(torch.nn.Linear(1, 1), ["forward"]))
         ['forward']
     """
-    from dpmethods.core.compiled import (
-        method_owner,  # imported late: compiled is imported by replicate
-    )
-
     owner = method_owner(module)  # the model's class, through torch.compile's wrapper
     found = parallel_methods(owner)
     if methods is None:

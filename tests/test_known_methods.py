@@ -18,8 +18,8 @@ from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
 import dpmethods
-from dpmethods import DataParallel
-from dpmethods.integrations.known_methods import builtin_methods, known_methods
+from dpmethods import DataParallel, parallel_methods
+from dpmethods.integrations import INTEGRATIONS
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 
@@ -62,13 +62,13 @@ def _clip() -> nn.Module:
 
 def test_transformers_rules_by_class() -> None:
     transformers = pytest.importorskip("transformers")
-    found = builtin_methods(transformers.GPT2LMHeadModel)
+    found = parallel_methods(transformers.GPT2LMHeadModel)
     assert found["generate"].gather == "generate"
-    assert sorted(n for n in builtin_methods(transformers.CLIPModel) if n.startswith("get_")) == [
+    assert sorted(n for n in parallel_methods(transformers.CLIPModel) if n.startswith("get_")) == [
         "get_image_features", "get_text_features",
     ]
-    assert "generate" not in builtin_methods(transformers.GPT2Model)  # no GenerationMixin
-    assert builtin_methods(nn.Linear) == {}
+    assert "generate" not in parallel_methods(transformers.GPT2Model)  # no GenerationMixin
+    assert parallel_methods(nn.Linear) == {}
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
@@ -132,7 +132,7 @@ def test_sentence_transformers_encode_without_configuration(
 ) -> None:
     np = pytest.importorskip("numpy")
     first = list(inspect.signature(type(sentence_model).encode).parameters)[1]
-    assert builtin_methods(type(sentence_model))["encode"].split == (first,)
+    assert parallel_methods(type(sentence_model))["encode"].split == (first,)
     sentences = random_sentences(n)
     seen = _counting(sentence_model[0])
     want = sentence_model.encode(sentences)
@@ -178,7 +178,7 @@ def test_timm_forward_features_and_head_without_configuration(n: int, devices: i
         "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
         num_classes=5,
     ).eval()
-    assert set(builtin_methods(type(model))) >= {"forward_features", "forward_head"}
+    assert set(parallel_methods(type(model))) >= {"forward_features", "forward_head"}
     x = torch.randn(n, 3, 32, 32)
     seen = _counting(model.patch_embed)
     dp = DataParallel(model, device_ids=["cpu"] * devices)
@@ -215,8 +215,8 @@ def test_info_lists_the_registrations() -> None:
         [sys.executable, "-m", "dpmethods", "info"], capture_output=True, text=True, check=True,
         timeout=120, cwd=Path(__file__).resolve().parents[1],  # this checkout's dpmethods
     ).stdout
-    for rule in known_methods():
-        assert rule.library in out
+    for library in INTEGRATIONS:
+        assert library in out
     assert "generate (gather='generate')" in out
 
 

@@ -2,28 +2,31 @@
 
 Each module here is written with the public extension API (:mod:`dpmethods.extending`
 and :func:`dpmethods.register_type`), as an integration of your own would be. This
-package only loads them: before the methods of a class are looked up, and before a
-type or a gather mode that dpmethods does not know is refused, the integrations of the
-libraries imported by then are imported. None of them imports its library itself.
+package only loads them: before the methods of a class are looked up, before a class
+is first walked, and before a gather mode that dpmethods does not know is refused, the
+integrations of the libraries imported by then are imported. None of them imports its library itself.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
+from typing import Any
 
 from dpmethods import gather_modes, registry
+from dpmethods.types import tree
 
-__all__ = ["INTEGRATIONS", "load_imported"]
+__all__ = ["INTEGRATIONS", "load_imported", "registrations"]
 
 # library import name -> the integration modules that know it.
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
     "transformers": ("dpmethods.integrations.known_methods",),
-    "sentence_transformers": ("dpmethods.integrations.known_methods", f"{__name__}.sentence_transformers"),
+    "sentence_transformers": (f"{__name__}.sentence_transformers",),
     "peft": ("dpmethods.integrations.known_methods",),
-    "diffusers": ("dpmethods.integrations.known_methods",),
-    "timm": ("dpmethods.integrations.known_methods",),
-    "open_clip": ("dpmethods.integrations.known_methods", f"{__name__}.open_clip"),
+    "diffusers": (f"{__name__}.diffusers",),
+    "timm": (f"{__name__}.timm",),
+    "open_clip": (f"{__name__}.open_clip",),
     "torchvision": (f"{__name__}.torchvision",),
 }
 _loaded: set[str] = set()
@@ -42,5 +45,31 @@ def load_imported() -> None:
                 importlib.import_module(module)
 
 
+def registrations() -> list[dict[str, Any]]:
+    """Each integration as ``python -m dpmethods info`` reports it, installed or not.
+
+    Importing an integration module imports nothing of its library, so each module's
+    ``APPLIES_TO`` and ``METHODS`` are read from the module itself.
+
+    Example:
+        >>> sorted(r["library"] for r in registrations())[:2]
+        ['diffusers', 'open_clip']
+    """
+    rows = []
+    for library, modules in INTEGRATIONS.items():
+        try:
+            installed = importlib.util.find_spec(library) is not None
+        except (ImportError, ValueError):
+            installed = False
+        described = [importlib.import_module(m) for m in modules]
+        rows.append({
+            "library": library, "installed": installed, "imported": library in sys.modules,
+            "applies_to": "; ".join(getattr(m, "APPLIES_TO", "") for m in described),
+            "methods": "; ".join(getattr(m, "METHODS", "") for m in described),
+        })
+    return rows
+
+
 registry.before_lookup.append(load_imported)
 gather_modes.on_unknown_mode.append(lambda name: load_imported())
+tree.on_miss.append(lambda kind: load_imported())

@@ -260,26 +260,8 @@ _RULES = (
         "get_*_features; Encodec encode/decode (codes' batch in dim 1)", _transformers,
     ),
     KnownMethods(
-        "sentence_transformers", "SentenceTransformer",
-        "encode, encode_query, encode_document (split on the sentences, per-item results extended, "
-        "int8/uint8 calibrated on the whole batch)",
-        _sentence_transformers,
-    ),
-    KnownMethods(
         "peft", "PeftModel (LoRA and other adapters)",
         "generate (gather='generate', adapter_names split per row)", _peft,
-    ),
-    KnownMethods(
-        "diffusers", "AutoencoderKL and its image and video variants, AutoencoderTiny, "
-        "AutoencoderDC, VQModel", "encode, decode", _diffusers,
-    ),
-    KnownMethods(
-        "timm", "timm models", "forward_features, forward_head",
-        _by_module("timm", ("forward_features", "forward_head")),
-    ),
-    KnownMethods(
-        "open_clip", "open_clip models", "encode_image, encode_text",
-        _by_module("open_clip", ("encode_image", "encode_text")),
     ),
 )
 

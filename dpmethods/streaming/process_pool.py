@@ -33,6 +33,7 @@ from dpmethods.core.parallel_apply import ReplicaError, _ThreadState
 from dpmethods.core.replicate import fingerprint
 from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
 from dpmethods.streaming.process_io import dumps, loads, model_payloads
+from dpmethods.streaming.process_worker import serve
 from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
@@ -81,8 +82,6 @@ class _Slot:
         return not self.broken and self.process is not None and self.process.is_alive()
 
     def start(self, ctx: Any, threads: int) -> None:
-        from dpmethods.streaming.process_worker import serve
-
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(
             target=serve, args=(theirs, self.index, str(self.device), threads),

@@ -118,7 +118,7 @@ def _resolve_pending(kind: type | None = None) -> None:
             _tree.set_rule(cls, rule)
 
 
-def _check_arity(label: str, name: str, fn: Callable[..., Any], params: str) -> None:
+def _check_arity(owner: str, name: str, fn: Callable[..., Any], params: str) -> None:
     # Checked here, once: called with the wrong number of arguments deep inside a
     # gather, the rule would raise a bare "<lambda>() takes 1 positional argument".
     try:
@@ -130,7 +130,7 @@ def _check_arity(label: str, name: str, fn: Callable[..., Any], params: str) -> 
     except TypeError:
         label = getattr(fn, "__name__", type(fn).__name__)
         raise TypeError(
-            f"register_type: {name} (of {label}): expected a function called as "
+            f"register_type: {name} (of {owner}): expected a function called as "
             f"{name}{params}, got {label}{signature}"
         ) from None
 
