@@ -110,7 +110,7 @@ def _top_counts(spec: _tree.Spec) -> list[tuple[Any, int]] | None:
     keys = per_item.top_keys(spec)
     if keys is None:
         return None
-    return [(k, len(_tree.leaf_paths(c))) for k, c in zip(keys, spec[3])]
+    return [(k, len(_tree.leaf_paths(c))) for k, c in zip(keys, spec.children)]
 
 
 def _named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:

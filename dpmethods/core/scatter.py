@@ -334,8 +334,8 @@ def scatter_call(
 
     def names() -> list[str]:
         positional = argument_names(signature_of(fn), len(args))
-        return [_rename(p, positional) for p in _tree.leaf_paths(spec[3][0], "args")] + [
-            _kw(p) for p in _tree.leaf_paths(spec[3][1], "kwargs")
+        return [_rename(p, positional) for p in _tree.leaf_paths(spec.children[0], "args")] + [
+            _kw(p) for p in _tree.leaf_paths(spec.children[1], "kwargs")
         ]
 
     params = signature_of(fn)

@@ -66,7 +66,7 @@ class Whole:
 def _count(spec: _tree.Spec) -> int:
     if spec in _tree._LEAVES:
         return 1
-    return sum(1 if c in _tree._LEAVES else _count(c) for c in spec[3])
+    return sum(1 if c in _tree._LEAVES else _count(c) for c in spec.children)
 
 
 def _keys(spec: _tree.Spec) -> Sequence[Any]:
@@ -75,9 +75,9 @@ def _keys(spec: _tree.Spec) -> Sequence[Any]:
 
 
 def _is_sequence(spec: _tree.Spec) -> bool:
-    if spec in _tree._LEAVES or spec[0] not in _SEQUENCES:
+    if spec in _tree._LEAVES or spec.kind not in _SEQUENCES:
         return False
-    return spec[1] is None or spec[1] in (list, tuple)
+    return spec.cls is None or spec.cls in (list, tuple)
 
 
 def _batched(entries: Sequence[Any], share: int, dim: int) -> bool:
@@ -113,11 +113,11 @@ def _mixed(specs: list[_tree.Spec], sizes: Sequence[int] | None) -> bool:
     length is not every replica's share can't hold one entry per item either. Such a
     container is walked into (each entry extended or concatenated), never extended.
     """
-    kinds = {_kind(c) for c in specs[0][3]} - {_tree.NONE}
+    kinds = {_kind(c) for c in specs[0].children} - {_tree.NONE}
     if len(kinds) > 1:
         return True
-    is_tuple = specs[0][0] == _tree._TUPLE
-    return is_tuple and sizes is not None and [len(s[3]) for s in specs] != list(sizes)
+    is_tuple = specs[0].kind == _tree._TUPLE
+    return is_tuple and sizes is not None and [len(s.children) for s in specs] != list(sizes)
 
 
 def top_keys(spec: _tree.Spec) -> list[Any] | None:
@@ -130,10 +130,10 @@ def top_keys(spec: _tree.Spec) -> list[Any] | None:
     """
     if spec in _tree._LEAVES:
         return None
-    if spec[0] in _KEYED:
+    if spec.kind in _KEYED:
         return [str(k) for k in _keys(spec)]
-    if spec[0] in _SEQUENCES:
-        return list(range(len(spec[3])))
+    if spec.kind in _SEQUENCES:
+        return list(range(len(spec.children)))
     return None
 
 
@@ -151,8 +151,8 @@ def needs_marking(spec: _tree.Spec, share: int) -> bool:
     """
     if spec in _tree._LEAVES:
         return False
-    children = spec[3]
-    if spec[0] == _tree._LIST and _is_sequence(spec) and len(children) == share:
+    children = spec.children
+    if spec.kind == _tree._LIST and _is_sequence(spec) and len(children) == share:
         return True
     if _tree._LEAF_SET.issuperset(children):  # in C: no Python step per leaf
         return False
@@ -187,7 +187,7 @@ def mark_items(
         if any(s in _tree._LEAVES for s in specs):
             return specs
         if all(_is_sequence(s) for s in specs):
-            lengths = [len(s[3]) for s in specs]
+            lengths = [len(s.children) for s in specs]
             if m == "extend" and not _mixed(specs, sizes):
                 return cut(specs, starts)
             if m == "cat" and sizes is not None and lengths == list(sizes):
@@ -195,7 +195,7 @@ def mark_items(
                     return cut(specs, starts)
                 # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)),
                 # lists of batch tensors for lists of batch outputs; other lists warn.
-                if first[0] == _tree._LIST and not all(
+                if first.kind == _tree._LIST and not all(
                     _batched(e, sizes[r], dim) for r, e in enumerate(entries(specs, starts))
                 ):
                     warn_once(
@@ -206,16 +206,16 @@ def mark_items(
                         f"gather='extend' (or gather={{key: 'extend'}} for that output key) "
                         "to concatenate the replicas' lists in order."
                     )
-        if any(s[:3] != first[:3] or len(s[3]) != len(first[3]) for s in specs[1:]):
+        if any(s[:3] != first[:3] or len(s.children) != len(first.children) for s in specs[1:]):
             return specs  # differing structures: reported by gather
-        if first[0] not in _SEQUENCES and first[0] not in _KEYED:
+        if first.kind not in _SEQUENCES and first.kind not in _KEYED:
             top = False  # a rule's node: its parts are not output keys
         labels = _tree._children_labels(first)
         keys = top_keys(first) if top and isinstance(m, Mapping) else None
         offsets = list(starts)
         children: list[list[Any]] = [[] for _ in range(n)]
         for i, label in enumerate(labels):
-            column = [s[3][i] for s in specs]
+            column = [s.children[i] for s in specs]
             child_mode = m
             if keys is not None and isinstance(m, Mapping):
                 child_mode = m.get(keys[i], "cat")
@@ -226,7 +226,7 @@ def mark_items(
             for r in range(n):
                 children[r].append(new[r])
                 offsets[r] += _count(column[r])
-        return [(*s[:3], tuple(c)) for s, c in zip(specs, children)]
+        return [s._replace(children=tuple(c)) for s, c in zip(specs, children)]
 
     def entries(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
         return [

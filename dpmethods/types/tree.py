@@ -16,6 +16,7 @@ for tensors, tuples, lists and dicts are unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -32,7 +33,21 @@ LEAF, NONE, OTHER = "*", "-", "="
 _LEAVES = (LEAF, NONE, OTHER)
 _LEAF_SET = frozenset(_LEAVES)
 _TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS, _NODE = range(6)
-Spec = Any
+Spec = Any  # a leaf marker or a Node
+
+
+class Node(NamedTuple):
+    """One container in a spec: its kind, class, metadata (keys, fields, a rule and its
+    context) and the specs of its children. Equal nodes mean equal structures."""
+
+    kind: int
+    cls: Any
+    meta: Any
+    children: tuple[Any, ...]
+
+
+# tuple.__new__ in C, not the NamedTuple's Python-level __new__: the walk runs per call.
+_make_node = functools.partial(tuple.__new__, Node)
 
 
 class TypeRule(NamedTuple):
@@ -152,7 +167,7 @@ def _node(rule: TypeRule, obj: Any, kind: type, leaves: list[Any]) -> Spec:
     children, context = out
     if type(children) is not list and type(children) is not tuple:
         children = _check_children(children, kind)
-    return (_NODE, kind, (rule, context), _children(children, leaves))
+    return _make_node((_NODE, kind, (rule, context), _children(children, leaves)))
 
 
 def _got(value: Any) -> str:
@@ -200,11 +215,11 @@ def _check_children(children: Any, kind: type) -> list[Any]:
 def _flatten(obj: Any, leaves: list[Any]) -> Spec:
     kind = type(obj)
     if kind is tuple:
-        return (_TUPLE, None, None, _children(list(obj), leaves))
+        return _make_node((_TUPLE, None, None, _children(list(obj), leaves)))
     if kind is list:
-        return (_LIST, None, None, _children(obj, leaves))
+        return _make_node((_LIST, None, None, _children(obj, leaves)))
     if kind is dict:
-        return (_DICT, dict, tuple(obj), _children(list(obj.values()), leaves))
+        return _make_node((_DICT, dict, tuple(obj), _children(list(obj.values()), leaves)))
     if isinstance(obj, Tensor):
         leaves.append(obj)
         return LEAF
@@ -219,17 +234,17 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
         names = tuple(f.name for f in fields)
         init = tuple(f.init for f in fields)
         values = [getattr(obj, name) for name in names]
-        return (_DATACLASS, kind, (names, init), _children(values, leaves))
+        return _make_node((_DATACLASS, kind, (names, init), _children(values, leaves)))
     if kind is Size:  # a shape is a value, not a container of batch items
         leaves.append(obj)
         return OTHER
     if isinstance(obj, tuple) and hasattr(kind, "_fields"):
-        return (_NAMEDTUPLE, kind, None, _children(list(obj), leaves))
+        return _make_node((_NAMEDTUPLE, kind, None, _children(list(obj), leaves)))
     if isinstance(obj, Mapping):
         cls: Any = _DictOf(kind, obj.default_factory) if isinstance(obj, defaultdict) else kind
-        return (_DICT, cls, tuple(obj.keys()), _children(list(obj.values()), leaves))
+        return _make_node((_DICT, cls, tuple(obj.keys()), _children(list(obj.values()), leaves)))
     if isinstance(obj, (tuple, list)):
-        return (_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, _children(list(obj), leaves))
+        return _make_node((_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, _children(list(obj), leaves)))
     rule = _pytree_rule(kind)
     if rule is not None:
         return _node(rule, obj, kind, leaves)
@@ -290,7 +305,7 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
     if spec in _LEAVES:
         return [root]
     paths: list[str] = []
-    for label, child in zip(_children_labels(spec), spec[3]):
+    for label, child in zip(_children_labels(spec), spec.children):
         paths.extend(leaf_paths(child, root + label))
     return paths
 
@@ -324,7 +339,7 @@ def _walk_flag(node: Spec, start: int, inside: bool, found: set[int], flag: str)
 
 def top_level_leaf_counts(spec: Spec) -> list[tuple[str, int]] | None:
     """``(key, number of leaves)`` per top-level key or field, or None if not keyed."""
-    if spec in _LEAVES or spec[0] not in (_DICT, _DATACLASS, _NAMEDTUPLE):
+    if spec in _LEAVES or spec.kind not in (_DICT, _DATACLASS, _NAMEDTUPLE):
         return None
     kind, cls, meta, children = spec
     keys = meta if kind == _DICT else meta[0] if kind == _DATACLASS else cls._fields
@@ -347,9 +362,9 @@ def _describe(spec: Spec) -> str:
 
 def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
     """Where two specs first differ, as 'path: X in one, Y in the other'."""
-    if a in _LEAVES or b in _LEAVES or a[:3] != b[:3] or len(a[3]) != len(b[3]):
+    if a in _LEAVES or b in _LEAVES or a[:3] != b[:3] or len(a.children) != len(b.children):
         return f"{root}: {_describe(a)} vs {_describe(b)}"
-    for label, ca, cb in zip(_children_labels(a), a[3], b[3]):
+    for label, ca, cb in zip(_children_labels(a), a.children, b.children):
         if ca != cb:
             return describe_mismatch(ca, cb, root + label)
     return f"{root}: structures differ"
