@@ -41,7 +41,7 @@ _ALIASES: dict[str, str] = {
     "chunk_sizes": "dpmethods.parallel",
     "extension_info": "dpmethods.ops",
     "gather": "dpmethods.parallel",
-    "gather_generate": "dpmethods.integrations.generate",
+    "gather_generate": "dpmethods.integrations.transformers",
     "parallel_apply": "dpmethods.parallel",
     "register_fsdp_methods": "dpmethods.distributed",
     "replicate": "dpmethods.parallel",

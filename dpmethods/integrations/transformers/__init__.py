@@ -1,0 +1,110 @@
+"""transformers: its models' methods run data-parallel with no configuration.
+
+When a class is looked up (transformers imported by then; nothing here imports it):
+
+- ``generate`` of every ``GenerationMixin`` model gathers with ``"generate"``
+  (:mod:`.generate`: sequences filled as one device fills them), each replica's
+  ``prefix_allowed_tokens_fn`` gets its items' indices in the whole batch
+  (:data:`~.fill.PREFIX_OFFSET`), and a cache passed in is updated in place
+  (:mod:`.caches`);
+- ``forward`` of every ``PreTrainedModel`` joins its ``loss`` as the full-batch loss
+  (:mod:`.losses`), updates a cache passed in in place, and joins the rest with
+  ``"cat"``;
+- the Qwen2-VL family (patches of all images beside ``image_grid_thw``) gives each
+  replica its rows' images, in ``forward`` and ``generate`` (:mod:`.vision`);
+- every ``get_*_features`` method of a ``PreTrainedModel``;
+- Encodec's ``encode`` joins ``audio_codes`` on dim 1, and ``decode`` splits them there.
+
+Example:
+    >>> import torch, dpmethods
+    >>> dpmethods.parallel_methods(torch.nn.Linear)
+    {}
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+import weakref
+
+from dpmethods.extending import register_method_finder
+from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
+from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
+from dpmethods.integrations.transformers.generate import gather_generate
+from dpmethods.integrations.transformers.losses import FORWARD_MODE, LOSS_COUNT
+from dpmethods.integrations.transformers.vision import (
+    VISION_ARGUMENTS,
+    VISION_SHARES,
+    takes_vision_grids,
+)
+from dpmethods.options import MethodOptions
+
+__all__ = ["APPLIES_TO", "METHODS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_generate"]
+
+APPLIES_TO = "GenerationMixin models; PreTrainedModel; EncodecModel"
+METHODS = (
+    "generate (gather='generate'); forward (loss joined as the full-batch loss); "
+    "get_*_features; Encodec encode/decode (codes' batch in dim 1)"
+)
+
+_FEATURES = re.compile(r"get_\w+_features\Z")
+_GENERATE = MethodOptions(gather="generate", hooks=CACHE_IN_PLACE.then(PREFIX_OFFSET))
+_FORWARD = MethodOptions(gather=FORWARD_MODE, hooks=CACHE_IN_PLACE.then(LOSS_COUNT))
+# Encodec's codes are [chunks, batch, quantizers, frames]: encode returns them with the
+# batch in dim 1, and decode takes them so (its audio_scales and audio have it in dim 0).
+_ENCODEC = {
+    "encode": MethodOptions(gather_dim={"audio_codes": 1}),
+    "decode": MethodOptions(scatter_dim={"audio_codes": 1}),
+}
+# Weak by class, so a class defined in a function can be freed.
+_FOUND: weakref.WeakKeyDictionary[type, dict[str, MethodOptions]] = weakref.WeakKeyDictionary()
+
+
+def _class_in(module: str, name: str) -> type | None:
+    cls = getattr(sys.modules.get(module), name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def _defines(cls: type, name: str) -> bool:
+    return inspect.isfunction(inspect.getattr_static(cls, name, None))
+
+
+def _with_vision(opts: MethodOptions) -> MethodOptions:
+    # All images' patches reach every replica, which keeps its rows' images.
+    hooks = VISION_SHARES if opts.hooks is None else opts.hooks.then(VISION_SHARES)
+    return opts.with_updates(broadcast=opts.broadcast + VISION_ARGUMENTS, hooks=hooks)
+
+
+def _find(cls: type) -> dict[str, MethodOptions]:
+    found: dict[str, MethodOptions] = {}
+    mixin = _class_in("transformers.generation.utils", "GenerationMixin")
+    if mixin is not None and issubclass(cls, mixin) and _defines(cls, "generate"):
+        found["generate"] = _GENERATE
+    pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
+    if pretrained is not None and issubclass(cls, pretrained):
+        if _defines(cls, "forward"):
+            found["forward"] = _FORWARD
+        if takes_vision_grids(cls):
+            found.update({n: _with_vision(o) for n, o in found.items() if n in ("forward", "generate")})
+        for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):
+            if _defines(cls, name):
+                found[name] = MethodOptions()
+    encodec = _class_in("transformers.models.encodec.modeling_encodec", "EncodecModel")
+    if encodec is not None and issubclass(cls, encodec):
+        found.update(_ENCODEC)
+    return found
+
+
+def _methods(cls: type) -> dict[str, MethodOptions]:
+    """The method finder: the parallel methods transformers' class ``cls`` gets."""
+    if "transformers" not in sys.modules:
+        return {}
+    found = _FOUND.get(cls)
+    if found is None:
+        found = _FOUND[cls] = _find(cls)
+    return dict(found)
+
+
+register_method_finder(_methods)
+

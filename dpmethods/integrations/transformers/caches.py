@@ -1,0 +1,244 @@
+"""transformers' caches: split and joined per layer, and updated in place when passed in.
+
+``DynamicCache`` and ``StaticCache`` come apart into their layers' per-item tensors
+(keys and values ``[batch, heads, seq, head_dim]``, linear-attention states); an
+``EncoderDecoderCache`` into its self- and cross-attention caches. The rules are
+registered by name, so nothing of transformers is imported here.
+
+On one device transformers updates the cache object it is given (``past_key_values``,
+``cache`` in transformers 5) and returns that object; code that keeps its own cache
+object across steps relies on it. Each replica updates its own copy, so after the
+gather the joined cache's state is copied into the object passed in, which the output
+then holds (:data:`CACHE_IN_PLACE`). Where that cannot be (no joined cache in the
+output), a one-time warning names the pattern that works.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+from torch import Tensor
+
+import dpmethods
+from dpmethods.extending import Call, CallHooks
+from dpmethods.warn_once import warn_once
+
+__all__ = ["CACHE_IN_PLACE", "in_place_types"]
+
+_CACHE_MODULE = "transformers.cache_utils"
+
+
+class _Template:
+    """A context that compares by a key and carries an object to rebuild from.
+
+    Replicas' contexts are compared with ``==``; the key says what must agree (layer
+    classes and the names of their batch tensors), while the object differs per replica.
+    """
+
+    __slots__ = ("key", "obj")
+
+    def __init__(self, key: Any, obj: Any) -> None:
+        self.key, self.obj = key, obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Template) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __repr__(self) -> str:
+        return f"{type(self.obj).__name__}{self.key!r}"
+
+
+def _batch_tensors(layer: Any) -> list[str]:
+    # Per-layer state with a batch dim: keys and values [batch, heads, seq, head_dim],
+    # linear-attention states [batch, ...]. 0-dim counters and unset (None) or empty
+    # 1-dim placeholders stay in the template.
+    return sorted(name for name, v in vars(layer).items() if isinstance(v, Tensor) and v.dim() >= 2)
+
+
+def _flatten_cache(cache: Any) -> tuple[list[Any], Any]:
+    layers = list(cache.layers)
+    names = [_batch_tensors(layer) for layer in layers]
+    children = [getattr(layer, n) for layer, ns in zip(layers, names) for n in ns]
+    key = tuple((type(layer).__name__, tuple(ns)) for layer, ns in zip(layers, names))
+    return children, _Template(key, cache)
+
+
+def _unflatten_cache(children: list[Any], context: _Template) -> Any:
+    cache = copy.copy(context.obj)
+    it = iter(children)
+    layers = []
+    for layer, (_, names) in zip(context.obj.layers, context.key):
+        layer = copy.copy(layer)
+        for attr, value in vars(layer).items():
+            if isinstance(value, Tensor) and attr not in names:
+                # Counters updated in place (a static layer's cumulative_length) must not
+                # be shared by the caches of different replicas.
+                setattr(layer, attr, value.clone())
+        for name in names:
+            setattr(layer, name, next(it))
+        if names:
+            first = getattr(layer, names[0])
+            if hasattr(layer, "device"):
+                layer.device = first.device
+            if hasattr(layer, "batch_size"):  # StaticLayer keeps the batch size it was built for
+                layer.batch_size = first.shape[0]
+        layers.append(layer)
+    cache.layers = layers
+    return cache
+
+
+def _flatten_encoder_decoder(cache: Any) -> tuple[list[Any], Any]:
+    return [cache.self_attention_cache, cache.cross_attention_cache], _Template((), cache)
+
+
+def _unflatten_encoder_decoder(children: list[Any], context: _Template) -> Any:
+    cache = copy.copy(context.obj)
+    cache.self_attention_cache, cache.cross_attention_cache = children
+    if hasattr(cache, "is_updated"):
+        cache.is_updated = dict(cache.is_updated)
+    return cache
+
+
+for _name in ("DynamicCache", "StaticCache"):
+    dpmethods.register_type(f"{_CACHE_MODULE}:{_name}", _flatten_cache, _unflatten_cache, per_item=True)
+dpmethods.register_type(
+    f"{_CACHE_MODULE}:EncoderDecoderCache", _flatten_encoder_decoder, _unflatten_encoder_decoder,
+    per_item=True,
+)
+
+
+# --- caches passed in: updated in place ------------------------------------------
+
+
+def _update_layer(target: Any, joined: Any) -> None:
+    static = bool(getattr(target, "is_compileable", False))
+    for name, value in vars(joined).items():
+        old = vars(target).get(name)
+        if (
+            static
+            and isinstance(old, Tensor)
+            and isinstance(value, Tensor)
+            and old is not value
+            and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device)
+        ):
+            # A static layer's tensors keep their storage, as index_copy_ keeps it on one
+            # device (compiled graphs and CUDA graphs hold their addresses).
+            old.copy_(value)
+        else:
+            setattr(target, name, value)
+
+
+def _update_layers(target: Any, joined: Any) -> None:
+    mine, theirs = list(target.layers), list(joined.layers)
+    if len(mine) == len(theirs) and all(type(a) is type(b) for a, b in zip(mine, theirs)):
+        for a, b in zip(mine, theirs):
+            _update_layer(a, b)
+    else:  # an empty cache passed in: its layers are made by the first call
+        target.layers = theirs
+    for name, value in vars(joined).items():
+        if name != "layers":
+            setattr(target, name, value)
+
+
+def _update_encoder_decoder(target: Any, joined: Any) -> None:
+    for name in ("self_attention_cache", "cross_attention_cache"):
+        inner, new = getattr(target, name), getattr(joined, name)
+        if not _update(inner, new):
+            setattr(target, name, new)
+    for name, value in vars(joined).items():
+        if name not in ("self_attention_cache", "cross_attention_cache"):
+            setattr(target, name, copy.copy(value))
+
+
+# Per cache class name (and its subclasses): update(target, joined) copies the joined
+# cache's state into the object the user passed in.
+_IN_PLACE: dict[str, Callable[[Any, Any], None]] = {
+    "DynamicCache": _update_layers,
+    "StaticCache": _update_layers,
+    "EncoderDecoderCache": _update_encoder_decoder,
+}
+
+
+def in_place_types() -> list[str]:
+    """The cache classes updated in place when passed into a parallel call.
+
+    Example:
+        >>> in_place_types()
+        ['DynamicCache', 'StaticCache', 'EncoderDecoderCache']
+    """
+    return list(_IN_PLACE)
+
+
+def _class(name: str) -> type | None:
+    cls = getattr(sys.modules.get(_CACHE_MODULE), name, None)
+    return cls if isinstance(cls, type) else None
+
+
+def _update(target: Any, joined: Any) -> bool:
+    """Copy ``joined`` into ``target`` in place; False if their type has no such rule."""
+    if type(joined) is not type(target):
+        return False
+    for name, update in _IN_PLACE.items():
+        cls = _class(name)
+        if cls is not None and isinstance(target, cls):
+            update(target, joined)
+            return True
+    return False
+
+
+def _top_level(out: Any) -> list[tuple[Any, Any]]:
+    if isinstance(out, Mapping):
+        return list(out.items())
+    if type(out) is tuple:
+        return list(enumerate(out))
+    return []
+
+
+def _put(out: Any, key: Any, value: Any) -> Any:
+    if isinstance(out, MutableMapping):
+        out[key] = value  # a ModelOutput sets the field too
+        return out
+    items = list(out)
+    items[key] = value
+    return tuple(items)
+
+
+def _finish(cache: Any, base: type) -> Callable[[Any], Any]:
+    def finish(out: Any) -> Any:
+        found = [(k, v) for k, v in _top_level(out) if isinstance(v, base)]
+        if len(found) == 1 and _update(cache, found[0][1]):
+            return _put(out, found[0][0], cache)
+        if len(found) == 1 and found[0][1] is cache:
+            return out
+        warn_once(
+            f"DataParallel: the {type(cache).__name__} passed in is not updated in place by a "
+            "parallel call (on one device transformers updates it): each replica updates its "
+            "own copy, and this cache type has no in-place rule or the call returned no "
+            "joined cache. Use the cache the call returns for the next step: "
+            "out.past_key_values (out.cache in transformers 5), with use_cache=True (and "
+            "return_dict_in_generate=True for generate).",
+            stacklevel=5,
+        )
+        return out
+
+    return finish
+
+
+def _prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+    base = _class("Cache")
+    if base is None:
+        return args, kwargs, None
+    given = [v for v in (*args, *kwargs.values()) if isinstance(v, base)]
+    if len(given) != 1:
+        return args, kwargs, None
+    return args, kwargs, _finish(given[0], base)
+
+
+CACHE_IN_PLACE = CallHooks(prepare=_prepare)
+"""The hooks that update a cache passed into ``forward`` or ``generate`` in place with
+the joined cache, as one device updates it."""
