@@ -39,6 +39,10 @@ class Mode(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    # Hashed as its string (Enum hashes the member's name), so sets and dicts of modes
+    # and of strings mix: {Mode.LIST} & {"list"} is {"list"}.
+    __hash__ = str.__hash__
+
 
 BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})

@@ -9,73 +9,28 @@ call, which is where the compiled kernel replaces L x N copies and autograd node
 from __future__ import annotations
 
 import itertools
-import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from dpmethods import ops
+from dpmethods.core.gather_keys import leaf_dims, leaf_modes, named_leaves
+from dpmethods.core.join import coalesced, join_tensors
 from dpmethods.core.scatter import DeviceLike, _as_device
-from dpmethods.gather_modes import known_modes, named_mode
-from dpmethods.options import positional_modes
-from dpmethods.registry import GATHER_MODES, GatherOption
+from dpmethods.gather_modes import Mode, known_modes, named_mode
+from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
 from dpmethods.types.coupled import check_shares, joinable
-from dpmethods.types.values import join_values, reduce
+from dpmethods.types.values import join_values
 
 __all__ = ["gather"]
 
 # `all(map(isinstance, xs, itertools.repeat(Tensor)))` checks a list in C. The repeat is
 # made per call, not kept in a global: torch.compile models an itertools.repeat built
 # while tracing, but not one it finds (fullgraph=True failed on the public gather).
-
-
-def _pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Tensor]:
-    ndim = parts[0].dim()
-    if any(p.dim() != ndim for p in parts):
-        raise ValueError(
-            f"gather: {path}: 'pad' needs the same number of dims on every replica, got "
-            f"shapes {[list(p.shape) for p in parts]}"
-        )
-    d = dim % ndim
-    target = [max(p.shape[k] for p in parts) for k in range(ndim)]
-    out = []
-    for p in parts:
-        widths: list[int] = []
-        for k in reversed(range(ndim)):
-            widths += [0, 0 if k == d else target[k] - p.shape[k]]
-        out.append(F.pad(p, widths, value=value) if any(widths) else p)
-    return out
-
-
-def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
-    """channels_last(_3d) if every piece is in it (then torch.cat keeps it), else None."""
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(pieces[0].dim())
-    if fmt is None:
-        return None
-    for p in pieces:
-        if p.is_contiguous() or not p.is_contiguous(memory_format=fmt):
-            return None
-    return fmt
-
-
-def _coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
-    """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
-    out = ops.gather_coalesced(tensors, n, dim, device)
-    if max(map(Tensor.dim, out), default=0) < 4:  # the common case: one C-level pass
-        return out
-    out = list(out)
-    for i, t in enumerate(out):
-        if t.dim() >= 4:
-            fmt = _memory_format(tensors[i * n : (i + 1) * n])
-            if fmt is not None:
-                out[i] = t.contiguous(memory_format=fmt)
-    return out
 
 
 def _check_dim(dim: Any) -> None:
@@ -96,77 +51,6 @@ def _align(ref: Any, obj: Any) -> Any:
     if type(obj) in (list, tuple) and len(obj) == len(ref):
         return type(obj)(_align(a, b) for a, b in zip(ref, obj))
     return obj
-
-
-def _leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str]:
-    if isinstance(mode, str):
-        return [mode] * n_leaves
-    assert isinstance(mode, Mapping)
-    return _per_key(spec, mode, "cat", "gather: a mapping of modes", "mode keys")
-
-
-def _top_counts(spec: _tree.Spec) -> list[tuple[Any, int]] | None:
-    """``(key, number of leaves)`` per top-level key, field or tuple position."""
-    keys = per_item.top_keys(spec)
-    if keys is None:
-        return None
-    return [(k, len(_tree.leaf_paths(c))) for k, c in zip(keys, spec.children)]
-
-
-def _named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:
-    """Leaves under a top-level key that a ``gather`` or ``gather_dim`` mapping names."""
-    names = {k for o in options if isinstance(o, Mapping) for k in o}
-    counts = _top_counts(spec) if names else None
-    found: set[int] = set()
-    start = 0
-    for key, count in counts or ():
-        if key in names:
-            found.update(range(start, start + count))
-        start += count
-    return found
-
-
-def _leaf_dims(spec: _tree.Spec, dims: Mapping[Any, int], dim: int) -> list[int]:
-    return _per_key(spec, dims, dim, "gather_dim: a mapping of dims", "gather_dim keys")
-
-
-def _per_key(spec: _tree.Spec, by_key: Mapping[Any, Any], default: Any, what: str, keys: str) -> list[Any]:
-    counts = _top_counts(spec)
-    key_kind = str if counts and isinstance(counts[0][0], str) else int
-    if counts is None or (counts and not any(type(k) is key_kind for k in by_key)):
-        raise ValueError(
-            f"{what} {dict(by_key)} needs outputs with keys, fields or positions "
-            f"(dict, dataclass, namedtuple, tuple), got {_tree._describe(spec)}"
-        )
-    # Names that are not in a keyed output are likely typos; positions past the end of a
-    # tuple, and names given for a tuple (or positions for a dict), are not: one mapping
-    # may serve outputs of several arities and forms (open_clip's 3- and 4-tuples, dicts).
-    named = {k for k, _ in counts}
-    unknown = sorted(k for k in by_key if isinstance(k, str) and k not in named)
-    if unknown and counts and isinstance(counts[0][0], str):
-        warnings.warn(
-            f"gather: {keys} {unknown} are not in the output, whose keys are "
-            f"{[k for k, _ in counts]}; those keys are ignored",
-            UserWarning,
-            stacklevel=4,
-        )
-    values: list[Any] = []
-    for key, count in counts:
-        values += [by_key.get(key, default)] * count
-    return values
-
-
-def _same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
-    """The one value every replica computed (``"same"``); an error if they differ."""
-    first = col[0].to(device)
-    for r, t in enumerate(col[1:], 1):
-        t = t.to(device)
-        if t.shape != first.shape or not torch.equal(t, first):
-            raise ValueError(
-                f"gather: {path}: 'same' expects one value equal on every replica, but "
-                f"replica {r} has {t.detach().cpu()!r} and replica 0 {first.detach().cpu()!r}"
-            )
-    return first
 
 
 class _Plan(NamedTuple):
@@ -270,8 +154,8 @@ def gather(
             joined = _cat_all(spec, columns, plan)
             if joined is not None:
                 return joined
-    modes = _leaf_modes(spec, plan.mode, len(columns))
-    dims = [plan.dim] * len(columns) if plan.key_dims is None else _leaf_dims(spec, plan.key_dims, plan.dim)
+    modes = leaf_modes(spec, plan.mode, len(columns))
+    dims = [plan.dim] * len(columns) if plan.key_dims is None else leaf_dims(spec, plan.key_dims, plan.dim)
     if coupled is None:  # not checked above (the same checks, once)
         coupled = _coupled(spec, columns, plan, paths, (modes, dims))
     return _tree.unflatten(spec, _join(spec, columns, modes, dims, coupled, paths, plan))
@@ -308,7 +192,7 @@ def _plan(
 
 def _all_batch_tensors(outputs: list[Any], plan: _Plan) -> bool:
     return (
-        plan.mode == "cat"
+        plan.mode == Mode.CAT
         and plan.key_dims is None
         and all(map(isinstance, outputs, itertools.repeat(Tensor)))
         and bool(outputs[0].dim())
@@ -323,7 +207,7 @@ def _gather_tensors(outputs: list[Tensor], plan: _Plan) -> Any:
         )
         if coupled and not joinable(outputs, plan.dim):  # warned: the pieces, not an error
             return [t.to(plan.device) for t in outputs]
-    return _coalesced(outputs, plan.n, plan.dim, plan.device)[0]
+    return coalesced(outputs, plan.n, plan.dim, plan.device)[0]
 
 
 def _flatten(outputs: list[Any], plan: _Plan) -> tuple[_tree.Spec, list[tuple[Any, ...]]]:
@@ -357,7 +241,7 @@ def _cat_only(spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan) -> 
     Equal specs already say the other replicas have tensors in the same places."""
     leaves0 = [c[0] for c in columns]
     return (
-        plan.mode == "cat"
+        plan.mode == Mode.CAT
         and plan.key_dims is None
         and all(map(isinstance, leaves0, itertools.repeat(Tensor)))
         and all(map(Tensor.dim, leaves0))
@@ -379,7 +263,7 @@ def _coupled(
     modes, dims = modes_dims
     return check_shares(
         columns, plan.sizes, dims, modes, paths,  # type: ignore[arg-type]
-        lambda: _named_leaves(spec, plan.mode, plan.gather_dim) | _tree.per_item_leaves(spec),
+        lambda: named_leaves(spec, plan.mode, plan.gather_dim) | _tree.per_item_leaves(spec),
         batch_dim=plan.check_dims,
     )
 
@@ -387,7 +271,7 @@ def _coupled(
 def _cat_all(spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan) -> Any | None:
     tensors = list(itertools.chain.from_iterable(columns))
     try:
-        return _tree.unflatten(spec, _coalesced(tensors, plan.n, plan.dim, plan.device))
+        return _tree.unflatten(spec, coalesced(tensors, plan.n, plan.dim, plan.device))
     except ValueError:
         if not _tree.ragged_leaves(spec):
             raise
@@ -406,7 +290,7 @@ def _join(
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
             result[i] = join_values(col, m, d, paths(i), plan.device, plan.weights)
             continue
-        done, parts = _join_tensors(col, m, d, i in coupled, i in ragged, paths, i, plan)
+        done, parts = join_tensors(col, m, d, i in coupled, i in ragged, paths, i, plan)
         if parts is None:
             result[i] = done
         else:
@@ -414,48 +298,8 @@ def _join(
             indices.append(i)
             pieces.extend(parts)
     for d, (indices, pieces) in joined.items():
-        for i, t in zip(indices, _coalesced(pieces, plan.n, d, plan.device)):
+        for i, t in zip(indices, coalesced(pieces, plan.n, d, plan.device)):
             result[i] = t
     return result
 
 
-def _join_tensors(
-    col: Sequence[Tensor], m: str, d: int, coupled: bool, ragged: bool, paths: _Paths,
-    i: int, plan: _Plan,
-) -> tuple[Any, Sequence[Tensor] | None]:
-    """One tensor leaf: ``(result, None)`` when joined here, or ``(None, parts)`` for the
-    pieces to concatenate along ``d`` with the other leaves."""
-    device, n = plan.device, plan.n
-    if m == "same":
-        return _same(col, device, paths(i)), None
-    if m == "list" or (coupled and not joinable(col, d)):
-        # A coupled leaf that cat can't join comes back in pieces: it was warned about.
-        return [t.to(device) for t in col], None
-    if m in ("mean", "sum"):
-        if any(t.shape != col[0].shape for t in col):
-            raise ValueError(
-                f"gather: {paths(i)}: {m!r} needs the same shape on every replica, got "
-                f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
-            )
-        return reduce(col, plan.weights, device, m == "mean"), None
-    if n == 1 and m != "stack":
-        # One replica ran (one device, or nothing to split): its output is the result,
-        # as torch returns it; a 0-dim value stays 0-dim.
-        return col[0].to(device), None
-    # "cat", "extend" (a tensor is a sequence of items), "stack", "pad"
-    if m == "stack" or col[0].dim() == 0:
-        if m != "stack":
-            warnings.warn(
-                f"gather: {paths(i)} is 0-dim on every replica, so it was stacked into "
-                f"a vector of {n} values; use gather='mean' for a loss (weighted by "
-                "each replica's share of the batch), 'same' for a value every replica "
-                "shares, or 'stack' to silence this",
-                UserWarning,
-                stacklevel=4,
-            )
-        return None, [t.unsqueeze(d) for t in col]
-    if m == "pad":
-        return None, _pad(col, d, plan.pad_value, paths(i))
-    if ragged and not joinable(col, d):
-        return None, _pad(col, d, 0, paths(i))  # the rule's lengths say what is padding
-    return None, col

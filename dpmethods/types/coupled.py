@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import Tensor
 
+from dpmethods.gather_modes import REDUCING, Mode
 from dpmethods.warn_once import warn_once
 
 __all__ = ["check_batch_dim", "check_coupled", "check_shares", "joinable"]
@@ -107,7 +108,7 @@ def check_coupled(
         if count >= 2
         and i not in exempt
         and all(map(isinstance, columns[i], itertools.repeat(Tensor)))
-        and (modes is None or modes[i] not in ("mean", "sum", "list", "same"))
+        and (modes is None or modes[i] not in (Mode.MEAN, Mode.SUM, Mode.LIST, Mode.SAME))
         and _coupled(columns[i], sizes, dims[i])
     ]
     if not coupled:
@@ -131,7 +132,7 @@ def check_coupled(
             "gathered batch instead." + maybe
         )
     for i, m in enumerate(modes or ()):
-        if m in ("mean", "sum"):
+        if m in REDUCING:
             warn_once(
                 f"gather: {path(i)} is reduced with {m!r} across replicas alongside the "
                 f"batch-coupled {', '.join(names)}: such a loss is computed per replica on "
@@ -194,7 +195,7 @@ def check_batch_dim(
         exempt = exempt()
     found: dict[int, int] = {}
     for i in candidates:
-        if i in exempt or (modes is not None and modes[i] not in ("cat", "pad")):
+        if i in exempt or (modes is not None and modes[i] not in (Mode.CAT, Mode.PAD)):
             continue
         column = columns[i]
         if not all(map(isinstance, column, itertools.repeat(Tensor))):

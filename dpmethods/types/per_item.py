@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpmethods.gather_modes import Mode
 from dpmethods.types import tree as _tree
 from dpmethods.warn_once import warn_once
 
@@ -98,8 +99,8 @@ def wants_extend(mode: Any) -> bool:
         (True, True, False)
     """
     if isinstance(mode, str):
-        return mode == "extend"
-    return isinstance(mode, Mapping) and bool({"extend", "list"} & set(mode.values()))
+        return mode == Mode.EXTEND
+    return isinstance(mode, Mapping) and bool({Mode.EXTEND, Mode.LIST} & set(mode.values()))
 
 
 def _kind(spec: _tree.Spec) -> Any:
@@ -188,9 +189,9 @@ def mark_items(
             return specs
         if all(_is_sequence(s) for s in specs):
             lengths = [len(s.children) for s in specs]
-            if m == "extend" and not _mixed(specs, sizes):
+            if m == Mode.EXTEND and not _mixed(specs, sizes):
                 return cut(specs, starts)
-            if m == "cat" and sizes is not None and lengths == list(sizes):
+            if m == Mode.CAT and sizes is not None and lengths == list(sizes):
                 if len(set(sizes)) > 1:
                     return cut(specs, starts)
                 # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)),
@@ -219,7 +220,7 @@ def mark_items(
             child_mode = m
             if keys is not None and isinstance(m, Mapping):
                 child_mode = m.get(keys[i], "cat")
-            if child_mode == "list":
+            if child_mode == Mode.LIST:
                 new = whole(column, offsets)
             else:
                 new = walk(column, offsets, path + label, child_mode, False)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Size, Tensor
 
+from dpmethods.gather_modes import REDUCING, Mode
 from dpmethods.types.per_item import Items, Whole, extend, to_device
 from dpmethods.warn_once import warn_once
 
@@ -101,23 +102,23 @@ def join_values(
         return extend(column, device)
     if isinstance(first, Whole):
         return [to_device(w.value, device) for w in column]
-    if mode == "list":
+    if mode == Mode.LIST:
         return list(column)
-    if mode == "same":
+    if mode == Mode.SAME:
         if not same(column):
             raise ValueError(
                 f"gather: {path}: 'same' expects one value equal on every replica, got "
                 f"{[v for v in column]!r}"
             )
         return first
-    if mode in ("mean", "sum") and all(isinstance(v, _NUMBERS) for v in column):
-        return reduce(column, weights, device, mode == "mean")
+    if mode in REDUCING and all(isinstance(v, _NUMBERS) for v in column):
+        return reduce(column, weights, device, mode == Mode.MEAN)
     if _numpy_arrays(column):
         np = sys.modules["numpy"]
-        if mode == "stack":
+        if mode == Mode.STACK:
             return np.stack(column, axis=dim)
-        if mode in ("mean", "sum"):
-            return reduce(column, weights, device, mode == "mean")
+        if mode in REDUCING:
+            return reduce(column, weights, device, mode == Mode.MEAN)
         return np.concatenate(column, axis=dim)
     if same(column):
         return first

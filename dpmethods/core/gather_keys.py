@@ -1,0 +1,73 @@
+"""Gather options given per top-level output key, field or tuple position, as one value per leaf."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from dpmethods.options import GatherOption
+from dpmethods.types import per_item
+from dpmethods.types import tree as _tree
+
+__all__ = ["leaf_dims", "leaf_modes", "named_leaves"]
+
+
+def leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str]:
+    if isinstance(mode, str):
+        return [mode] * n_leaves
+    assert isinstance(mode, Mapping)
+    return _per_key(spec, mode, "cat", "gather: a mapping of modes", "mode keys")
+
+
+def _top_counts(spec: _tree.Spec) -> list[tuple[Any, int]] | None:
+    """``(key, number of leaves)`` per top-level key, field or tuple position."""
+    keys = per_item.top_keys(spec)
+    if keys is None:
+        return None
+    return [(k, len(_tree.leaf_paths(c))) for k, c in zip(keys, spec.children)]
+
+
+def named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:
+    """Leaves under a top-level key that a ``gather`` or ``gather_dim`` mapping names."""
+    names = {k for o in options if isinstance(o, Mapping) for k in o}
+    counts = _top_counts(spec) if names else None
+    found: set[int] = set()
+    start = 0
+    for key, count in counts or ():
+        if key in names:
+            found.update(range(start, start + count))
+        start += count
+    return found
+
+
+def leaf_dims(spec: _tree.Spec, dims: Mapping[Any, int], dim: int) -> list[int]:
+    return _per_key(spec, dims, dim, "gather_dim: a mapping of dims", "gather_dim keys")
+
+
+def _per_key(spec: _tree.Spec, by_key: Mapping[Any, Any], default: Any, what: str, keys: str) -> list[Any]:
+    counts = _top_counts(spec)
+    key_kind = str if counts and isinstance(counts[0][0], str) else int
+    if counts is None or (counts and not any(type(k) is key_kind for k in by_key)):
+        raise ValueError(
+            f"{what} {dict(by_key)} needs outputs with keys, fields or positions "
+            f"(dict, dataclass, namedtuple, tuple), got {_tree._describe(spec)}"
+        )
+    # Names that are not in a keyed output are likely typos; positions past the end of a
+    # tuple, and names given for a tuple (or positions for a dict), are not: one mapping
+    # may serve outputs of several arities and forms (open_clip's 3- and 4-tuples, dicts).
+    named = {k for k, _ in counts}
+    unknown = sorted(k for k in by_key if isinstance(k, str) and k not in named)
+    if unknown and counts and isinstance(counts[0][0], str):
+        warnings.warn(
+            f"gather: {keys} {unknown} are not in the output, whose keys are "
+            f"{[k for k, _ in counts]}; those keys are ignored",
+            UserWarning,
+            stacklevel=4,
+        )
+    values: list[Any] = []
+    for key, count in counts:
+        values += [by_key.get(key, default)] * count
+    return values
+
+
