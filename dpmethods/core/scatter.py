@@ -23,10 +23,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.core.signature import argument_names, signature_of
+from dpmethods.core.scatter_args import (
+    Arguments,
+    first_split,
+    list_arguments,
+    mismatch_hint,
+    warn_ragged_lists,
+)
+from dpmethods.core.signature import argument_names
 from dpmethods.types import per_item_args as split_args
 from dpmethods.types import tree as _tree
-from dpmethods.warn_once import warn_once
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
@@ -121,52 +127,6 @@ def _per_replica(leaf: Any, n: int) -> list[Any]:
     return [leaf] * n
 
 
-def _mismatch_hint(lists: list[str]) -> str:
-    # Never broadcast for a list: every replica would run all of its entries (all the
-    # targets beside its share of the images), which gives a wrong answer silently.
-    if lists:
-        names = ", ".join(map(repr, lists))
-        return (
-            f"{names} {'is a list' if len(lists) == 1 else 'are lists'} whose tensors were "
-            f"split as batches: if each entry belongs to one batch item (an image, a target "
-            f"dict), pass split=({names},) so each replica gets its items' entries."
-        )
-    return "Pass broadcast=(name, ...) for arguments that every replica needs whole."
-
-
-def _list_arguments(names: list[str], values: list[Any]) -> list[str]:
-    """The arguments that are lists or tuples holding tensors (the ones split= is for)."""
-    return [
-        name
-        for name, value in zip(names, values)
-        if isinstance(value, (list, tuple))
-        and any(isinstance(t, Tensor) for t in _tree.flatten(value)[1])
-    ]
-
-
-def _warn_ragged_lists(names: list[str], values: list[Any], whole: Container[str], dim: int) -> None:
-    """Warn once when a list of tensors of different shapes is split entry by entry.
-
-    Entries of different shapes are seldom one batch each: they are the items (images
-    of several sizes for a detection model), and splitting each one along ``dim`` gives
-    every replica a piece of every item.
-    """
-    for name, value in zip(names, values):
-        if name in whole or type(value) not in (list, tuple) or len(value) < 2:
-            continue
-        shapes = [tuple(t.shape) for t in value if isinstance(t, Tensor)]
-        if len(shapes) == len(value) and len(set(shapes)) > 1:
-            shown = ", ".join(str(list(s)) for s in shapes[:3])
-            warn_once(
-                f"scatter: argument {name!r} is a list of {len(shapes)} tensors of different "
-                f"shapes ({shown}{', ...' if len(shapes) > 3 else ''}), and each one is split "
-                f"along dim {dim} as a batch of its own, so every replica gets a piece of "
-                f"every entry. If each entry is one batch item (an image), pass "
-                f"split=({name!r},) to give each replica whole entries.",
-                stacklevel=5,
-            )
-
-
 def _batch_size(
     leaves: list[Any], whole: Container[int], dim: int, names: Callable[[], list[str]],
     split: bool = False, lists: Callable[[], list[str]] = list,
@@ -206,7 +166,7 @@ def _batch_size(
             listing = ", ".join(f"{p} has {s}" for p, s in sizes.items())
             raise ValueError(
                 f"scatter: tensors split along dim {dim} must agree on its size, but "
-                f"{listing}. {_mismatch_hint(lists())}"
+                f"{listing}. {mismatch_hint(lists())}"
             )
     if batch == 0:
         raise ValueError(
@@ -216,6 +176,45 @@ def _batch_size(
     if batch is None and ones and not split:
         return 1, set()
     return batch, ones
+
+
+def _whole_leaves(entries: list[tuple[bool, Any]]) -> set[int]:
+    """The leaves of the arguments that go whole to every replica (``broadcast``)."""
+    whole: set[int] = set()
+    offset = 0
+    for is_whole, value in entries:
+        count = len(_tree.flatten(value)[1])
+        if is_whole:
+            whole.update(range(offset, offset + count))
+        offset += count
+    return whole
+
+
+def _checked_batch(
+    bound: Arguments, spec: _tree.Spec, leaves: list[Any], whole: set[int],
+    entries: list[tuple[bool, Any]], taken: list[Any], n: int, dim: int,
+) -> int | None:
+    """The batch size, after the checks and warnings about what would split wrongly.
+
+    Adds to ``whole`` the size-1 leaves that broadcast beside a larger batch.
+    """
+    names, values = bound.names(), bound.values()
+    batch, ones = _batch_size(
+        leaves, whole, dim, lambda: bound.leaf_names(spec), split=bool(taken),
+        lists=lambda: list_arguments(names, values),
+    )
+    whole |= ones  # beside a larger batch, or beside split sequences: broadcast
+    if n > 1 and any(isinstance(v, (list, tuple)) for v in values):
+        warn_ragged_lists(names, values, {m for (w, _), m in zip(entries, names) if w}, dim)
+    if taken:
+        return split_args.batch_size(
+            taken, batch, lambda: first_split(leaves, whole, lambda: bound.leaf_names(spec)), dim
+        )
+    if batch is None and n > 1:
+        split_args.warn_unsplit(bound.fn, bound.args, bound.kwargs, names[: len(bound.args)], dim)
+    if batch is not None and n > 1:
+        split_args.warn_whole_items(bound.fn, entries, names, batch)
+    return batch
 
 
 def _distribute(
@@ -332,64 +331,21 @@ def scatter_call(
             columns = [_split(a, sizes, dim, targets[: len(sizes)]) for a in args]
             return ScatterResult(tuple(zip(*columns)), ({},) * len(sizes), sizes)
 
-    def names() -> list[str]:
-        positional = argument_names(signature_of(fn), len(args))
-        return [_rename(p, positional) for p in _tree.leaf_paths(spec.children[0], "args")] + [
-            _kw(p) for p in _tree.leaf_paths(spec.children[1], "kwargs")
-        ]
-
-    params = signature_of(fn)
-
-    def selected(names: Sequence[str]) -> list[tuple[bool, Any]]:
-        # Per positional then keyword argument: (named by `names`, value). The name of
-        # *args or **kwargs covers every argument that lands in it.
-        wanted = set(names)
-        named = len(params.positional)
-        entries = [
-            (n in wanted or (i >= named and params.star in wanted), a)
-            for i, (n, a) in enumerate(zip(argument_names(params, len(args)), args))
-        ]
-        entries += [
-            (k in wanted or (k not in params.names and params.double_star in wanted), v)
-            for k, v in kwargs.items()
-        ]
-        return entries
-
+    bound = Arguments(args, kwargs, fn)
     taken: list[Any] = []
     if split:
         args, kwargs, taken = split_args.take(
-            args, kwargs, split, selected, argument_names(params, len(args))
+            args, kwargs, split, bound.selected, argument_names(bound.params, len(args))
         )
-    moved = split_args.move_dims(args, kwargs, scatter_dim, selected, dim) if scatter_dim else None
+    moved = split_args.move_dims(args, kwargs, scatter_dim, bound.selected, dim) if scatter_dim else None
     if moved is not None:
         args, kwargs = moved[0], moved[1]
+    bound = Arguments(args, kwargs, fn)
     # After the split sequences are taken out: they are not walked as containers.
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
-    whole: set[int] = set()
-    entries = selected(broadcast)
-    if broadcast:
-        offset = 0
-        for is_whole, value in entries:
-            count = len(_tree.flatten(value)[1])
-            if is_whole:
-                whole.update(range(offset, offset + count))
-            offset += count
-    arg_names = [*argument_names(params, len(args)), *kwargs]
-    values = [*args, *kwargs.values()]
-    batch, ones = _batch_size(
-        leaves, whole, dim, names, split=bool(taken),
-        lists=lambda: _list_arguments(arg_names, values),
-    )
-    whole |= ones  # beside a larger batch, or beside split sequences: broadcast
-    if len(targets) > 1 and any(isinstance(v, (list, tuple)) for v in values):
-        broadcast_names = {n for (is_whole, _), n in zip(entries, arg_names) if is_whole}
-        _warn_ragged_lists(arg_names, values, broadcast_names, dim)
-    if taken:
-        batch = split_args.batch_size(taken, batch, lambda: _first_split(leaves, whole, names), dim)
-    elif batch is None and len(targets) > 1:
-        split_args.warn_unsplit(fn, args, kwargs, arg_names[: len(args)], dim)
-    if batch is not None and len(targets) > 1:
-        split_args.warn_whole_items(fn, entries, arg_names, batch)
+    entries = bound.selected(broadcast)
+    whole = _whole_leaves(entries) if broadcast else set()
+    batch = _checked_batch(bound, spec, leaves, whole, entries, taken, len(targets), dim)
     per_replica, sizes = _distribute(spec, leaves, whole, targets, dim, batch)
     if taken:
         per_replica = split_args.put(per_replica, taken, sizes, targets)
@@ -400,22 +356,3 @@ def scatter_call(
     )
 
 
-def _first_split(leaves: list[Any], whole: Container[int], names: Callable[[], list[str]]) -> str:
-    i = next(
-        i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() and i not in whole
-    )
-    return names()[i]
-
-
-def _rename(path: str, positional: list[str]) -> str:
-    # "args[1]['ids']" -> "argument 'batch' at batch['ids']", named through the signature.
-    head, _, rest = path[len("args[") :].partition("]")
-    index = int(head)
-    name = positional[index]
-    return f"argument {name!r}" + (f" at {name}{rest}" if rest else "")
-
-
-def _kw(path: str) -> str:
-    # "kwargs['mask'][0]" -> "argument 'mask' at mask[0]"
-    head, _, rest = path[len("kwargs['") :].partition("']")
-    return f"argument {head!r}" + (f" at {head}{rest}" if rest else "")
