@@ -19,7 +19,7 @@ import torch
 
 import dpmethods
 from dpmethods import DataParallel
-from dpmethods.core.scatter import chunk_sizes
+from dpmethods.parallel import chunk_sizes
 
 transformers = pytest.importorskip("transformers")
 
@@ -206,7 +206,7 @@ def test_caches_of_different_lengths_come_back_per_replica_with_a_warning() -> N
     inputs = _inputs("gpt2", 7)
     eos = _eos_ids(model, inputs, chunk_sizes(7, 3))
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
-    dpmethods.integrations.generate._warned.clear()
+    dpmethods.warn_once.reset()
     with torch.no_grad(), pytest.warns(UserWarning, match=r"cache: the replicas stopped at different steps"):
         got = dp.generate(
             **inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0,
