@@ -7,10 +7,9 @@ also runs on CPU devices (``device_ids=["cpu"] * 4``) and on repeated GPU ids.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import accumulate, chain
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
@@ -20,7 +19,6 @@ from dpmethods._wrapping import _MethodWrapper, check_module
 from dpmethods.call_hooks import Call
 from dpmethods.checkpoints import _load_fitted
 from dpmethods.core.call import _Call, _current, _entered
-from dpmethods.core.compiled import method_owner
 from dpmethods.core.devices import DeviceId, _resolve_devices, _resolve_output
 from dpmethods.core.gather import gather as _gather
 from dpmethods.core.parallel_apply import WorkerPool
@@ -34,6 +32,7 @@ from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.process_map import process_map
 from dpmethods.streaming.process_pool import call_chunks, check_factory, check_workers, close_pool
+from dpmethods.wrapper_checks import check_argument_names, check_source_device
 
 __all__ = ["DataParallel"]
 
@@ -130,7 +129,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.__dict__["_dpm_factory"] = check_factory(factory)
         self._devices = _resolve_devices(device_ids)
         self._init_methods(module, methods)
-        self._check_broadcast_names()
+        check_argument_names(self.module, self._dpm_methods)
         self._replica_cache: CachedReplicas | None = None
         self._warned_small: set[tuple[int, int]] = set()
         # As torch: CUDA devices as indices; CPU devices (ours only) as torch.device.
@@ -144,22 +143,6 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
             self.module.to(self.src_device_obj)
-
-    def _check_broadcast_names(self) -> None:
-        for name, opts in self._dpm_methods.items():
-            if not opts.broadcast and not opts.split:
-                continue
-            params = inspect.signature(getattr(method_owner(self.module), name)).parameters
-            if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-                continue
-            for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
-                unknown = [b for b in names if b not in params]
-                if unknown:
-                    raise ValueError(
-                        f"{option}: {unknown} are not arguments of "
-                        f"{type(self.module).__name__}.{name}; its arguments are "
-                        f"{[p for p in params if p != 'self']}"
-                    )
 
     def _undecorated_warning(self, name: str) -> str | None:
         if len(self._devices) < 2:
@@ -238,17 +221,6 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
         )
 
-    def _check_source_device(self) -> None:
-        src = self.src_device_obj
-        for t in chain(self.module.parameters(), self.module.buffers()):
-            if t.device != src:
-                named = chain(self.module.named_parameters(), self.module.named_buffers())
-                where = next(n for n, v in named if v.device != src)
-                raise RuntimeError(
-                    f"DataParallel: module must have its parameters and buffers on device "
-                    f"{src} (device_ids[0]), but {where!r} is on {t.device}"
-                )
-
     def _options(self, name: str) -> MethodOptions:
         opts = self._dpm_methods.get(name)
         if opts is not None:
@@ -267,7 +239,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:
-            self._check_source_device()  # a cache hit means the devices were checked
+            check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
         opts = self._options(name)
         finish = None
         if opts.hooks is not None and opts.hooks.prepare is not None:
@@ -345,19 +317,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             )
         ctx = _current(self)
         key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
-        cached = self._replica_cache
-        loan = cached.lend(len(devices)) if cached is not None and cached.key == key else None
-        if loan is None and (cached is None or not cached.lent()):
-            # Replicas for every device, so calls with smaller batches share them; built
-            # outside inference mode, so their copies have version counters to check.
-            with torch.inference_mode(False):
-                replicas = _replicate(module, self._devices, True, cpu_replicas=self.cpu_replicas)
-            cached = CachedReplicas(key, replicas, module)
-            self._replica_cache = cached
-            loan = cached.lend(len(devices))
-        # Lent to another call (a thread, or an outer call): this call gets its own.
-        if loan is None:
-            return _replicate(module, devices, True, cpu_replicas=self.cpu_replicas)
+        cached, loan = CachedReplicas.lend_or_build(
+            self._replica_cache, key, module, self._devices, len(devices),
+            lambda devs: _replicate(module, devs, True, cpu_replicas=self.cpu_replicas),
+        )
+        self._replica_cache = cached
         return loan
 
     def __getstate__(self) -> dict[str, Any]:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import is_
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from dpmethods.core.replicate import HOOK_DICTS
@@ -108,6 +109,35 @@ class CachedReplicas:
         """End the loan of ``replicas`` if they came from :meth:`lend` (else do nothing)."""
         if isinstance(replicas, _Loan):
             replicas.release()
+
+    @staticmethod
+    def lend_or_build(
+        cached: CachedReplicas | None, key: object, module: nn.Module, devices: list[Any],
+        n: int, build: Callable[[list[Any]], list[nn.Module]],
+    ) -> tuple[CachedReplicas | None, list[nn.Module]]:
+        """The cache to keep and ``n`` replicas for a call: lent from ``cached`` if its key
+        is ``key`` and it is free, else from a new cache built for every device, else (the
+        cache is lent to another call: a thread, or an outer call) built for this call.
+
+        Example:
+            >>> import torch
+            >>> from dpmethods.core.replicate import replicate
+            >>> m = torch.nn.Linear(2, 2)
+            >>> build = lambda devs: replicate(m, devs, detach=True)
+            >>> cache, loan = CachedReplicas.lend_or_build(None, "k", m, ["cpu"] * 2, 2, build)
+            >>> cache.lent(), len(loan)
+            (True, 2)
+        """
+        loan = cached.lend(n) if cached is not None and cached.key == key else None
+        if loan is None and (cached is None or not cached.lent()):
+            # Replicas for every device, so calls with smaller batches share them; built
+            # outside inference mode, so their copies have version counters to check.
+            with torch.inference_mode(False):
+                cached = CachedReplicas(key, build(devices), module)
+            loan = cached.lend(n)
+        if loan is None:
+            return cached, build(devices[:n])
+        return cached, loan
 
     def __iter__(self) -> Any:
         return iter(self.replicas)

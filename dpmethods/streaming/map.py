@@ -32,6 +32,7 @@ from dpmethods.core.parallel_apply import ReplicaError
 from dpmethods.core.scatter import _as_device
 from dpmethods.streaming.threads import END, Run, pin, produced, shutdown
 from dpmethods.types import tree as _tree
+from dpmethods.wrapper_checks import check_source_device
 
 __all__ = ["map_batches"]
 
@@ -317,7 +318,7 @@ def map_batches(
     output_device = _as_device(wrapper.output_device) if devices else None
     replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
     if len(devices) > 1:
-        wrapper._check_source_device()
+        check_source_device(module, devices[0])
         # Built once for the whole map; under no_grad from the replica cache.
         replicas = wrapper.replicate(module, devices)
     run = Run(replicas, [*devices] or [None], method, output_device, prefetch)
