@@ -281,8 +281,8 @@ def test_replicas_take_turns_in_the_callers_thread_where_torch_cannot_compile_in
 ) -> None:
     import threading
 
-    from dpmethods.core import compiled as compiled_module
     from dpmethods import warn_once
+    from dpmethods.core import compiled as compiled_module
 
     monkeypatch.setattr(compiled_module, "_CONCURRENT_COMPILE", False)  # as on torch 2.11
     warn_once.reset()
