@@ -179,90 +179,102 @@ def mark_items(
         >>> [leaves for _, leaves in mark_items(flat, [2, 1], "cat", 0)]
         [[['a', 'b']], [['c']]]
     """
-    n = len(flat)
-    # Per replica: (start, end, spec) of each list replaced, in leaf order.
-    cuts: list[list[tuple[int, int, _tree.Spec, type]]] = [[] for _ in range(n)]
+    top_mode = mode if isinstance(mode, (str, Mapping)) else "cat"
+    if isinstance(top_mode, Mapping) and top_keys(flat[0][0]) is None:
+        top_mode = "cat"  # reported by gather's own check of the mapping
+    marker = _Marker(flat, sizes, dim)
+    new_specs = marker.walk([s for s, _ in flat], [0] * len(flat), "output", top_mode, True)
+    return [marker.replaced(r, spec_new) for r, spec_new in enumerate(new_specs)]
 
-    def walk(specs: list[_tree.Spec], starts: list[int], path: str, m: Any, top: bool) -> list[Any]:
+
+class _Marker:
+    """One walk of the replicas' specs side by side, recording the lists to replace."""
+
+    def __init__(self, flat: list[tuple[_tree.Spec, list[Any]]], sizes: Sequence[int] | None, dim: int) -> None:
+        self.flat, self.sizes, self.dim, self.n = flat, sizes, dim, len(flat)
+        # Per replica: (start, end, spec, kind) of each list replaced, in leaf order.
+        self.cuts: list[list[tuple[int, int, _tree.Spec, type]]] = [[] for _ in flat]
+
+    def walk(self, specs: list[_tree.Spec], starts: list[int], path: str, m: Any, top: bool) -> list[Any]:
         first = specs[0]
         if any(s in _tree._LEAVES for s in specs):
             return specs
         if all(_is_sequence(s) for s in specs):
-            lengths = [len(s.children) for s in specs]
-            if m == Mode.EXTEND and not _mixed(specs, sizes):
-                return cut(specs, starts)
-            if m == Mode.CAT and sizes is not None and lengths == list(sizes):
-                if len(set(sizes)) > 1:
-                    return cut(specs, starts)
-                # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)),
-                # lists of batch tensors for lists of batch outputs; other lists warn.
-                if first.kind == _tree._LIST and not all(
-                    _batched(e, sizes[r], dim) for r, e in enumerate(entries(specs, starts))
-                ):
-                    warn_once(
-                        f"gather: {path} is a list with one entry per batch item on every "
-                        f"replica ({sizes[0]} each), or a list of batch outputs: with equal "
-                        "shares dpmethods cannot tell, so it was joined entry by entry "
-                        "('cat'). If its entries are per item (one dict per image, say), pass "
-                        f"gather='extend' (or gather={{key: 'extend'}} for that output key) "
-                        "to concatenate the replicas' lists in order."
-                    )
+            done = self._sequence(specs, starts, path, m)
+            if done is not None:
+                return done
         if any(s[:3] != first[:3] or len(s.children) != len(first.children) for s in specs[1:]):
             return specs  # differing structures: reported by gather
         if first.kind not in _SEQUENCES and first.kind not in _KEYED:
             top = False  # a rule's node: its parts are not output keys
-        labels = _tree._children_labels(first)
         keys = top_keys(first) if top and isinstance(m, Mapping) else None
         offsets = list(starts)
-        children: list[list[Any]] = [[] for _ in range(n)]
-        for i, label in enumerate(labels):
+        children: list[list[Any]] = [[] for _ in range(self.n)]
+        for i, label in enumerate(_tree._children_labels(first)):
             column = [s.children[i] for s in specs]
-            child_mode = m
-            if keys is not None and isinstance(m, Mapping):
-                child_mode = m.get(keys[i], "cat")
+            child_mode = m.get(keys[i], "cat") if keys is not None and isinstance(m, Mapping) else m
             if child_mode == Mode.LIST:
-                new = whole(column, offsets)
+                new = self._whole(column, offsets)
             else:
-                new = walk(column, offsets, path + label, child_mode, False)
-            for r in range(n):
+                new = self.walk(column, offsets, path + label, child_mode, False)
+            for r in range(self.n):
                 children[r].append(new[r])
                 offsets[r] += _count(column[r])
         return [s._replace(children=tuple(c)) for s, c in zip(specs, children)]
 
-    def entries(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+    def _sequence(self, specs: list[_tree.Spec], starts: list[int], path: str, m: Any) -> list[Any] | None:
+        """A list or tuple on every replica: cut as per-item, or None to walk into it."""
+        sizes = self.sizes
+        if m == Mode.EXTEND and not _mixed(specs, sizes):
+            return self._cut(specs, starts)
+        if m != Mode.CAT or sizes is None or [len(s.children) for s in specs] != list(sizes):
+            return None
+        if len(set(sizes)) > 1:
+            return self._cut(specs, starts)
+        # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)), lists of
+        # batch tensors for lists of batch outputs; other lists warn.
+        if specs[0].kind == _tree._LIST and not all(
+            _batched(e, sizes[r], self.dim) for r, e in enumerate(self._entries(specs, starts))
+        ):
+            warn_once(
+                f"gather: {path} is a list with one entry per batch item on every "
+                f"replica ({sizes[0]} each), or a list of batch outputs: with equal "
+                "shares dpmethods cannot tell, so it was joined entry by entry "
+                "('cat'). If its entries are per item (one dict per image, say), pass "
+                f"gather='extend' (or gather={{key: 'extend'}} for that output key) "
+                "to concatenate the replicas' lists in order."
+            )
+        return None
+
+    def _entries(self, specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
         return [
-            _tree.unflatten(s, flat[r][1][starts[r] : starts[r] + _count(s)])
+            _tree.unflatten(s, self.flat[r][1][starts[r] : starts[r] + _count(s)])
             for r, s in enumerate(specs)
         ]
 
-    def cut(specs: list[_tree.Spec], starts: list[int], kind: type = Items) -> list[Any]:
+    def _cut(self, specs: list[_tree.Spec], starts: list[int], kind: type = Items) -> list[Any]:
         for r, s in enumerate(specs):
-            cuts[r].append((starts[r], starts[r] + _count(s), s, kind))
-        return [_tree.OTHER] * n
+            self.cuts[r].append((starts[r], starts[r] + _count(s), s, kind))
+        return [_tree.OTHER] * self.n
 
-    def whole(specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
+    def _whole(self, specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
         if all(s in _tree._LEAVES for s in specs):
             return specs  # one leaf per replica: "list" joins it as it is
-        return cut(specs, starts, Whole)
+        return self._cut(specs, starts, Whole)
 
-    top_mode = mode if isinstance(mode, (str, Mapping)) else "cat"
-    if isinstance(top_mode, Mapping) and top_keys(flat[0][0]) is None:
-        top_mode = "cat"  # reported by gather's own check of the mapping
-    new_specs = walk([s for s, _ in flat], [0] * n, "output", top_mode, True)
-    result = []
-    for r, ((spec, leaves), spec_new) in enumerate(zip(flat, new_specs)):
-        if not cuts[r]:
-            result.append((spec, leaves))
-            continue
+    def replaced(self, r: int, spec_new: _tree.Spec) -> tuple[_tree.Spec, list[Any]]:
+        """Replica ``r``'s new spec and leaves, each cut list one leaf."""
+        spec, leaves = self.flat[r]
+        if not self.cuts[r]:
+            return spec, leaves
         out: list[Any] = []
         pos = 0
-        for start, end, sub, kind in cuts[r]:
+        for start, end, sub, kind in self.cuts[r]:
             out.extend(leaves[pos:start])
             out.append(kind(_tree.unflatten(sub, leaves[start:end])))
             pos = end
         out.extend(leaves[pos:])
-        result.append((spec_new, out))
-    return result
+        return spec_new, out
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
