@@ -204,7 +204,7 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
     """The options of ``cls.name`` if it is a parallel method, else ``None``.
 
     Decorations and :func:`register` come first; then the built-in methods of imported
-    libraries (see :mod:`dpmethods.integrations.known_methods`).
+    libraries (see :mod:`dpmethods.integrations`).
 
     Args:
         cls: the class to look the method up on (its MRO is searched).

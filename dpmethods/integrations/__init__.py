@@ -21,9 +21,9 @@ __all__ = ["INTEGRATIONS", "load_imported", "registrations"]
 
 # library import name -> the integration modules that know it.
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
-    "transformers": ("dpmethods.integrations.transformers",),
+    "transformers": (f"{__name__}.transformers",),
     "sentence_transformers": (f"{__name__}.sentence_transformers",),
-    "peft": ("dpmethods.integrations.peft",),
+    "peft": (f"{__name__}.peft",),
     "diffusers": (f"{__name__}.diffusers",),
     "timm": (f"{__name__}.timm",),
     "open_clip": (f"{__name__}.open_clip",),
