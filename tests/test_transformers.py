@@ -301,6 +301,24 @@ def test_a_loss_dpmethods_cannot_identify_keeps_per_replica_losses_with_a_warnin
     _close(got.prediction_logits, want.prediction_logits)
 
 
+def test_a_router_auxiliary_loss_keeps_per_replica_losses_with_a_warning() -> None:
+    # Mixtral adds a load-balancing loss computed on each replica's tokens to its loss.
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1,
+    )
+    ids, labels = _tokens(7)
+    kwargs = dict(input_ids=ids, labels=labels, output_router_logits=True)
+    got, want, warned = _loss_call(transformers.MixtralForCausalLM(config), kwargs, 3)
+    assert got.loss.shape == (3,)
+    assert any("or it adds a router's auxiliary loss" in w for w in warned), warned
+    _close(got.logits, want.logits)
+    got, want, warned = _loss_call(transformers.MixtralForCausalLM(config), dict(input_ids=ids, labels=labels), 3)
+    assert warned == []  # without the router's loss: shares of the full-batch loss
+    _close(got.loss, want.loss)
+
+
 def test_forward_without_labels_and_with_gather_given_is_unchanged() -> None:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(

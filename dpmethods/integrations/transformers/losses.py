@@ -14,7 +14,8 @@ losses are joined depends on how the model computes its loss (:func:`loss_plan`)
   over ``labels``, as ``BertForMaskedLM`` and ``T5ForConditionalGeneration`` do, or over
   ``labels[..., 1:]``): the replicas' means are weighted by each replica's counted
   labels, ``sum_r count_r / total * mean_r``, a replica with none contributing 0;
-- anything else keeps one loss per replica, with a one-time warning.
+- anything else, a router's auxiliary loss added (``output_router_logits``) too, keeps
+  one loss per replica, with a one-time warning.
 
 The gather mode :data:`FORWARD_MODE` joins the rest of the output with ``"cat"`` and
 the per-image outputs of vision towers in image order.
@@ -177,6 +178,16 @@ def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
     return None
 
 
+def _adds_router_loss(model: Any, given: dict[str, Any]) -> bool:
+    """Whether the loss adds a router's auxiliary loss, computed on each replica's tokens."""
+    if "router_aux_loss_coef" not in _source(type(model)):
+        return False
+    wanted = given.get("output_router_logits")
+    if wanted is None:
+        wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
+    return bool(wanted)
+
+
 def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LossPlan | None:
     """How the losses of one ``model.forward(*args, **kwargs)`` call join, or None.
 
@@ -195,6 +206,8 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
     labels = given.get("labels")
     if not isinstance(labels, Tensor):
         return None
+    if _adds_router_loss(model, given):
+        return None  # a mixture of experts' load-balancing term: neither a sum nor a mean
     if given.get("num_items_in_batch") is not None:
         return LossPlan("sum")  # the caller's count (the Trainer's): shares of the full loss
     if _passes_kwargs_to_loss(type(model)):
@@ -248,7 +261,8 @@ def _warn_unknown(call: Call) -> None:
     warn_once(
         f"DataParallel: {type(call.module).__name__}.forward computes its loss in a way "
         "dpmethods can't join as the full-batch loss (neither transformers' loss_function "
-        "with num_items_in_batch nor one token-averaged CrossEntropyLoss over labels): it "
+        "with num_items_in_batch nor one token-averaged CrossEntropyLoss over labels, or it "
+        "adds a router's auxiliary loss): it "
         "comes back as one value per replica. methods={'forward': {'gather': {'loss': "
         "'mean'}}} weights them by rows, which is the full-batch loss only when every row "
         "counts as many tokens (no padding, no -100 labels); for the exact value compute "
