@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dpmethods.registry import MethodOptions
+from dpmethods.options import MethodOptions
 
 __all__: list[str] = []
 

@@ -164,11 +164,7 @@ def gather_generate(
         raise ValueError("gather_generate: outputs: expected at least one replica output, got none")
     device = _device(target_device)
     if all(isinstance(o, Tensor) for o in outputs):
-        width = max(o.shape[-1] for o in outputs)
-        if trimmed_pad_id is not None and fill_token_id is not None:
-            outputs = _pad_trimmed(outputs, width, fill_token_id, trimmed_pad_id, max_new_tokens)
-        padded = [_pad_width(o, width, fill_token_id, "sequences") for o in outputs]
-        return torch.cat([p.to(device) for p in padded], dim=0)
+        return _join_ids(outputs, device, fill_token_id, trimmed_pad_id, max_new_tokens)
     per = [_fields(o) for o in outputs]
     if any(f is None or "sequences" not in f for f in per):
         raise TypeError(
@@ -192,6 +188,18 @@ def gather_generate(
     rest = [{k: v for k, v in f.items() if k not in joined} for f in fields]
     joined.update(_cat(rest, device))
     return _rebuild(outputs[0], {k: joined.get(k) for k in fields[0]})
+
+
+def _join_ids(
+    outputs: list[Tensor], device: torch.device, fill: int | None, trimmed_pad: int | None,
+    steps: int | None,
+) -> Tensor:
+    """The replicas' token ids, each padded to the longest as one device pads it."""
+    width = max(o.shape[-1] for o in outputs)
+    if trimmed_pad is not None and fill is not None:
+        outputs = _pad_trimmed(outputs, width, fill, trimmed_pad, steps)
+    padded = [_pad_width(o, width, fill, "sequences") for o in outputs]
+    return torch.cat([p.to(device) for p in padded], dim=0)
 
 
 def _beam_indices(

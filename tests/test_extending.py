@@ -1,0 +1,92 @@
+"""A made-up library integrated through the public extension API alone, as a user would.
+
+Its model has a method of its own that returns a type of its own and needs a gather mode
+of its own, and a call convention the split can't express (a scale given once for the
+whole batch, as the replicas must see it per row). Compared with one device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dpmethods
+from dpmethods import DataParallel, MethodOptions
+from dpmethods.extending import (
+    Call,
+    CallHooks,
+    known_modes,
+    register_gather_mode,
+    register_method_finder,
+    register_type,
+)
+
+
+class Scores:
+    """The library's result type: scores with a tag."""
+
+    def __init__(self, values: torch.Tensor, tag: str) -> None:
+        self.values, self.tag = values, tag
+
+
+class Ranker(nn.Module):
+    """The library's model: not decorated, not registered, knows nothing of dpmethods."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+
+    def rank(self, x: torch.Tensor, offset: int = 0) -> Scores:
+        # offset: the index of x's first row in the whole batch (the library numbers rows).
+        rows = torch.arange(offset, offset + len(x), dtype=x.dtype)
+        return Scores(self.lin(x).squeeze(1) + rows, "ranked")
+
+
+def _best(outputs: list[Any], device: Any, call: Call | None) -> Any:
+    """The library's gather: the joined scores, and the index of the best row overall."""
+    joined = dpmethods.parallel.gather(outputs, device, sizes=list(call.sizes) if call else None)
+    return joined, int(joined.values.argmax())
+
+
+def _offsets(args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
+    return args, {**kwargs, "offset": kwargs.get("offset", 0) + start}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _the_library_integrated() -> None:
+    register_type(Scores, lambda s: ([s.values], s.tag), lambda c, tag: Scores(c[0], tag))
+    register_gather_mode("ranker_best", _best)
+    options = MethodOptions(gather="ranker_best", hooks=CallHooks(per_replica=_offsets))
+    register_method_finder(lambda cls: {"rank": options} if issubclass(cls, Ranker) else {})
+
+
+@pytest.mark.parametrize("batch,devices", [(7, 3), (8, 4), (2, 2)])
+def test_a_made_up_library_through_the_public_api(batch: int, devices: int) -> None:
+    torch.manual_seed(0)
+    model = Ranker()
+    x = torch.randn(batch, 4)
+    assert "rank" in dpmethods.parallel_methods(Ranker) and "ranker_best" in known_modes()
+    (got, best) = DataParallel(model, device_ids=["cpu"] * devices).rank(x)
+    ref = model.rank(x)
+    assert isinstance(got, Scores) and got.tag == "ranked"
+    torch.testing.assert_close(got.values, ref.values)
+    assert best == int(ref.values.argmax())
+    # The user's options still win over the library's.
+    dp = DataParallel(model, device_ids=["cpu"] * devices, methods={"rank": {"gather": "cat"}})
+    torch.testing.assert_close(dp.rank(x).values, ref.values)
+
+
+def test_extension_api_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"register_gather_mode: name: expected a name other than the built-in modes"):
+        register_gather_mode("cat", _best)
+    with pytest.raises(TypeError, match=r"register_method_finder: find: expected a callable find\(cls\), got int 3"):
+        register_method_finder(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"CallHooks: prepare: expected a callable or None, got int 1"):
+        CallHooks(prepare=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"hooks: expected a dpmethods.extending.CallHooks or None, got dict"):
+        MethodOptions(hooks={})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"gather: expected one of \['cat', .*\], got 'nope'"):
+        MethodOptions(gather="nope")
