@@ -245,7 +245,13 @@ def _streams(devices: Sequence[torch.device]) -> list[Any]:
     return streams
 
 
-def _record(obj: Any, stream: Any) -> None:
+def record_streams(obj: Any, stream: Any) -> None:
+    """Mark every CUDA tensor in ``obj`` as used on ``stream``: memory made on one
+    stream and read on another must not be reused before that stream is done with it.
+
+    Example:
+        >>> record_streams([1, None], None)  # no CUDA tensor: nothing to do
+    """
     for leaf in _tree.flatten(obj)[1]:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             leaf.record_stream(stream)
@@ -269,19 +275,30 @@ def _entered(i: int, replicas: Sequence[nn.Module]) -> contextlib.AbstractContex
     return stack
 
 
-def _annotate(exc: BaseException, index: int, device: torch.device) -> BaseException:
-    note = f"dpmethods: raised in replica {index} on device {device}"
+def add_note(exc: BaseException, note: str, replace: str | None = None) -> BaseException:
+    """``exc`` with ``note`` added (on Python 3.10, a ``ReplicaError`` raised from it).
+
+    Notes starting with ``replace`` are dropped first: an exception object raised again
+    in a later call (a cached exception) must not collect one note per call.
+
+    Example:
+        >>> add_note(ValueError("x"), "dpmethods: in replica 1").__notes__
+        ['dpmethods: in replica 1']
+    """
     if hasattr(exc, "add_note"):
-        # One note per exception object: one raised again in a later call (a cached
-        # exception) must not collect a note per call.
         notes = getattr(exc, "__notes__", None)
-        if notes is not None:
-            notes[:] = [n for n in notes if not n.startswith("dpmethods: raised in replica ")]
+        if notes is not None and replace is not None:
+            notes[:] = [n for n in notes if not n.startswith(replace)]
         exc.add_note(note)
         return exc
-    wrapped = ReplicaError(note)  # pragma: no cover - Python 3.10
+    wrapped = ReplicaError(note)  # pragma: no cover - Python 3.10 has no notes
     wrapped.__cause__ = exc
     return wrapped
+
+
+def _annotate(exc: BaseException, index: int, device: torch.device) -> BaseException:
+    prefix = "dpmethods: raised in replica "
+    return add_note(exc, f"{prefix}{index} on device {device}", replace=prefix)
 
 
 def parallel_apply(
@@ -319,7 +336,7 @@ def parallel_apply(
     for i, (s, c) in enumerate(zip(streams, callers)):
         if s is not None and c is not None and s != c:
             s.wait_stream(c)
-            _record((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
+            record_streams((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
     state = _ThreadState.capture()
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.parallel_apply import ReplicaError
+from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.scatter import _as_device
 from dpmethods.streaming.threads import END, Run, pin, produced, shutdown
 from dpmethods.types import tree as _tree
@@ -74,13 +74,7 @@ def _items(args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int:
 
 def _annotate(exc: BaseException, index: int | None, replica: int, device: Any) -> BaseException:
     where = "while starting" if index is None else f"in batch {index}"
-    note = f"dpmethods: DataParallel.map: raised {where} on replica {replica} (device {device})"
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-        return exc
-    wrapped = ReplicaError(note)  # pragma: no cover - Python 3.10 has no notes
-    wrapped.__cause__ = exc
-    return wrapped
+    return add_note(exc, f"dpmethods: DataParallel.map: raised {where} on replica {replica} (device {device})")
 
 
 def _stop_iteration_error(exc: StopIteration, index: int | None) -> RuntimeError:

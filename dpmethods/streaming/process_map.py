@@ -22,14 +22,13 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.core.scatter import _as_device
 from dpmethods.streaming.map import _as_call, _check_options, _items, _progress_factory, _shard
 from dpmethods.streaming.process_io import dumps
 from dpmethods.streaming.process_pool import (
     ProcessPool,
     WorkerDiedError,
-    annotate,
     pool_for,
     received,
     remote_error,
@@ -129,7 +128,7 @@ class _ProcessMap(Iterator[Any]):
                 slot, msg = wait_any(list(self._running))
             except WorkerDiedError as exc:
                 index = self._running[exc.slot][1]  # type: ignore[attr-defined]
-                raise annotate(exc, f"dpmethods: while running batch {index} of DataParallel.map; "
+                raise add_note(exc, f"dpmethods: while running batch {index} of DataParallel.map; "
                                "the next map starts a fresh worker") from None
             seq, index = self._running.pop(slot)
             self._finished += 1

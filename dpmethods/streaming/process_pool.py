@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.parallel_apply import ReplicaError, _ThreadState
+from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
 from dpmethods.streaming.process_io import dumps, loads, model_payloads
@@ -178,16 +178,6 @@ def wait_any(slots: list[_Slot]) -> tuple[_Slot, tuple[Any, ...]]:
                 return slot, slot.read()
 
 
-def annotate(exc: BaseException, note: str) -> BaseException:
-    """``exc`` with ``note`` (Python 3.10: a ``ReplicaError`` raised from it)."""
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
-        return exc
-    wrapped = ReplicaError(note)  # pragma: no cover - Python 3.10 has no notes
-    wrapped.__cause__ = exc
-    return wrapped
-
-
 def remote_error(msg: tuple[Any, ...], where: str, slot: _Slot) -> BaseException:
     """The exception of a ``("failed", seq, error, traceback)`` reply, with a note."""
     _, _, error, text = msg
@@ -195,7 +185,7 @@ def remote_error(msg: tuple[Any, ...], where: str, slot: _Slot) -> BaseException
         exc = loads(error)
     except Exception as e:  # pragma: no cover - _failure checks it loads
         exc = RuntimeError(f"(the worker's exception could not be rebuilt: {e!r})")
-    return annotate(exc, f"dpmethods: {where} on {slot.describe()}; the worker's traceback:\n{text}")
+    return add_note(exc, f"dpmethods: {where} on {slot.describe()}; the worker's traceback:\n{text}")
 
 
 def received(obj: Any, device: torch.device | None) -> Any:
@@ -361,7 +351,7 @@ def call_chunks(
             try:
                 slot, msg = wait_any(waiting)
             except WorkerDiedError as exc:
-                raise annotate(exc, f"dpmethods: while running DataParallel.{name}'s chunk "
+                raise add_note(exc, f"dpmethods: while running DataParallel.{name}'s chunk "
                                f"{exc.slot.index}; the next call starts a fresh worker") from None  # type: ignore[attr-defined]
             waiting.remove(slot)
             if msg[0] == "failed":

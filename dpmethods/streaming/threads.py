@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dpmethods.core.compiled import one_at_a_time
-from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.parallel_apply import _ThreadState, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.types import tree as _tree
 
@@ -48,13 +48,6 @@ def pin(obj: Any) -> Any:
         for t in leaves
     ]
     return _tree.unflatten(spec, pinned)
-
-
-def _record(obj: Any, stream: Any) -> None:
-    # Memory made on one stream and read on another must not be reused too early.
-    for t in _tree.flatten(obj)[1]:
-        if isinstance(t, Tensor) and t.is_cuda:
-            t.record_stream(stream)
 
 
 class Run:
@@ -108,12 +101,12 @@ def _stage(item: Any, device: torch.device | None, streams: Any) -> Any:
     copy, compute = streams
     for event in produced:
         copy.wait_event(event)
-    _record((args, kwargs), copy)  # the caller may free them while the copy is pending
+    record_streams((args, kwargs), copy)  # the caller may free them while the copy is pending
     with torch.cuda.device(device), torch.cuda.stream(copy):  # type: ignore[arg-type]
         args, kwargs = move((args, kwargs), device, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record(copy)
-    _record((args, kwargs), compute)
+    record_streams((args, kwargs), compute)
     return seq, index, args, kwargs, ready
 
 
@@ -128,7 +121,7 @@ def _run_cuda(run: Run, fn: Any, device: torch.device, stream: Any, batch: Any) 
         if out_dev is not None and out_dev.type == "cuda" and out_dev != device:
             torch.cuda.current_stream(out_dev).synchronize()
     if out_dev in run.caller_streams:
-        _record(out, run.caller_streams[out_dev])
+        record_streams(out, run.caller_streams[out_dev])
     return out
 
 
