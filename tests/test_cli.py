@@ -121,7 +121,7 @@ def test_info_prints_no_none(runs: dict[str, subprocess.CompletedProcess[str]]) 
 
 def test_help_works_and_the_op_is_registered() -> None:
     # `python -m dpmethods --help` imports the package first, which now imports torch and
-    # loads the extension (issue 18, item 15): --help still answers, and the op exists.
+    # loads the extension: --help still answers, and the op exists.
     code = (
         "import runpy, sys\n"
         "sys.argv = ['dpmethods', '--help']\n"

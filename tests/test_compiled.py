@@ -299,7 +299,7 @@ def test_replicas_take_turns_in_the_callers_thread_where_torch_cannot_compile_in
     assert threads == [threading.get_ident()] * 3  # every replica ran in this thread
 
 
-# --- torch.compile over the public gather (issue 18, item 19) ------------------------
+# --- torch.compile over the public gather ------------------------
 
 needs_dynamo = pytest.mark.skipif(
     not torch._dynamo.is_dynamo_supported(), reason="torch.compile is not supported here"

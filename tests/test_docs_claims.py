@@ -1,5 +1,5 @@
 """What the docs promise about detection models holds, and they say where it stops
-(issue 18, item 16): a detector pads each image to the largest of its batch, so a
+a detector pads each image to the largest of its batch, so a
 replica's results equal the full batch's only for images that pad to the same size."""
 
 from __future__ import annotations

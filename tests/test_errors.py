@@ -1,4 +1,4 @@
-"""Errors that echo the value given and say what was expected (issue 18, item 14)."""
+"""Errors that echo the value given and say what was expected."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def test_fault_under_grad_then_backward_is_right(kind: type[BaseException]) -> N
         torch.testing.assert_close(p.grad, q.grad, msg=name)
 
 
-# --- cached replicas agree with fresh ones (issue 12 defects 5 and 6) --------------------
+# --- cached replicas agree with fresh ones --------------------
 
 
 class Mutating(nn.Module):

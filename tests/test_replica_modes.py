@@ -1,4 +1,4 @@
-"""CPU replica modes: ``cpu_replicas="shared"`` and ``"distinct"`` (issue 12, Deliver 2).
+"""CPU replica modes: ``cpu_replicas="shared"`` and ``"distinct"``.
 
 In distinct mode every CPU replica gets its own parameter and buffer copies, as on
 distinct GPUs: the results and gradients must still equal the module's own, each
@@ -122,7 +122,7 @@ def test_rnn_replicas_use_their_own_flat_weights(rnn: type[nn.RNNBase], mode: st
 
 
 @pytest.mark.parametrize("rnn", [nn.RNN, nn.GRU, nn.LSTM])
-def test_isolation_helper_catches_the_rnn_defect(
+def test_isolation_helper_catches_rnn_weights_shared_across_replicas(
     rnn: type[nn.RNNBase], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The helper sees replicas holding the module's RNN weights (the code before the fix)."""

@@ -1,4 +1,4 @@
-"""dpmethods.DataParallel as a drop-in at torch's seams (issue 12, defect 16).
+"""dpmethods.DataParallel as a drop-in at torch's seams.
 
 A subclass that overrides scatter/replicate/parallel_apply/gather with
 torch.nn.DataParallel's signatures, and calls super(), must keep working for

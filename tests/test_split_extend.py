@@ -397,7 +397,7 @@ def test_differing_object_outputs_are_a_list_with_a_warning_naming_register_type
     assert [t.n for t in got["t"]] == [1, 2]
 
 
-# --- mappings and shapes (issue 12, defects 7 and 15) ------------------------------
+# --- mappings and shapes ------------------------------
 
 
 def test_counter_mappingproxy_inputs_and_defaultdict_outputs() -> None:

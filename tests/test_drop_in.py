@@ -1,4 +1,5 @@
-"""Regression tests for the defects of issue 12 (each failed before its fix).
+"""DataParallel as a drop-in for torch's: state dicts, in-place updates of inputs,
+iterator arguments, meta tensors, 0-dim outputs, subclasses, memory and errors.
 
 CPU devices, compared with the bare model on random data.
 """
@@ -47,7 +48,7 @@ def _randomized(m: nn.Module) -> nn.Module:
     return m
 
 
-# --- 2 and 13: state dicts ---------------------------------------------------------
+# --- state dicts ---------------------------------------------------------
 
 
 @pytest.mark.parametrize("saved_wrapped", [False, True])
@@ -130,7 +131,7 @@ def test_bytes_and_file_objects_load_and_other_types_are_a_clear_error() -> None
         dpmethods.load_state_dict(Net(), buf2.getvalue())
 
 
-# --- 3: in-place update of an input under grad ---------------------------------------
+# --- in-place update of an input under grad ---------------------------------------
 
 
 class InPlace(nn.Module):
@@ -160,7 +161,7 @@ def test_in_place_update_of_an_input_under_grad_matches_the_bare_model() -> None
         assert w is not None and torch.allclose(g, w, atol=1e-5)
 
 
-# --- 4: iterator and generator arguments ----------------------------------------------
+# --- iterator and generator arguments ----------------------------------------------
 
 
 class Weighted(nn.Module):
@@ -206,7 +207,7 @@ def test_an_endless_iterator_is_read_lazily() -> None:
     assert torch.equal(dp.f(x, itertools.count(2)), Take().f(x, itertools.count(2)))
 
 
-# --- 10: meta tensors ---------------------------------------------------------------
+# --- meta tensors ---------------------------------------------------------------
 
 
 def test_meta_outputs_gathered_to_a_real_device_raise_like_torch() -> None:
@@ -228,7 +229,7 @@ def test_meta_outputs_gathered_to_a_real_device_raise_like_torch() -> None:
         DataParallel(Meta(), CPU3).f(torch.ones(4, 2))
 
 
-# --- 11: 0-dim outputs ----------------------------------------------------------------
+# --- 0-dim outputs ----------------------------------------------------------------
 
 
 class Scalar(nn.Module):
@@ -262,7 +263,7 @@ def test_an_input_with_no_batch_dim_keeps_0_dim_outputs_0_dim() -> None:
     assert torch.equal(dp(torch.tensor(3.0)), m(torch.tensor(3.0)))
 
 
-# --- 12: subclasses that forward *args/**kwargs -------------------------------------
+# --- subclasses that forward *args/**kwargs -------------------------------------
 
 
 def test_a_subclass_with_star_args_init_works() -> None:
@@ -282,7 +283,7 @@ def test_a_subclass_with_star_args_init_works() -> None:
         Sub(3, CPU3)
 
 
-# --- 14: memory -----------------------------------------------------------------------
+# --- memory -----------------------------------------------------------------------
 
 
 def test_wrapped_module_classes_are_not_kept_alive_by_the_class_cache() -> None:
@@ -332,7 +333,7 @@ def test_keeping_a_few_outputs_of_every_call_keeps_about_their_bytes(leaf_bytes:
     assert grown < 3 * kept_bytes + (16 << 20), (grown / 2**20, kept_bytes / 2**20)
 
 
-# --- 15: clear errors and torch's behaviour -------------------------------------------
+# --- clear errors and torch's behaviour -------------------------------------------
 
 
 def test_option_type_errors_name_the_argument_and_value() -> None:
