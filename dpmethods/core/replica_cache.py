@@ -12,7 +12,6 @@ A call that finds them lent (to another thread, or to an outer call) builds its 
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from operator import is_
 from typing import Any
@@ -42,9 +41,23 @@ def _unchanged(d: dict[str, Any], snapshot: dict[str, Any]) -> bool:
 
 
 class _Loan(list):  # type: ignore[type-arg]
-    """The replicas lent to one call; returning them (or dropping the list) ends the loan."""
+    """The replicas lent to one call; returning them (or dropping the list) ends the loan.
 
-    release: Any
+    Ended by ``__del__`` rather than a ``weakref.finalize``: a finalizer per call churns
+    the global registry of finalizers, which every call would then pay for.
+    """
+
+    def __init__(self, replicas: list[nn.Module], lock: threading.Lock) -> None:
+        super().__init__(replicas)
+        self._lock: threading.Lock | None = lock
+
+    def release(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    def __del__(self) -> None:
+        self.release()
 
 
 class CachedReplicas:
@@ -161,6 +174,5 @@ class CachedReplicas:
         if any(self._empty):  # in C: a call left a hook behind
             for d in self._empty:
                 d.clear()
-        loan = _Loan(self.replicas[:n])
-        loan.release = weakref.finalize(loan, self._lock.release)
+        loan = _Loan(self.replicas[:n], self._lock)
         return loan
