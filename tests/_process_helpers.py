@@ -55,6 +55,12 @@ class Net(nn.Module):
         return torch.full((x.shape[0],), os.getpid())
 
     @dpmethods.parallel_method
+    def exhausting(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x[0, 0]) < 0:
+            next(iter(()))  # raises StopIteration, as a method's own next() may
+        return self.lin(x)
+
+    @dpmethods.parallel_method
     def sleepy(self, x: torch.Tensor, seconds: float = 0.0) -> torch.Tensor:
         time.sleep(seconds)
         return self.lin(x)

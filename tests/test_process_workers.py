@@ -146,6 +146,15 @@ def test_a_failing_batch_then_the_pool_still_works(dp: Any, net: Net) -> None:
     assert _pids(dp) == before  # the same workers
 
 
+@pytest.mark.parametrize("ordered", [True, False])
+def test_stop_iteration_in_a_method_is_an_error_not_the_end_of_the_map(dp: Any, ordered: bool) -> None:
+    batches = [b.abs() for b in _batches(6)]
+    batches[2] = -batches[2]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="raised StopIteration in batch 2") as info:
+        list(dp.map("exhausting", batches, ordered=ordered))
+    assert isinstance(info.value.__cause__, StopIteration)
+
+
 def test_a_killed_worker_is_named_then_replaced(dp: Any, net: Net) -> None:
     with torch.no_grad():
         list(dp.map("encode", _batches(2)))

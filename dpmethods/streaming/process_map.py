@@ -24,7 +24,14 @@ from torch import nn
 
 from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.core.scatter import _as_device
-from dpmethods.streaming.map import _as_call, _check_options, _items, _progress_factory, _shard
+from dpmethods.streaming.map import (
+    _as_call,
+    _check_options,
+    _items,
+    _progress_factory,
+    _shard,
+    _stop_iteration_error,
+)
 from dpmethods.streaming.process_io import dumps
 from dpmethods.streaming.process_pool import (
     ProcessPool,
@@ -133,7 +140,10 @@ class _ProcessMap(Iterator[Any]):
             seq, index = self._running.pop(slot)
             self._finished += 1
             if msg[0] == "failed":
-                raise remote_error(msg, f"DataParallel.map: raised in batch {index}", slot)
+                exc = remote_error(msg, f"DataParallel.map: raised in batch {index}", slot)
+                if isinstance(exc, StopIteration):  # else taken for the end of the map
+                    exc = _stop_iteration_error(exc, index)
+                raise exc
             out = received(msg[2], self._output_device)
             msg = None  # type: ignore[assignment]
             self._tick(seq)
