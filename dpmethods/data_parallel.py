@@ -19,14 +19,14 @@ from dpmethods._wrapping import _MethodWrapper, check_module
 from dpmethods.call_hooks import Call
 from dpmethods.checkpoints import _load_fitted
 from dpmethods.core.call import _Call, _current, _entered
-from dpmethods.core.devices import DeviceId, _resolve_devices, _resolve_output
+from dpmethods.core.devices import DeviceLike, _resolve_devices, _resolve_output, as_device
 from dpmethods.core.gather import gather as _gather
 from dpmethods.core.parallel_apply import WorkerPool
 from dpmethods.core.parallel_apply import parallel_apply as _parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.core.replicate import replicate as _replicate
-from dpmethods.core.scatter import _as_device, scatter_call
+from dpmethods.core.scatter import scatter_call
 from dpmethods.gather_modes import named_mode
 from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
@@ -101,8 +101,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def __init__(
         self,
         module: _T,
-        device_ids: Sequence[DeviceId] | None = None,
-        output_device: DeviceId | None = None,
+        device_ids: Sequence[DeviceLike] | None = None,
+        output_device: DeviceLike | None = None,
         dim: int = 0,
         methods: MethodsArg = None,
         *,
@@ -281,7 +281,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self,
         inputs: tuple[Any, ...],
         kwargs: dict[str, Any] | None,
-        device_ids: Sequence[DeviceId],
+        device_ids: Sequence[DeviceLike],
     ) -> Any:
         """Split a call's arguments per device; see :func:`dpmethods.core.scatter.scatter_call`.
 
@@ -307,9 +307,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def _caching(self) -> bool:
         return self.cache_replicas and not torch.is_grad_enabled()
 
-    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceId]) -> list[nn.Module]:  # type: ignore[override]
+    def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:  # type: ignore[override]
         """Replicas of ``module`` on ``device_ids``; cached under no_grad if ``cache_replicas``."""
-        devices = [_as_device(d) for d in device_ids]
+        devices = [as_device(d) for d in device_ids]
         prefix = devices == self._devices[: len(devices)]
         if not (self._caching() and module is self.module and prefix):
             return _replicate(
@@ -368,7 +368,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         finally:
             CachedReplicas.give_back(replicas)
 
-    def gather(self, outputs: Any, output_device: DeviceId) -> Any:  # type: ignore[override]
+    def gather(self, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.gather`."""
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
@@ -379,7 +379,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             call = None
             if ctx is not None:
                 call = Call(self.module, ctx.name, ctx.args, ctx.kwargs, list(ctx.sizes), opts)
-            return named(list(outputs), _as_device(output_device), call)
+            return named(list(outputs), as_device(output_device), call)
         return _gather(
             outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
             weights=weights, gather_dim=opts.gather_dim,

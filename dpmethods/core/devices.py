@@ -12,16 +12,27 @@ from collections.abc import Sequence
 
 import torch
 
-from dpmethods.core.scatter import _as_device
+__all__ = ["DeviceLike", "as_device"]
 
-__all__: list[str] = []
+# A device as the user gives it: an index (CUDA; negative for the CPU), a string or a device.
+DeviceLike = int | str | torch.device
 
-DeviceId = int | str | torch.device
+
+def as_device(device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device``: an int is a CUDA index (negative: the CPU).
+
+    Example:
+        >>> as_device(1), as_device("cpu")
+        (device(type='cuda', index=1), device(type='cpu'))
+    """
+    if isinstance(device, int):
+        return torch.device("cpu") if device < 0 else torch.device("cuda", device)
+    return torch.device(device)
 
 _warned_no_gpu = False
 
 
-def _check_device(dev: torch.device, where: str, given: DeviceId) -> torch.device:
+def _check_device(dev: torch.device, where: str, given: DeviceLike) -> torch.device:
     """``dev`` (parsed from ``given``) checked; errors echo ``given`` as the user wrote it."""
     if dev.type == "cpu":
         return torch.device("cpu")  # "cpu:0" is the one CPU device; tensors say "cpu"
@@ -39,7 +50,7 @@ def _check_device(dev: torch.device, where: str, given: DeviceId) -> torch.devic
     return dev
 
 
-def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device]:
+def _resolve_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
     if device_ids is None:
         if not torch.cuda.is_available():
             return []  # as torch: without GPUs the wrapper is a plain call
@@ -55,7 +66,7 @@ def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device
                 f"device_ids[{i}]: expected an int, str or torch.device, got {type(d).__name__} {d!r}"
             )
         try:
-            parsed.append(_as_device(d))
+            parsed.append(as_device(d))
         except RuntimeError as exc:
             raise ValueError(f"device_ids[{i}]: expected a device, got {d!r} ({exc})") from None
     if parsed and not torch.cuda.is_available() and all(d.type == "cuda" for d in parsed):
@@ -84,7 +95,7 @@ def _resolve_devices(device_ids: Sequence[DeviceId] | None) -> list[torch.device
     return devices
 
 
-def _resolve_output(output_device: DeviceId | None, devices: list[torch.device]) -> torch.device:
+def _resolve_output(output_device: DeviceLike | None, devices: list[torch.device]) -> torch.device:
     if output_device is None:
         return devices[0]
     if isinstance(output_device, bool) or not isinstance(output_device, (int, str, torch.device)):
@@ -93,7 +104,7 @@ def _resolve_output(output_device: DeviceId | None, devices: list[torch.device])
             f"{type(output_device).__name__} {output_device!r}"
         )
     try:
-        dev = _as_device(output_device)
+        dev = as_device(output_device)
     except RuntimeError as exc:
         raise ValueError(f"output_device: expected a device, got {output_device!r} ({exc})") from None
     return _check_device(dev, "output_device", output_device)

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather_keys import leaf_dims, leaf_modes, named_leaves
 from dpmethods.core.join import coalesced, join_tensors
-from dpmethods.core.scatter import DeviceLike, _as_device
 from dpmethods.gather_modes import Mode, known_modes, named_mode
 from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
@@ -132,7 +132,7 @@ def gather(
     outputs = list(outputs)
     if not outputs:
         raise ValueError("gather: outputs: expected at least one replica output, got none")
-    device = _as_device(target_device)
+    device = as_device(target_device)
     _check_dim(dim)
     mode = positional_modes(mode)
     if callable(mode) and not isinstance(mode, (str, Mapping)):

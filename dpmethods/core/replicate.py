@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from dpmethods.core.compiled import bound_attributes, rebind, shallow_replica
 from dpmethods.core.cpu_broadcast import broadcast_copies
+from dpmethods.core.devices import DeviceLike
 
 __all__ = [
     "CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "HOOK_DICTS", "cpu_replicas_mode", "fingerprint", "replicate",
@@ -120,7 +121,7 @@ def _copies(
 
 def replicate(
     module: nn.Module,
-    devices: Sequence[torch.device | str | int],
+    devices: Sequence[DeviceLike],
     detach: bool = False,
     *,
     cpu_replicas: str | None = None,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.scatter_args import (
     Arguments,
     first_split,
@@ -36,7 +37,6 @@ from dpmethods.types import tree as _tree
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
 
-DeviceLike = torch.device | str | int
 _TENSORS = itertools.repeat(Tensor)
 
 
@@ -58,12 +58,6 @@ def chunk_sizes(batch: int, parts: int) -> list[int]:
     n = min(batch, parts)
     base, extra = divmod(batch, n)
     return [base + 1 if i < extra else base for i in range(n)]
-
-
-def _as_device(device: DeviceLike) -> torch.device:
-    if isinstance(device, int):
-        return torch.device("cpu") if device < 0 else torch.device("cuda", device)
-    return torch.device(device)
 
 
 def _narrowed(t: Tensor, sizes: list[int], dim: int) -> list[Tensor]:
@@ -262,7 +256,7 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
     if not devices:
         raise ValueError("scatter: devices: expected at least one device, got none")
     spec, leaves = _tree.flatten(inputs)
-    targets = [_as_device(d) for d in devices]
+    targets = [as_device(d) for d in devices]
     batch, ones = _batch_size(leaves, (), dim, lambda: _tree.leaf_paths(spec, "inputs"))
     per_replica, _ = _distribute(spec, leaves, ones, targets, dim, batch)
     return per_replica
@@ -321,7 +315,7 @@ def scatter_call(
     """
     if not devices:
         raise ValueError("scatter: devices: expected at least one device, got none")
-    targets = [_as_device(d) for d in devices]
+    targets = [as_device(d) for d in devices]
     if not kwargs and not broadcast and not split and not scatter_dim and args and all(map(isinstance, args, _TENSORS)):
         # Positional batch tensors only, the most common call: no structure to walk.
         first = args[0]

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dpmethods.core.devices import as_device
 from dpmethods.core.parallel_apply import add_note
-from dpmethods.core.scatter import _as_device
 from dpmethods.streaming.threads import END, Run, pin, produced, shutdown
 from dpmethods.types import tree as _tree
 from dpmethods.wrapper_checks import check_source_device
@@ -309,7 +309,7 @@ def map_batches(
     opts = wrapper._options(method)
     devices: list[torch.device] = list(wrapper._devices)
     # As a call: outputs on output_device; without devices (no GPU) a plain call.
-    output_device = _as_device(wrapper.output_device) if devices else None
+    output_device = as_device(wrapper.output_device) if devices else None
     replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
     if len(devices) > 1:
         check_source_device(module, devices[0])

@@ -22,8 +22,8 @@ from typing import Any
 
 from torch import nn
 
+from dpmethods.core.devices import as_device
 from dpmethods.core.parallel_apply import _ThreadState, add_note
-from dpmethods.core.scatter import _as_device
 from dpmethods.streaming.map import (
     _as_call,
     _check_options,
@@ -140,10 +140,10 @@ class _ProcessMap(Iterator[Any]):
             seq, index = self._running.pop(slot)
             self._finished += 1
             if msg[0] == "failed":
-                exc = remote_error(msg, f"DataParallel.map: raised in batch {index}", slot)
-                if isinstance(exc, StopIteration):  # else taken for the end of the map
-                    exc = _stop_iteration_error(exc, index)
-                raise exc
+                failure = remote_error(msg, f"DataParallel.map: raised in batch {index}", slot)
+                if isinstance(failure, StopIteration):  # else taken for the end of the map
+                    failure = _stop_iteration_error(failure, index)
+                raise failure
             out = received(msg[2], self._output_device)
             msg = None  # type: ignore[assignment]
             self._tick(seq)
@@ -225,5 +225,5 @@ def process_map(
         pool_for(wrapper), wrapper.module, method, source, dict(kwargs),
         ordered=ordered, prefetch=prefetch, dim=wrapper._options(method).dim,
         progress=_progress_factory(progress, total),
-        output_device=_as_device(wrapper.output_device),
+        output_device=as_device(wrapper.output_device),
     )
