@@ -11,12 +11,14 @@ Usage:
     python benchmarks/bench_gather.py --quick          # reduced grid
     python benchmarks/bench_gather.py --device cuda --quick --out out/
     python benchmarks/bench_gather.py --markdown-from benchmarks/results/gather_cpu.json
+    python benchmarks/bench_gather.py --markdown-from benchmarks/results/gather_cpu.json --full-grid
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -328,29 +330,50 @@ def _fmt_us(s: float) -> str:
     return f"{s * 1e6:10.1f}"
 
 
-def markdown(data: dict[str, Any]) -> str:
-    """The README tables of a results file: the targets (CPU runs) and the full grid."""
-    lines: list[str] = []
-    targets = data.get("targets") or {}
-    if targets:
-        lines += [
-            "| target | fused us [p10, p90] | baseline us [p10, p90] | ratio |",
-            "|---|---:|---:|---:|",
+def _targets_table(targets: dict[str, Any]) -> list[str]:
+    """Rows of the targets table (CPU runs)."""
+    lines = [
+        "| target | fused us [p10, p90] | baseline us [p10, p90] | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, t in targets.items():
+        fused = t["fused"]
+        base = t.get("per_leaf_cat") or t.get("baseline") or t["torch_cat"]
+        ratio = t.get("speedup", t.get("speed_vs_cat"))
+        cells = [
+            f"{v['median'] * 1e6:.1f} [{v['p10'] * 1e6:.1f}, {v['p90'] * 1e6:.1f}]"
+            for v in (fused, base)
         ]
-        for name, t in targets.items():
-            fused = t["fused"]
-            base = t.get("per_leaf_cat") or t.get("baseline") or t["torch_cat"]
-            ratio = t.get("speedup", t.get("speed_vs_cat"))
-            cells = [
-                f"{v['median'] * 1e6:.1f} [{v['p10'] * 1e6:.1f}, {v['p90'] * 1e6:.1f}]"
-                for v in (fused, base)
-            ]
-            share = t.get("fraction_of_copy")
-            note = f" ({100 * share:.0f}% of copy bandwidth)" if share else ""
-            lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x{note} |")
-        lines.append("")
+        share = t.get("fraction_of_copy")
+        note = f" ({100 * share:.0f}% of copy bandwidth)" if share else ""
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x{note} |")
+    return lines
+
+
+def _summary_table(cases: list[dict[str, Any]]) -> list[str]:
+    """One row per leaf size and autograd mode: the spread of the cases' median ratios."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in cases:
+        mode = r["mode"] + ("-mixed" if r.get("mixed_dtypes") else "")
+        groups.setdefault((r["size"], mode), []).append(r["ratio"])
+    lines = [
+        "| size | mode | cases | ratio min | ratio median | ratio max | cases below 1 |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for (size, mode), ratios in groups.items():
+        xs = sorted(ratios)
+        below = sum(x < 1 for x in xs)
+        lines.append(
+            f"| {size} | {mode} | {len(xs)} | {xs[0]:.2f} | {statistics.median(xs):.2f} "
+            f"| {xs[-1]:.2f} | {below} |"
+        )
+    return lines
+
+
+def _grid_table(data: dict[str, Any]) -> list[str]:
+    """Rows of the full grid: one per case."""
     bw = data["copy_bandwidth"]["gbps"]
-    lines += [
+    lines = [
         "| case | fused us | baseline us | ratio | ratio p10-p90 | fused GB/s | % of copy BW |",
         "|---|---:|---:|---:|---|---:|---:|",
     ]
@@ -361,6 +384,19 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {r['ratio']:.2f} | {r['ratio_p10']:.2f}-{r['ratio_p90']:.2f} | {gbps:.2f} "
             f"| {100 * gbps / bw:.0f}% |"
         )
+    return lines
+
+
+def markdown(data: dict[str, Any], full_grid: bool = False) -> str:
+    """The README tables of a results file: the targets (CPU runs), a summary per leaf
+    size and mode, and with ``full_grid`` every case."""
+    lines: list[str] = []
+    targets = data.get("targets") or {}
+    if targets:
+        lines += [*_targets_table(targets), ""]
+    lines += _summary_table(data["cases"])
+    if full_grid:
+        lines += ["", *_grid_table(data)]
     return "\n".join(lines)
 
 
@@ -378,10 +414,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         metavar="JSON",
         help="print the README tables of a results file and exit",
     )
+    ap.add_argument(
+        "--full-grid", action="store_true", help="with --markdown-from: add every case's row"
+    )
     args = ap.parse_args(argv)
     if args.markdown_from:
         data = json.loads(Path(args.markdown_from).read_text())
-        print(markdown(data))
+        print(markdown(data, full_grid=args.full_grid))
         return data
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
