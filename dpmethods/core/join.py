@@ -55,7 +55,8 @@ def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
 def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
     """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
     out = ops.gather_coalesced(tensors, n, dim, device)
-    if max(map(Tensor.dim, out), default=0) < 4:  # the common case: one C-level pass
+    dims = list(map(Tensor.dim, out))  # (no max(default=): torch 2.11's compile can't trace it)
+    if not dims or max(dims) < 4:  # the common case: one C-level pass
         return out
     out = list(out)
     for i, t in enumerate(out):

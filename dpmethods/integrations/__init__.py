@@ -14,6 +14,8 @@ import importlib.util
 import sys
 from typing import Any
 
+import torch
+
 from dpmethods import gather_modes, registry
 from dpmethods.types import tree
 
@@ -38,6 +40,10 @@ def load_imported() -> None:
     Example:
         >>> load_imported()
     """
+    if torch.compiler.is_compiling():
+        # An import can't be traced: the next eager call loads them (a rule registered
+        # then clears the tree's lookups, so nothing stale is kept).
+        return
     for library, modules in INTEGRATIONS.items():
         if library not in _loaded and library in sys.modules:
             _loaded.add(library)

@@ -22,6 +22,7 @@ outputs) and replaces each list to extend with a single :class:`Items` leaf:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,7 +101,8 @@ def wants_extend(mode: Any) -> bool:
     """
     if isinstance(mode, str):
         return mode == Mode.EXTEND
-    return isinstance(mode, Mapping) and bool({Mode.EXTEND, Mode.LIST} & set(mode.values()))
+    # Compared, not hashed: torch.compile (2.11) can't put the Mode enum in a set.
+    return isinstance(mode, Mapping) and any(m in (Mode.EXTEND, Mode.LIST) for m in mode.values())
 
 
 def _kind(spec: _tree.Spec) -> Any:
@@ -155,7 +157,7 @@ def needs_marking(spec: _tree.Spec, share: int) -> bool:
     children = spec.children
     if spec.kind == _tree._LIST and _is_sequence(spec) and len(children) == share:
         return True
-    if _tree._LEAF_SET.issuperset(children):  # in C: no Python step per leaf
+    if all(map(isinstance, children, itertools.repeat(str))):  # leaf markers only, in C
         return False
     return any(needs_marking(c, share) for c in children if c not in _tree._LEAVES)
 

@@ -31,7 +31,6 @@ __all__: list[str] = []
 # specs mean the replicas agree on which positions hold tensors.
 LEAF, NONE, OTHER = "*", "-", "="
 _LEAVES = (LEAF, NONE, OTHER)
-_LEAF_SET = frozenset(_LEAVES)
 _TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS, _NODE = range(6)
 Spec = Any  # a leaf marker or a Node
 
@@ -262,7 +261,7 @@ def _build(spec: Spec, it: Iterator[Any]) -> Any:
     if spec in _LEAVES:
         return next(it)
     kind, cls, meta, children = spec
-    if set(children) <= _LEAF_SET:
+    if all(map(isinstance, children, itertools.repeat(str))):  # leaf markers only
         values = list(itertools.islice(it, len(children)))
     else:
         values = [next(it) if c in _LEAVES else _build(c, it) for c in children]
