@@ -19,11 +19,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+from torch import Tensor, nn
+
+import dpmethods
+from dpmethods.integrations import registrations
+
 __all__ = ["collect_info", "main", "run_demo"]
 
 
 def _devices() -> dict[str, Any]:
-    import torch
 
     gpus: list[dict[str, Any]] = []
     if torch.cuda.is_available():
@@ -41,7 +46,6 @@ def _devices() -> dict[str, Any]:
 def _peer_access(n_gpus: int) -> list[list[bool]] | str:
     if n_gpus == 0:
         return "n/a: no GPU"
-    import torch
 
     return [
         [i == j or bool(torch.cuda.can_device_access_peer(i, j)) for j in range(n_gpus)]
@@ -50,7 +54,6 @@ def _peer_access(n_gpus: int) -> list[list[bool]] | str:
 
 
 def _extension() -> dict[str, Any]:
-    import dpmethods
 
     info_fn = getattr(dpmethods, "extension_info", None)
     if info_fn is None:
@@ -82,9 +85,7 @@ def collect_info() -> dict[str, Any]:
         >>> sorted(collect_info())[:3]
         ['devices', 'dpmethods', 'extension']
     """
-    import torch
 
-    import dpmethods
 
     devices = _devices()
     return {
@@ -101,8 +102,6 @@ def collect_info() -> dict[str, Any]:
 
 
 def _registrations() -> list[dict[str, Any]]:
-    from dpmethods.integrations import registrations
-
     return registrations()
 
 
@@ -148,10 +147,7 @@ def _print_info(info: dict[str, Any]) -> None:
 
 def _demo_model() -> Any:
     """An encoder with a ragged ``generate``: each row yields a data-dependent number of ids."""
-    import torch
-    from torch import Tensor, nn
 
-    import dpmethods
 
     class DemoModel(nn.Module):
         def __init__(self, features: int = 8, latent: int = 4, max_len: int = 6) -> None:
@@ -192,9 +188,7 @@ def run_demo(replicas: int = 4, batch: int = 10) -> dict[str, Any]:
         torch.nn.DataParallel(model).encode -> AttributeError: ...
         True
     """
-    import torch
 
-    import dpmethods
 
     torch.manual_seed(0)
     model = _demo_model().eval()
