@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
 
+from dpmethods.types.named_classes import check_class_path, take_imported
 from dpmethods.warn_once import warn_once
 
 __all__ = [
@@ -79,13 +79,7 @@ def resolve_pending() -> None:
     Example:
         >>> resolve_pending()
     """
-    for path, what in list(_PENDING.items()):
-        module_name, _, qualname = path.partition(":")
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        del _PENDING[path]
-        cls = getattr(module, qualname, None)
+    for cls, what in take_imported(_PENDING):
         if isinstance(cls, type) and issubclass(cls, nn.Module):
             mark_batch_coupled(cls, what=what)
 
@@ -111,10 +105,7 @@ def mark_batch_coupled(cls: type | str, *, what: str = "it computes over the who
     if not isinstance(what, str):
         raise TypeError(f"mark_batch_coupled: what: expected a str, got {type(what).__name__} {what!r}")
     if isinstance(cls, str):
-        if cls.count(":") != 1 or not all(cls.split(":")):
-            raise ValueError(
-                f"mark_batch_coupled: cls: expected a class or 'module:Class', got {cls!r}"
-            )
+        check_class_path("mark_batch_coupled", cls)
         _PENDING[cls] = what
         resolve_pending()
         return

@@ -16,12 +16,12 @@ without importing the library. Rules for torch's own types (``PackedSequence``,
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from dpmethods.types import torch_rules
 from dpmethods.types import tree as _tree
+from dpmethods.types.named_classes import check_class_path, take_imported
 
 __all__ = ["register_type"]
 
@@ -93,8 +93,7 @@ def register_type(
             )
     rule = _tree.TypeRule(flatten, unflatten, per_item, ragged, exact)
     if isinstance(cls, str):
-        if cls.count(":") != 1 or not all(cls.split(":")):
-            raise ValueError(f"register_type: cls: expected a class or 'module:Class', got {cls!r}")
+        check_class_path("register_type", cls)
         _PENDING[cls] = rule
         _resolve_pending()
         return
@@ -107,13 +106,7 @@ def _resolve_pending(kind: type | None = None) -> None:
     """Register the rules of named classes whose module is imported by now."""
     if not _PENDING:
         return
-    for path, rule in list(_PENDING.items()):
-        module_name, _, qualname = path.partition(":")
-        module = sys.modules.get(module_name)
-        if module is None:
-            continue
-        del _PENDING[path]
-        cls = getattr(module, qualname, None)
+    for cls, rule in take_imported(_PENDING):
         if isinstance(cls, type):
             _tree.set_rule(cls, rule)
 
