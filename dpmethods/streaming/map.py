@@ -87,7 +87,47 @@ def _stop_iteration_error(exc: StopIteration, index: int | None) -> RuntimeError
     return err
 
 
-class _MapIterator(Iterator[Any]):
+class MapIteratorBase(Iterator[Any]):
+    """What the thread map's and the process map's iterators share: closing.
+
+    A subclass sets ``_closed``, ``_finalizer`` (stops its workers) and ``_buffer`` in its
+    ``__init__`` and defines ``_next()``. Any exception out of ``_next`` (the end, a failed
+    batch, KeyboardInterrupt...) closes the map before it propagates.
+    """
+
+    _closed: bool
+    _finalizer: Any
+    _buffer: dict[int, Any]
+
+    def __iter__(self) -> MapIteratorBase:
+        return self
+
+    def __enter__(self) -> MapIteratorBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers; the iterator is then exhausted."""
+        self._closed = True
+        self._finalizer()
+        self._buffer.clear()
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            return self._next()
+        except BaseException:
+            self.close()
+            raise
+
+    def _next(self) -> Any:
+        raise NotImplementedError
+
+
+class _MapIterator(MapIteratorBase):
     """The iterator ``DataParallel.map`` returns; also a context manager that closes it."""
 
     def __init__(
@@ -111,30 +151,6 @@ class _MapIterator(Iterator[Any]):
         self._sizes: dict[int, int] = {}
         self._t0 = 0.0
         self._finalizer = weakref.finalize(self, shutdown, run)
-
-    def __iter__(self) -> _MapIterator:
-        return self
-
-    def __enter__(self) -> _MapIterator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the workers and join their threads; the iterator is then exhausted."""
-        self._closed = True
-        self._finalizer()
-        self._buffer.clear()
-
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
-        try:
-            return self._next()
-        except BaseException:  # StopIteration, a failed batch, KeyboardInterrupt...
-            self.close()
-            raise
 
     def _next(self) -> Any:
         run = self._run

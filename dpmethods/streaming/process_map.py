@@ -25,6 +25,7 @@ from torch import nn
 from dpmethods.core.devices import as_device
 from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.streaming.map import (
+    MapIteratorBase,
     _as_call,
     _check_options,
     _items,
@@ -62,7 +63,7 @@ class _Lease:
             self.bar = None
 
 
-class _ProcessMap(Iterator[Any]):
+class _ProcessMap(MapIteratorBase):
     """The iterator a process map returns; also a context manager that closes it."""
 
     def __init__(
@@ -86,30 +87,10 @@ class _ProcessMap(Iterator[Any]):
         self._lease = _Lease(pool)
         self._finalizer = weakref.finalize(self, self._lease.end)
 
-    def __iter__(self) -> _ProcessMap:
-        return self
-
-    def __enter__(self) -> _ProcessMap:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         """Stop the map; batches still running finish in their workers and are dropped."""
-        self._closed = True
-        self._finalizer()
-        self._buffer.clear()
+        super().close()
         self._pending.clear()
-
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
-        try:
-            return self._next()
-        except BaseException:  # the end, a failed batch, a dead worker, KeyboardInterrupt...
-            self.close()
-            raise
 
     def _open(self) -> None:
         lease = self._lease
