@@ -215,6 +215,12 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
         >>> get_options(torch.nn.Linear, "forward") is None
         True
     """
+    own = _own_options(cls, name)
+    return own if own is not None else _builtin(cls).get(name)  # libraries' methods last
+
+
+def _own_options(cls: type, name: str) -> MethodOptions | None:
+    """Options given by a decoration or :func:`register` on ``cls`` or a base."""
     for klass in cls.__mro__:
         registered = _REGISTERED.get(klass)
         if registered is not None and name in registered:
@@ -222,7 +228,7 @@ def get_options(cls: type, name: str) -> MethodOptions | None:
         options = getattr(_unmarked(klass.__dict__.get(name)), _OPTIONS_ATTR, None)
         if options is not None:
             return options
-    return _builtin(cls).get(name)  # libraries' methods, lowest precedence
+    return None
 
 
 MethodFinder = Callable[[type], Mapping[str, MethodOptions]]
@@ -279,13 +285,14 @@ def parallel_methods(cls: type) -> dict[str, MethodOptions]:
         >>> parallel_methods(torch.nn.Linear)
         {}
     """
-    names: set[str] = set(_builtin(cls))
+    builtin = _builtin(cls)  # asked once: every finder walks the class
+    names: set[str] = set(builtin)
     for klass in cls.__mro__:
         names.update(_REGISTERED.get(klass, ()))
         names.update(
             k for k, v in klass.__dict__.items() if hasattr(_unmarked(v), _OPTIONS_ATTR)
         )
-    found = {name: get_options(cls, name) for name in sorted(names)}
+    found = {name: _own_options(cls, name) or builtin.get(name) for name in sorted(names)}
     return {name: opts for name, opts in found.items() if opts is not None}
 
 

@@ -334,7 +334,8 @@ def scatter_call(
     moved = split_args.move_dims(args, kwargs, scatter_dim, bound.selected, dim) if scatter_dim else None
     if moved is not None:
         args, kwargs = moved[0], moved[1]
-    bound = Arguments(args, kwargs, fn)
+    if split or moved is not None:  # the arguments changed: bind them again
+        bound = Arguments(args, kwargs, fn)
     # After the split sequences are taken out: they are not walked as containers.
     spec, leaves = _tree.flatten((tuple(args), dict(kwargs)))
     entries = bound.selected(broadcast)
