@@ -7,9 +7,11 @@ tests share one wrapper whose pool lives for the module; no test asserts a time.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import multiprocessing
 import os
+import re
 import signal
 import socket
 import time
@@ -166,7 +168,8 @@ def test_a_killed_worker_is_named_then_replaced(dp: Any, net: Net) -> None:
                 os.kill(victim, signal.SIGKILL)
     text = str(info.value) + "\n".join(getattr(info.value, "__notes__", []))
     assert f"worker 0 (pid {victim}, device cpu) died with exit code -9 (SIGKILL)" in text
-    assert "the next map starts a fresh worker" in text
+    assert re.search(r"while running batch [2-7] of DataParallel.map; the next map or call starts "
+                     r"a fresh worker", text), text
     with torch.no_grad():
         outs = list(dp.map("encode", _batches()))
         ref = [net.encode(b) for b in _batches()]
@@ -192,14 +195,57 @@ def test_break_and_close_stop_the_map_and_keep_the_pool(dp: Any, net: Net) -> No
         _same(a, b)
 
 
-def test_a_second_map_while_one_runs_is_an_error(dp: Any) -> None:
+def test_maps_and_calls_share_the_workers(dp: Any, net: Net) -> None:
+    # Two maps zipped together, and a call and a map inside the loop over a map: each
+    # gets its own outputs, as with threads.
+    xs, ys = _batches(7), [b * 2 for b in _batches(5)]
+    z = torch.randn(4, 4)
     with torch.no_grad():
-        first = dp.map("encode", _batches())
-        next(first)
-        with pytest.raises(RuntimeError, match=r"busy with another map or call .*workers='threads'"):
-            next(dp.map("encode", _batches()))
-        first.close()
-        assert len(list(dp.map("encode", _batches()))) == 9
+        pairs = list(zip(dp.map("encode", xs), dp.map("forward", ys, ordered=False)))
+        inner = []
+        for k, out in enumerate(dp.map("encode", xs)):
+            _same(out, net.encode(xs[k]))
+            inner.append((dp(z * k), list(dp.map("forward", ys[:2]))))
+    assert len(pairs) == 5
+    for k, (a, (i, b)) in enumerate(pairs):
+        _same(a, net.encode(xs[k]))
+        _same(b, net(ys[i]))
+    for k, (call, mapped) in enumerate(inner):
+        _same(call, net(z * k))
+        for y, m in zip(ys[:2], mapped):
+            _same(m, net(y))
+
+
+def test_calls_from_several_threads_at_once(dp: Any, net: Net) -> None:
+    xs = [torch.randn(4, 4) for _ in range(24)]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return dp(x) if x[0, 0] > 0 else list(dp.map("forward", [x, x]))[1]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(call, xs))
+    with torch.no_grad():
+        for out, x in zip(outs, xs, strict=True):
+            _same(out, net(x))
+
+
+def test_a_map_left_open_does_not_hold_the_workers(dp: Any, net: Net) -> None:
+    batches = [torch.randn(2, 4) for _ in range(6)]
+    with torch.no_grad():
+        first = dp.map("sleepy", batches, seconds=0.2)
+        head = next(first)  # left open while others use the workers, then finished
+        outs = list(dp.map("encode", _batches()))
+        _same(dp(batches[0]), net(batches[0]))
+        rest = list(first)
+        dropped = dp.map("sleepy", batches, seconds=0.2)
+        next(dropped)
+        del dropped  # collected: its running batches are read and dropped on arrival
+        _same(dp(batches[1]), net(batches[1]))
+    for a, b in zip(outs, [net.encode(b) for b in _batches()]):
+        _same(a, b)
+    for a, b in zip([head, *rest], batches, strict=True):
+        _same(a, net.sleepy(b))
 
 
 def test_changed_weights_and_hooks_are_seen(dp: Any, net: Net) -> None:

@@ -4,11 +4,14 @@ The contract is the thread map's (:mod:`dpmethods.streaming.map`): input order t
 bounded reorder buffer (or ``(index, output)`` pairs as batches finish), at most
 ``prefetch`` batches per worker pulled ahead, a progress bar, ``shard=True``, Mapping
 and tuple batches, ``**kwargs`` to every call. Here the caller's thread does the
-dispatching: each worker runs one batch at a time, and the moment one replies it is
-sent the next pulled batch, so a worker that finished a short batch never waits for
-the others (dynamic load balancing). Outputs are moved to ``output_device`` in the
-caller. Stopping early (``break``, ``close()``, an error, Ctrl-C) returns at once; the
-batches still running finish in their workers and are dropped at the pool's next use.
+dispatching: each worker holds at most :data:`_PER_WORKER` of its batches (the one it
+runs and the next, so it never waits for the caller between two), and the moment one
+replies it is sent the next pulled batch, so a worker that finished a short batch never
+waits for the others (dynamic load balancing). Other maps and calls of the wrapper may
+use the workers meanwhile (:mod:`dpmethods.streaming.process_pool`). Outputs are moved to
+``output_device`` in the caller. Stopping early (``break``, ``close()``, an error,
+Ctrl-C) returns at once; the batches still running finish in their workers and their
+outputs are dropped as they arrive.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from dpmethods.core.devices import as_device
-from dpmethods.core.parallel_apply import _ThreadState, add_note
+from dpmethods.core.parallel_apply import _ThreadState
 from dpmethods.streaming.map import (
     MapIteratorBase,
     _as_call,
@@ -34,30 +37,23 @@ from dpmethods.streaming.map import (
     _stop_iteration_error,
 )
 from dpmethods.streaming.process_io import dumps
-from dpmethods.streaming.process_pool import (
-    ProcessPool,
-    WorkerDiedError,
-    pool_for,
-    received,
-    remote_error,
-    wait_any,
-)
+from dpmethods.streaming.process_pool import ProcessPool, pool_for, received, reply_error
+from dpmethods.streaming.process_slot import Client, Slot
 
 __all__: list[str] = []
 
 _REORDER = 2  # as the thread map: outputs wait for at most this many windows of batches
+_PER_WORKER = 2  # batches of one map sent to one worker and not answered yet
 
 
 class _Lease:
-    """What the finalizer of a map needs: the pool it holds and its bar (never the map)."""
+    """What the finalizer of a map needs: its client and its bar (never the map)."""
 
-    def __init__(self, pool: ProcessPool) -> None:
-        self.pool, self.held, self.bar = pool, False, None
+    def __init__(self) -> None:
+        self.client, self.opened, self.bar = Client(), False, None
 
     def end(self) -> None:
-        if self.held:
-            self.held = False
-            self.pool.release()
+        self.client.close()
         if self.bar is not None:
             self.bar.close()
             self.bar = None
@@ -79,12 +75,12 @@ class _ProcessMap(MapIteratorBase):
         self._seq = self._yielded = self._finished = self._items = 0
         self._exhausted = self._closed = False
         self._pending: collections.deque[tuple[int, int, Any, Any]] = collections.deque()
-        self._running: dict[Any, tuple[int, int]] = {}  # slot -> (seq, batch index)
+        self._running: dict[Slot, int] = {s: 0 for s in pool.slots}  # own batches in each
         self._buffer: dict[int, Any] = {}
         self._sizes: dict[int, int] = {}
         self._state = _ThreadState.capture()  # the caller's modes at map(), as the thread map
         self._t0 = 0.0
-        self._lease = _Lease(pool)
+        self._lease = _Lease()
         self._finalizer = weakref.finalize(self, self._lease.end)
 
     def close(self) -> None:
@@ -96,32 +92,28 @@ class _ProcessMap(MapIteratorBase):
         lease = self._lease
         if self._progress is not None:
             lease.bar = self._progress()
-        startup = self._pool.open(self._module)
-        lease.held = True
+        lease.opened = True
+        startup = self._pool.prepare(lease.client, self._module)
         if startup and lease.bar is not None:  # reported once, by the map that paid it
             lease.bar.set_postfix_str(f"workers started in {startup:.1f} s", refresh=True)
         self._t0 = time.perf_counter()
 
     def _next(self) -> Any:
-        if not self._lease.held:
+        if not self._lease.opened:
             self._open()
         while True:
             if self._ordered and self._yielded in self._buffer:
                 self._yielded += 1
                 return self._buffer.pop(self._yielded - 1)
             self._fill()
-            if not self._running:
+            if not self._lease.client.owed and not self._lease.client.inbox:
                 raise StopIteration
-            try:
-                slot, msg = wait_any(list(self._running))
-            except WorkerDiedError as exc:
-                index = self._running[exc.slot][1]  # type: ignore[attr-defined]
-                raise add_note(exc, f"dpmethods: while running batch {index} of DataParallel.map; "
-                               "the next map starts a fresh worker") from None
-            seq, index = self._running.pop(slot)
+            slot, (seq, index), msg = self._pool.reply(self._lease.client)
+            self._running[slot] -= 1
             self._finished += 1
-            if msg[0] == "failed":
-                failure = remote_error(msg, f"DataParallel.map: raised in batch {index}", slot)
+            if msg[0] != "done":
+                failure = reply_error(msg, slot, f"DataParallel.map: raised in batch {index}",
+                                      f"batch {index} of DataParallel.map")
                 if isinstance(failure, StopIteration):  # else taken for the end of the map
                     failure = _stop_iteration_error(failure, index)
                 raise failure
@@ -150,21 +142,24 @@ class _ProcessMap(MapIteratorBase):
                 self._sizes[self._seq] = _items(args, kwargs, self._dim)
             self._pending.append((self._seq, index, args, kwargs))
             self._seq += 1
-        for slot in self._pool.slots:
-            if not self._pending:
-                return
-            if slot not in self._running:
-                seq, index, args, kwargs = self._pending.popleft()
-                try:
-                    data = dumps(("run", seq, self._method, args, kwargs, self._state))
-                except Exception as exc:
-                    raise TypeError(
-                        f"DataParallel.map(workers='processes'): batch {index} cannot be sent "
-                        f"to a worker process: {type(exc).__name__}: {exc}; use "
-                        "workers='threads'"
-                    ) from exc
-                slot.send(data)
-                self._running[slot] = (seq, index)
+        for _ in range(_PER_WORKER):  # one batch to each worker, then a second each
+            for slot in self._pool.slots:
+                if not self._pending:
+                    return
+                if self._running[slot] < _PER_WORKER:
+                    self._send(slot)
+
+    def _send(self, slot: Slot) -> None:
+        seq, index, args, kwargs = self._pending.popleft()
+        try:
+            data = dumps(("run", seq, self._method, args, kwargs, self._state))
+        except Exception as exc:
+            raise TypeError(
+                f"DataParallel.map(workers='processes'): batch {index} cannot be sent "
+                f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
+            ) from exc
+        self._pool.submit(self._lease.client, slot, (seq, index), data)
+        self._running[slot] += 1
 
     def _tick(self, seq: int) -> None:
         bar = self._lease.bar

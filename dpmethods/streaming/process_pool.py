@@ -7,19 +7,22 @@ with the wrapper's ``factory``; when the module's
 :func:`~dpmethods.core.replicate.fingerprint` changes (parameters, buffers, attributes,
 hooks), the next map or call sends it again.
 
-One map or call uses the pool at a time. A map stopped early (``break``, ``close()``,
-an error) leaves its running batches to finish; their results are read and dropped
-when the pool is next used, so stopping never waits. The caller waits on each
+Maps and calls share the workers, as they share a thread wrapper's replicas: a call
+inside a loop over a map, or two maps zipped together, each get their own
+:class:`~dpmethods.streaming.process_slot.Client`. Each worker answers its requests in
+the order they were sent, so every reply is delivered to the client whose request it
+answers, whoever reads it. One caller thread reads at a time; it waits on every busy
 worker's pipe and on its process sentinel together, so a worker that dies is seen at
-once, and the error names it and its exit code; the next use starts a fresh one.
-``close()``, garbage collection of the pool and interpreter exit stop and join every
-worker (terminating one that does not exit within a few seconds).
+once, and every request it held is answered with an error naming it and its exit code;
+the next use starts a fresh one. A map stopped early (``break``, ``close()``, an error)
+leaves its running batches to finish: their replies are read and dropped, so stopping
+never waits. ``close()``, garbage collection of the pool and interpreter exit stop and
+join every worker (terminating one that does not exit within a few seconds).
 """
 
 from __future__ import annotations
 
 import logging
-import signal
 import threading
 import time
 import weakref
@@ -33,7 +36,7 @@ from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
 from dpmethods.streaming.process_io import dumps, loads, model_payloads
-from dpmethods.streaming.process_worker import serve
+from dpmethods.streaming.process_slot import Client, Slot, WorkerDiedError, stop_all
 from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
@@ -42,7 +45,11 @@ WORKERS = ("threads", "processes")
 START_METHOD = "spawn"
 _LOG = logging.getLogger("dpmethods")
 _POLL_S = 1.0  # a waiting caller wakes this often (Ctrl-C lands promptly)
-_STOP_S = 3.0  # how long close() lets idle workers exit before terminating them
+_MODEL_HINT = (
+    "while building its model (a class defined in __main__ of an interactive session cannot "
+    "be imported by a spawned process: define it in a module, or pass factory=, or use "
+    "workers='threads')"
+)
 
 
 def check_workers(value: Any, name: str = "workers") -> str:
@@ -59,133 +66,21 @@ def check_workers(value: Any, name: str = "workers") -> str:
     return value
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker process died (killed, a segfault, out of memory) while the caller waited."""
+def reply_error(msg: tuple[Any, ...], slot: Slot, raised: str, running: str) -> BaseException:
+    """The exception of a ``("failed", seq, error, traceback)`` or ``("lost", text)`` reply.
 
-
-class _Slot:
-    """One device entry's worker: its process, its end of the pipe, its replies owed."""
-
-    def __init__(self, index: int, device: torch.device) -> None:
-        self.index, self.device = index, device
-        self.process: Any = None
-        self.conn: Any = None
-        self.owed = 0  # requests sent whose replies were not read yet
-        self.key: Any = None  # what model it holds: a fingerprint, "factory", or None
-        self.broken = False  # dead, or its pipe is mid-message: restart before use
-
-    def describe(self) -> str:
-        pid = self.process.pid if self.process is not None else None
-        return f"worker {self.index} (pid {pid}, device {self.device})"
-
-    def usable(self) -> bool:
-        return not self.broken and self.process is not None and self.process.is_alive()
-
-    def start(self, ctx: Any, threads: int) -> None:
-        ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(
-            target=serve, args=(theirs, self.index, str(self.device), threads),
-            name=f"dpmethods-worker-{self.index}", daemon=True,
-        )
-        process.start()
-        theirs.close()
-        self.process, self.conn, self.owed, self.key, self.broken = process, ours, 0, None, False
-
-    def send(self, data: bytes) -> None:
-        try:
-            self.conn.send_bytes(data)
-        except (BrokenPipeError, ConnectionError, OSError, EOFError):
-            raise self.died() from None
-        except BaseException:
-            self.broken = True  # interrupted mid-message
-            raise
-        self.owed += 1
-
-    def read(self) -> tuple[Any, ...]:
-        """The next reply (the caller saw the pipe or the sentinel ready)."""
-        try:
-            if not self.conn.poll(0):
-                raise EOFError
-            data = self.conn.recv_bytes()
-        except (EOFError, ConnectionError, OSError):
-            raise self.died() from None
-        except BaseException:
-            self.broken = True
-            raise
-        self.owed -= 1
-        return loads(data)  # type: ignore[no-any-return]
-
-    def died(self) -> WorkerDiedError:
-        self.broken = True
-        self.process.join(timeout=5)
-        code = self.process.exitcode
-        why = ""
-        if code is not None and code < 0:
-            try:
-                why = f" ({signal.Signals(-code).name})"
-            except ValueError:
-                pass
-        error = WorkerDiedError(f"DataParallel(workers='processes'): {self.describe()} died "
-                                f"with exit code {code}{why}")
-        error.slot = self  # type: ignore[attr-defined]
-        return error
-
-    def stop(self) -> None:
-        """Terminate and join at once (kill if needed), and forget the process."""
-        if self.process is not None:
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(timeout=2)
-            if self.process.is_alive():
-                self.process.kill()
-            self.process.join()
-        if self.conn is not None:
-            self.conn.close()
-        self.process = self.conn = self.key = None
-        self.owed, self.broken = 0, False
-
-
-def _stop_all(slots: list[_Slot]) -> None:
-    """Ask idle workers to exit, give them a moment, then terminate and join the rest."""
-    for s in slots:
-        if s.usable() and s.owed == 0:
-            try:
-                s.conn.send_bytes(dumps(("stop",)))
-            except (OSError, EOFError):
-                pass
-    deadline = time.monotonic() + _STOP_S
-    for s in slots:
-        if s.process is not None and s.owed == 0 and not s.broken:
-            s.process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for s in slots:
-        s.stop()
-
-
-def wait_any(slots: list[_Slot]) -> tuple[_Slot, tuple[Any, ...]]:
-    """The next reply from any of ``slots``, each owing one; ``WorkerDiedError`` if one died."""
-    if any(s.conn is None for s in slots):
-        raise RuntimeError(
-            "DataParallel(workers='processes'): the worker processes were closed "
-            "(dp.close()) while a map or call was using them"
-        )
-    conns = {s.conn: s for s in slots}
-    sentinels = {s.process.sentinel: s for s in slots}
-    while True:
-        ready = mp_connection.wait([*conns, *sentinels], timeout=_POLL_S)
-        for r in ready:
-            slot = conns.get(r) or sentinels.get(r)  # type: ignore[call-overload]
-            if slot is not None:
-                return slot, slot.read()
-
-
-def remote_error(msg: tuple[Any, ...], where: str, slot: _Slot) -> BaseException:
-    """The exception of a ``("failed", seq, error, traceback)`` reply, with a note."""
+    ``raised`` and ``running`` name the request in the note of each: ``"DataParallel.map:
+    raised in batch 3"`` and ``"batch 3 of DataParallel.map"``.
+    """
+    if msg[0] == "lost":
+        return add_note(WorkerDiedError(msg[1]), f"dpmethods: while running {running}; the next "
+                        "map or call starts a fresh worker")
     _, _, error, text = msg
     try:
         exc = loads(error)
-    except Exception as e:  # pragma: no cover - _failure checks it loads
+    except Exception as e:  # pragma: no cover - the worker checks it loads
         exc = RuntimeError(f"(the worker's exception could not be rebuilt: {e!r})")
-    return add_note(exc, f"dpmethods: {where} on {slot.describe()}; the worker's traceback:\n{text}")
+    return add_note(exc, f"dpmethods: {raised} on {slot.describe()}; the worker's traceback:\n{text}")
 
 
 def received(obj: Any, device: torch.device | None) -> Any:
@@ -220,94 +115,112 @@ class ProcessPool:
     """
 
     def __init__(self, devices: list[torch.device], factory: Any = None) -> None:
-        self.slots = [_Slot(i, d) for i, d in enumerate(devices)]
+        self.slots = [Slot(i, d) for i, d in enumerate(devices)]
         self.factory = factory
-        self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _stop_all, self.slots)
+        self._setup = threading.RLock()  # one start-up or model update at a time
+        self._cond = threading.Condition()
+        self._reading = False  # a caller thread is waiting on the pipes
+        self._finalizer = weakref.finalize(self, stop_all, self.slots)
 
     def started(self) -> bool:
         return any(s.process is not None for s in self.slots)
 
     def close(self) -> None:
-        """Stop and join every worker; the next :meth:`open` starts fresh ones."""
-        _stop_all(self.slots)
+        """Stop and join every worker; the next :meth:`prepare` starts fresh ones."""
+        with self._setup:
+            stop_all(self.slots)
 
-    def open(self, module: nn.Module) -> float:
-        """Hold the pool for one map or call, with every worker running ``module``'s state.
+    def prepare(self, client: Client, module: nn.Module) -> float:
+        """Start missing workers and bring every worker to ``module``'s state.
 
         Returns the seconds spent starting workers (0 if none had to start).
         """
-        if not self._lock.acquire(blocking=False):
-            raise RuntimeError(
-                "DataParallel(workers='processes'): the worker processes are busy with "
-                "another map or call of this wrapper (one at a time); finish or close() "
-                "that map first, or pass workers='threads' to this one"
-            )
-        try:
-            return self._ready(module)
-        except BaseException:
-            self._lock.release()
-            raise
+        with self._setup:
+            t0 = time.perf_counter()
+            fresh = [s for s in self.slots if not s.usable()]
+            key = "factory" if self.factory is not None else fingerprint(module)
+            stale = [s for s in self.slots if s in fresh or s.key != key]
+            # Pickled before any worker starts: a module that can't be sent fails at once.
+            messages = self._model_messages(module, stale) if stale else []
+            if fresh:
+                ctx = torch.multiprocessing.get_context(START_METHOD)
+                threads = max(1, torch.get_num_threads() // len(self.slots))
+                for s in fresh:
+                    s.stop()
+                    s.start(ctx, threads)
+            if stale:
+                self._send_model(client, stale, messages, key)
+            if not fresh:
+                return 0.0
+            elapsed = time.perf_counter() - t0
+            _LOG.debug("dpmethods: started %d worker processes (%s) in %.2f s",
+                       len(fresh), START_METHOD, elapsed)
+            return elapsed
 
-    def release(self) -> None:
-        self._lock.release()
-
-    def _ready(self, module: nn.Module) -> float:
-        t0 = time.perf_counter()
-        for s in self.slots:
-            # Replies of a map stopped early: read (so their shared memory is freed) and dropped.
-            while s.owed and s.usable():
-                try:
-                    wait_any([s])
-                except WorkerDiedError:
-                    break
-        fresh = [s for s in self.slots if not s.usable()]
-        key = "factory" if self.factory is not None else fingerprint(module)
-        stale = [s for s in self.slots if s in fresh or s.key != key]
-        # Pickled before any worker starts: a module that can't be sent fails at once.
-        messages = self._model_messages(module, stale) if stale else []
-        if fresh:
-            ctx = torch.multiprocessing.get_context(START_METHOD)
-            threads = max(1, torch.get_num_threads() // len(self.slots))
-            for s in fresh:
-                s.stop()
-                s.start(ctx, threads)
-        if stale:
-            self._send_model(stale, messages)
-            for s in stale:
-                s.key = key
-        if not fresh:
-            return 0.0
-        elapsed = time.perf_counter() - t0
-        _LOG.debug(
-            "dpmethods: started %d worker processes (%s) in %.2f s", len(fresh), START_METHOD, elapsed
-        )
-        return elapsed
-
-    def _model_messages(self, module: nn.Module, slots: list[_Slot]) -> list[bytes]:
+    def _model_messages(self, module: nn.Module, slots: list[Slot]) -> list[bytes]:
         if self.factory is not None:
             return [dumps(("factory", self.factory, s.device)) for s in slots]
         payloads = model_payloads(module, len(slots))
         return [dumps(("model", p, s.device)) for p, s in zip(payloads, slots)]
 
-    def _send_model(self, slots: list[_Slot], messages: list[bytes]) -> None:
+    def _send_model(self, client: Client, slots: list[Slot], messages: list[bytes], key: Any) -> None:
+        # A worker still running other clients' requests builds the new model after them.
         for s, m in zip(slots, messages):
-            s.send(m)
+            s.key = None  # until it answers "ready"
+            s.send(client, "model", m)
         messages.clear()
-        waiting = list(slots)
-        while waiting:
-            slot, msg = wait_any(waiting)
-            waiting.remove(slot)
-            if msg[0] == "failed":
-                for s in waiting:  # a fresh start for all: their replies are owed
-                    s.broken = True
-                slot.broken = True
-                hint = (
-                    "while building its model (a class defined in __main__ of an interactive "
-                    "session cannot be imported by a spawned process: define it in a module, or "
-                    "pass factory=, or use workers='threads')"
+        failure = None
+        for _ in slots:
+            slot, _, msg = self.reply(client)
+            if msg[0] == "ready":
+                slot.key = key
+            elif failure is None:
+                failure = reply_error(
+                    msg, slot, f"DataParallel(workers='processes'): raised {_MODEL_HINT}",
+                    "the construction of its model",
                 )
-                raise remote_error(msg, f"DataParallel(workers='processes'): raised {hint}", slot)
+        if failure is not None:
+            raise failure
+
+    def submit(self, client: Client, slot: Slot, tag: Any, data: bytes) -> None:
+        """Send one request of ``client`` to ``slot``; :meth:`reply` returns its answer."""
+        slot.send(client, tag, data)
+
+    def reply(self, client: Client) -> tuple[Slot, Any, tuple[Any, ...]]:
+        """The next ``(slot, tag, reply)`` for ``client``, reading for others meanwhile."""
+        while True:
+            with self._cond:
+                while not client.inbox and self._reading:
+                    self._cond.wait(_POLL_S)
+                if client.inbox:
+                    return client.inbox.popleft()
+                if not client.owed:
+                    raise RuntimeError("DataParallel(workers='processes'): waiting for a reply "
+                                       "with no request in flight")
+                self._reading = True
+            try:
+                self._read_one()
+            finally:
+                with self._cond:
+                    self._reading = False
+                    self._cond.notify_all()
+
+    def _read_one(self) -> None:
+        busy = [s for s in self.slots if s.tickets]
+        closed = [s for s in busy if s.conn is None]
+        for s in closed:
+            s.abandon(str(s.died()))
+        if closed:
+            return
+        # Every live pipe, not only the busy ones: another thread may send a request
+        # meanwhile, and its reply must wake this wait, not the next poll.
+        conns = {s.conn: s for s in self.slots if s.conn is not None and (s.tickets or not s.broken)}
+        sentinels = {s.process.sentinel: s for s in busy}
+        for ready in mp_connection.wait([*conns, *sentinels], timeout=_POLL_S):
+            slot = conns.get(ready) or sentinels.get(ready)  # type: ignore[call-overload]
+            if slot is not None:
+                slot.read()
+                return
 
 
 def pool_for(wrapper: Any) -> ProcessPool:
@@ -327,13 +240,11 @@ def close_pool(wrapper: Any) -> None:
         pool.close()
 
 
-def call_chunks(
-    wrapper: Any, name: str, inputs: Any, kwargs: Any
-) -> list[Any]:
+def call_chunks(wrapper: Any, name: str, inputs: Any, kwargs: Any) -> list[Any]:
     """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather)."""
-    pool = pool_for(wrapper)
-    pool.open(wrapper.module)
+    pool, client = pool_for(wrapper), Client()
     try:
+        pool.prepare(client, wrapper.module)
         state = _ThreadState.capture()
         slots = pool.slots[: len(inputs)]
         for s, a, k in zip(slots, inputs, kwargs):
@@ -344,19 +255,14 @@ def call_chunks(
                     f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
                     f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
                 ) from exc
-            s.send(data)
+            pool.submit(client, s, s.index, data)
         outputs: list[Any] = [None] * len(slots)
-        waiting = list(slots)
-        while waiting:
-            try:
-                slot, msg = wait_any(waiting)
-            except WorkerDiedError as exc:
-                raise add_note(exc, f"dpmethods: while running DataParallel.{name}'s chunk "
-                               f"{exc.slot.index}; the next call starts a fresh worker") from None  # type: ignore[attr-defined]
-            waiting.remove(slot)
-            if msg[0] == "failed":
-                raise remote_error(msg, f"DataParallel.{name}: raised in chunk {slot.index}", slot)
-            outputs[slot.index] = received(msg[2], None)
+        for _ in slots:
+            slot, chunk, msg = pool.reply(client)
+            if msg[0] != "done":
+                raise reply_error(msg, slot, f"DataParallel.{name}: raised in chunk {chunk}",
+                                  f"chunk {chunk} of DataParallel.{name}")
+            outputs[chunk] = received(msg[2], None)
         return outputs
     finally:
-        pool.release()
+        client.close()

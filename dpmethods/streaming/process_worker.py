@@ -10,6 +10,11 @@ wrapper's ``factory``), then answers one request at a time on its pipe:
   or ``("failed", seq, error, traceback)``;
 - ``("stop",)``, or the caller's end of the pipe closing: exit.
 
+A thread of the worker receives the requests as they come (and fetches their shared
+memory at once), so the caller's sends never wait for the batch running: the caller
+may send the next batch, or another map's, while this one runs, and the replies still
+go back in the order of the requests.
+
 An output that requires grad is an error (autograd cannot cross processes): it is never
 detached silently. The caller's Ctrl-C is the caller's to handle: workers ignore SIGINT
 (it reaches the whole process group), so the pool outlives an interrupted map.
@@ -17,7 +22,9 @@ detached silently. The caller's Ctrl-C is the caller's to handle: workers ignore
 
 from __future__ import annotations
 
+import queue
 import signal
+import threading
 import traceback
 from typing import Any
 
@@ -91,6 +98,34 @@ def _failure(seq: Any, exc: BaseException) -> bytes:
     return dumps(("failed", seq, error, text))
 
 
+def _receive(conn: Any, requests: queue.SimpleQueue[Any]) -> None:
+    """Put each request on ``requests`` as it arrives; ``None`` once there are no more."""
+    while True:
+        try:
+            msg = loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the caller is gone
+        if msg[0] == "stop":
+            break
+        requests.put(msg)
+        del msg
+    requests.put(None)
+
+
+def _answer(model: nn.Module | None, msg: tuple[Any, ...], dev: torch.device) -> tuple[nn.Module | None, bytes]:
+    """The model after ``msg``, and the reply to send for it."""
+    seq = msg[1] if msg[0] == "run" else None
+    try:
+        if msg[0] == "run":
+            if model is None:
+                raise RuntimeError("DataParallel: worker process got a batch before its model")
+            return model, dumps(("done", seq, _run(model, msg, dev)))
+        model = None  # the old one's memory goes first
+        return _build(msg), dumps(("ready",))
+    except BaseException as exc:
+        return model, _failure(seq, exc)
+
+
 def serve(conn: Any, index: int, device: str, threads: int) -> None:
     """Worker ``index``'s loop on ``device``: build the model, then run requests."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -99,27 +134,15 @@ def serve(conn: Any, index: int, device: str, threads: int) -> None:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    threading.Thread(target=_receive, args=(conn, requests), name="dpmethods-receive", daemon=True).start()
     model: nn.Module | None = None
     while True:
-        try:
-            msg = loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return  # the caller is gone
-        if msg[0] == "stop":
+        msg = requests.get()
+        if msg is None:
             return
-        seq = msg[1] if msg[0] == "run" else None
-        try:
-            if msg[0] == "run":
-                if model is None:
-                    raise RuntimeError("DataParallel: worker process got a batch before its model")
-                reply = dumps(("done", seq, _run(model, msg, dev)))
-            else:
-                model = None  # the old one's memory goes first
-                model = _build(msg)
-                reply = dumps(("ready",))
-        except BaseException as exc:
-            reply = _failure(seq, exc)
-        msg = None  # type: ignore[assignment]  # drop this request's inputs before waiting
+        model, reply = _answer(model, msg, dev)
+        msg = None  # drop this request's inputs before waiting
         try:
             conn.send_bytes(reply)
         except (BrokenPipeError, OSError):
