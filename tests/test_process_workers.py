@@ -257,6 +257,17 @@ def test_changed_weights_and_hooks_are_seen(dp: Any, net: Net) -> None:
             net.lin.weight.mul_(3)
             [out] = list(dp.map("forward", [x]))
             torch.testing.assert_close(out, net(x), rtol=0, atol=1e-6)
+            # Inside a map: the batches sent after the change (all but the first two) see it.
+            xs = [torch.randn(3, 4) for _ in range(5)]
+            outs, refs = [], []
+            for k, out in enumerate(dp.map("forward", xs, prefetch=1)):
+                if k == 0:
+                    refs = [net(x) for x in xs[:2]]
+                    net.lin.weight.mul_(0.5)
+                    refs += [net(x) for x in xs[2:]]
+                outs.append(out)
+            for out, ref in zip(outs, refs, strict=True):
+                torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
             handle = net.register_forward_hook(count_calls)
             try:
                 [out] = list(dp.map("forward", [x]))

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from dpmethods.core.devices import as_device
-from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.streaming.map import (
     MapIteratorBase,
     _as_call,
@@ -38,7 +38,7 @@ from dpmethods.streaming.map import (
 )
 from dpmethods.streaming.process_io import dumps
 from dpmethods.streaming.process_pool import ProcessPool, pool_for, received, reply_error
-from dpmethods.streaming.process_slot import Client, Slot
+from dpmethods.streaming.process_slot import Client, Slot, WorkerDiedError
 
 __all__: list[str] = []
 
@@ -93,7 +93,7 @@ class _ProcessMap(MapIteratorBase):
         if self._progress is not None:
             lease.bar = self._progress()
         lease.opened = True
-        startup = self._pool.prepare(lease.client, self._module)
+        startup = self._pool.prepare(self._module)
         if startup and lease.bar is not None:  # reported once, by the map that paid it
             lease.bar.set_postfix_str(f"workers started in {startup:.1f} s", refresh=True)
         self._t0 = time.perf_counter()
@@ -150,6 +150,8 @@ class _ProcessMap(MapIteratorBase):
                     self._send(slot)
 
     def _send(self, slot: Slot) -> None:
+        # A module changed in the loop over this map is sent again, to the batches after.
+        self._pool.prepare(self._module, start=False)
         seq, index, args, kwargs = self._pending.popleft()
         try:
             data = dumps(("run", seq, self._method, args, kwargs, self._state))
@@ -158,7 +160,11 @@ class _ProcessMap(MapIteratorBase):
                 f"DataParallel.map(workers='processes'): batch {index} cannot be sent "
                 f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
             ) from exc
-        self._pool.submit(self._lease.client, slot, (seq, index), data)
+        try:
+            self._pool.submit(self._lease.client, slot, (seq, index), data)
+        except WorkerDiedError as exc:
+            raise add_note(exc, f"dpmethods: while sending batch {index} of DataParallel.map; "
+                           "the next map or call starts a fresh worker") from None
         self._running[slot] += 1
 
     def _tick(self, seq: int) -> None:

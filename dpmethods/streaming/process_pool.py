@@ -120,6 +120,7 @@ class ProcessPool:
         self._setup = threading.RLock()  # one start-up or model update at a time
         self._cond = threading.Condition()
         self._reading = False  # a caller thread is waiting on the pipes
+        self._seen: list[Any] = []  # what the workers' model was built from (see prepare)
         self._finalizer = weakref.finalize(self, stop_all, self.slots)
 
     def started(self) -> bool:
@@ -130,26 +131,32 @@ class ProcessPool:
         with self._setup:
             stop_all(self.slots)
 
-    def prepare(self, client: Client, module: nn.Module) -> float:
-        """Start missing workers and bring every worker to ``module``'s state.
+    def prepare(self, module: nn.Module, *, start: bool = True) -> float:
+        """Bring every worker to ``module``'s state, starting missing ones if ``start``.
 
-        Returns the seconds spent starting workers (0 if none had to start).
+        Returns the seconds spent starting workers (0 if none had to start). With
+        ``start=False`` (before each batch of a running map) only live workers whose
+        model is stale are sent the module again: a dead one is its map's error.
         """
         with self._setup:
             t0 = time.perf_counter()
-            fresh = [s for s in self.slots if not s.usable()]
+            fresh = [s for s in self.slots if not s.usable()] if start else []
             key = "factory" if self.factory is not None else fingerprint(module)
-            stale = [s for s in self.slots if s in fresh or s.key != key]
+            stale = [s for s in self.slots if s in fresh or (s.key != key and s.usable())]
+            if not stale:
+                return 0.0
             # Pickled before any worker starts: a module that can't be sent fails at once.
-            messages = self._model_messages(module, stale) if stale else []
+            messages = self._model_messages(module, stale)
             if fresh:
                 ctx = torch.multiprocessing.get_context(START_METHOD)
                 threads = max(1, torch.get_num_threads() // len(self.slots))
                 for s in fresh:
                     s.stop()
                     s.start(ctx, threads)
-            if stale:
-                self._send_model(client, stale, messages, key)
+            self._send_model(stale, messages, key)
+            # The fingerprint holds identities: keep what it saw alive, so no new object
+            # can take an old one's id (and its place in the fingerprint) unnoticed.
+            self._seen = _identities(module)
             if not fresh:
                 return 0.0
             elapsed = time.perf_counter() - t0
@@ -163,8 +170,10 @@ class ProcessPool:
         payloads = model_payloads(module, len(slots))
         return [dumps(("model", p, s.device)) for p, s in zip(payloads, slots)]
 
-    def _send_model(self, client: Client, slots: list[Slot], messages: list[bytes], key: Any) -> None:
-        # A worker still running other clients' requests builds the new model after them.
+    def _send_model(self, slots: list[Slot], messages: list[bytes], key: Any) -> None:
+        # A client of its own: the replies of the caller's batches are not mixed in. A
+        # worker still running earlier requests builds the new model after them.
+        client = Client()
         for s, m in zip(slots, messages):
             s.key = None  # until it answers "ready"
             s.send(client, "model", m)
@@ -223,6 +232,10 @@ class ProcessPool:
                 return
 
 
+def _identities(module: nn.Module) -> list[Any]:
+    return [v for m in module.modules() for d in (m.__dict__, m._parameters, m._buffers) for v in d.values()]
+
+
 def pool_for(wrapper: Any) -> ProcessPool:
     """The wrapper's pool, made (not started) on first use."""
     pool = wrapper.__dict__.get("_process_pool")
@@ -244,7 +257,7 @@ def call_chunks(wrapper: Any, name: str, inputs: Any, kwargs: Any) -> list[Any]:
     """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather)."""
     pool, client = pool_for(wrapper), Client()
     try:
-        pool.prepare(client, wrapper.module)
+        pool.prepare(wrapper.module)
         state = _ThreadState.capture()
         slots = pool.slots[: len(inputs)]
         for s, a, k in zip(slots, inputs, kwargs):
