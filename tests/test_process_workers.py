@@ -14,6 +14,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -314,6 +316,47 @@ def test_no_worker_is_left_after_close_or_drop() -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # joined: not even a zombie
+
+
+_EXIT_SCRIPT = """
+import torch, dpmethods
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x, *rest):
+        return self.lin(x)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dp = dpmethods.DataParallel(Net(), device_ids=["cpu"] * 2, workers="processes")
+    # Each batch has 40 tensors over the inline size: 40 descriptors for a worker to fetch.
+    batches = [tuple(torch.randn(300, 256) for _ in range(40)) for _ in range(4)]
+    with torch.no_grad():
+        list(dp.map("forward", batches))
+    for _ in range(3):
+        try:
+            next(iter(dp.map("forward", batches)))  # fails (requires grad), batches in flight
+        except RuntimeError:
+            dp.close()  # stops the workers while they may still fetch the batches after
+    print("exiting")
+"""
+
+
+def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
+    # Interpreter exit stops the workers; a worker stopped while it fetched a batch's
+    # shared memory would leave a traceback from multiprocessing's resource sharer.
+    script = tmp_path / "exit_in_flight.py"
+    script.write_text(_EXIT_SCRIPT)
+    run = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "exiting"
+    assert "Traceback" not in run.stderr and "leaked" not in run.stderr, run.stderr
 
 
 def test_a_model_that_cannot_be_pickled_fails_at_once() -> None:

@@ -173,15 +173,21 @@ class Slot:
 
 
 def stop_all(slots: list[Slot]) -> None:
-    """Ask idle workers to exit, give them a moment, then terminate and join the rest."""
-    idle = [s for s in slots if s.usable() and not s.tickets]
-    for s in idle:
+    """Ask every worker to exit, give them a moment, then terminate and join the rest.
+
+    A worker exits on ``("stop",)`` even mid-batch, once it has received every request
+    sent before it: terminating it while it fetches a request's shared memory would
+    leave the caller's resource sharer a broken connection (a traceback at exit).
+    """
+    asked = [s for s in slots if s.usable()]
+    for s in asked:
         try:
-            s.conn.send_bytes(dumps(("stop",)))
+            with s._send_lock:
+                s.conn.send_bytes(dumps(("stop",)))
         except (OSError, EOFError):
             pass
     deadline = time.monotonic() + _STOP_S
-    for s in idle:
+    for s in asked:
         s.process.join(timeout=max(0.0, deadline - time.monotonic()))
     for s in slots:
         s.stop()

@@ -8,7 +8,8 @@ wrapper's ``factory``), then answers one request at a time on its pipe:
 - ``("run", seq, method, args, kwargs, state)``: run ``method`` on the model under the
   caller's grad, inference and autocast modes (``state``); answer ``("done", seq, output)``
   or ``("failed", seq, error, traceback)``;
-- ``("stop",)``, or the caller's end of the pipe closing: exit.
+- ``("stop",)``: exit at once, dropping the requests not run yet; the caller's end of
+  the pipe closing: exit after them.
 
 A thread of the worker receives the requests as they come (and fetches their shared
 memory at once), so the caller's sends never wait for the batch running: the caller
@@ -22,8 +23,10 @@ detached silently. The caller's Ctrl-C is the caller's to handle: workers ignore
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
+import sys
 import threading
 import traceback
 from typing import Any
@@ -106,7 +109,11 @@ def _receive(conn: Any, requests: queue.SimpleQueue[Any]) -> None:
         except (EOFError, OSError):
             break  # the caller is gone
         if msg[0] == "stop":
-            break
+            # Every earlier request was received (its shared memory fetched), so nothing of
+            # the caller's is half-taken: exit now, without running the requests queued.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         requests.put(msg)
         del msg
     requests.put(None)
