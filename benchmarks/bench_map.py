@@ -270,7 +270,17 @@ def _encode_paths(
     dpp = DataParallel(model, device_ids=ids, workers="processes")
     startup = {"processes": _start(dpp, "encode")}
     t0 = time.perf_counter()
-    pool = model.start_multi_process_pool(["cpu"] * len(ids))
+    # Its workers take torch's default thread count (every core each) unless told: give
+    # them one replica's threads, as dpmethods' workers get, so the two pools are alike.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(per_replica)
+    try:
+        pool = model.start_multi_process_pool(["cpu"] * len(ids))
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
     model.encode(sentences[:8], pool=pool)  # its workers load the model on first use
     startup["st-pool"] = time.perf_counter() - t0
 
