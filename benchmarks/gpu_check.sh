@@ -52,6 +52,7 @@ if [ "$HAS_GPU" = "1" ]; then
   step bench_gpu 150 python benchmarks/bench_gather.py --device cuda --quick --budget 0.05 --out "$OUT"
   step bench_dispatch 120 python benchmarks/bench_dispatch.py --quick --out "$OUT"
   step pytest_map_cuda 90 python -m pytest -m cuda tests/test_map.py -q -p no:cacheprovider --junitxml="$OUT/pytest_map_cuda.xml"
+  step pytest_process_cuda 120 python -m pytest -m cuda tests/test_process_workers.py -q -p no:cacheprovider --junitxml="$OUT/pytest_process_cuda.xml"
   step bench_map 150 python benchmarks/bench_map.py --device cuda --quick --out "$OUT"
 else
   echo "no GPU: skipping CUDA tests and GPU benchmark" | tee -a "$STATUS"

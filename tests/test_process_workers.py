@@ -465,3 +465,35 @@ def test_shard_under_two_gloo_ranks(tmp_path: Path) -> None:
             _same(out, ref[i])
         for i, out in res["pairs"]:
             _same(out, ref[i])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("output_device", [None, "cpu"])
+def test_cuda_workers_match_one_device(output_device: str | None) -> None:
+    # One worker per GPU, or two on one GPU (repeated ids). The model is on the GPU
+    # (its tensors go to shared CPU memory, each worker moves them to its device);
+    # CPU batches are moved in the worker, CUDA batches and outputs cross by CUDA IPC.
+    count = torch.cuda.device_count()
+    ids = list(range(count)) if count > 1 else [0, 0]
+    net = build_net().to("cuda:0")
+    dp = dpmethods.DataParallel(net, device_ids=ids, output_device=output_device, workers="processes")
+    target = torch.device(output_device or "cuda:0")
+    batches = [b for b in _batches(7) if b.shape[0] > 1]
+    try:
+        with torch.no_grad():
+            ref = [net.encode(b.cuda()) for b in batches]
+            outs = list(dp.map("encode", batches))
+            outs += list(dp.map("encode", [b.cuda() for b in batches]))
+            called = dp.encode(batches[0].cuda())
+        torch.cuda.synchronize()
+        for got, want in zip(outs, ref + ref, strict=True):
+            assert got["y"].device == target and got["n"] == want["n"]
+            torch.testing.assert_close(got["y"], want["y"].to(target))
+            torch.testing.assert_close(got["norm"], want["norm"].to(target))
+        assert called["y"].device == target
+        torch.testing.assert_close(called["y"], ref[0]["y"].to(target))
+        assert not any(p.is_shared() for p in net.parameters())
+        assert all(p.device == torch.device("cuda:0") for p in net.parameters())
+    finally:
+        dp.close()
+    assert _workers() == []
