@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -86,6 +86,10 @@ class Net(nn.Module):
     def listed(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x)
 
+    @dpmethods.parallel_method
+    def unsendable(self, x: torch.Tensor) -> Any:
+        return (r for r in self.lin(x))  # a generator: it can't be pickled back
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.lin(x))
 
@@ -147,3 +151,29 @@ def shard_rank(rank: int, world: int, port: int, outdir: str) -> None:
         raise
     finally:
         torch.distributed.destroy_process_group()
+
+
+class Unloadable:
+    """Pickles in the caller, but raises when a worker unpickles it (a class it can't import)."""
+
+    def __reduce__(self) -> Any:
+        return (_fail_to_load, ())
+
+
+def _fail_to_load() -> Any:
+    raise ModuleNotFoundError("No module named 'only_in_the_caller'")
+
+
+class Probe:
+    """Unpickled while a reply is read: records what ``watched`` says at that moment."""
+
+    watched: ClassVar[Any] = None
+    seen: ClassVar[list[Any]] = []
+
+    def __reduce__(self) -> Any:
+        return (_probe_loaded, ())
+
+
+def _probe_loaded() -> Probe:
+    Probe.seen.append(Probe.watched())
+    return Probe()

@@ -27,6 +27,8 @@ import pytest
 import torch
 from _process_helpers import (
     Net,
+    Probe,
+    Unloadable,
     build_net,
     build_net_doubled,
     count_calls,
@@ -230,6 +232,55 @@ def test_calls_from_several_threads_at_once(dp: Any, net: Net) -> None:
     with torch.no_grad():
         for out, x in zip(outs, xs, strict=True):
             _same(out, net(x))
+
+
+def test_a_reply_being_read_for_a_map_keeps_the_map_open() -> None:
+    # The thread that reads a reply may not be the map's own. While it unpickles the
+    # reply, the map must not look finished (nothing owed, nothing read), or it would
+    # end short, silently; the probe unpickled inside the reply checks exactly that.
+    from dpmethods.streaming.process_io import dumps
+    from dpmethods.streaming.process_slot import Client, Slot, _Ticket
+
+    ours, theirs = multiprocessing.Pipe()
+    slot, client = Slot(0, torch.device("cpu")), Client()
+    slot.conn = ours
+    # What Slot.send records (it needs a live process to send): one ticket owed.
+    slot.tickets.append(_Ticket(client, "batch 0"))
+    client.expect()
+    Probe.watched, Probe.seen = client.finished, []
+    theirs.send_bytes(dumps(("done", 0, Probe())))
+    slot.read()
+    assert Probe.seen == [False]
+    assert not client.finished() and client.owed == 0
+    (_, tag, reply) = client.inbox.popleft()
+    assert tag == "batch 0" and reply[0] == "done" and isinstance(reply[2], Probe)
+    assert client.finished()
+    ours.close()
+    theirs.close()
+
+
+def test_a_request_the_worker_cannot_unpickle_fails_that_batch_only(dp: Any, net: Net) -> None:
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        before = _pids(dp)
+        with pytest.raises(RuntimeError, match=r"a worker process could not unpickle a request: "
+                           r"ModuleNotFoundError: No module named 'only_in_the_caller'.*"
+                           r"define them in an importable module, or use workers='threads'"):
+            list(dp.map("encode", [x, x], scale=Unloadable()))
+        with pytest.raises(RuntimeError, match="could not unpickle a request"):
+            dp.encode(x, scale=Unloadable())
+        _same(dp.encode(x)["y"], net.encode(x)["y"])
+    assert _pids(dp) == before
+
+
+def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match=r"the output of unsendable cannot be sent back from "
+                           r"the worker process: TypeError: cannot pickle 'generator' object; "
+                           r"return picklable values .* or use workers='threads'"):
+            list(dp.map("unsendable", [x]))
+        _same(dp(x), net(x))
 
 
 def test_a_map_left_open_does_not_hold_the_workers(dp: Any, net: Net) -> None:

@@ -106,7 +106,7 @@ class _ProcessMap(MapIteratorBase):
                 self._yielded += 1
                 return self._buffer.pop(self._yielded - 1)
             self._fill()
-            if not self._lease.client.owed and not self._lease.client.inbox:
+            if self._lease.client.finished():
                 raise StopIteration
             slot, (seq, index), msg = self._pool.reply(self._lease.client)
             self._running[slot] -= 1

@@ -203,7 +203,7 @@ class ProcessPool:
                     self._cond.wait(_POLL_S)
                 if client.inbox:
                     return client.inbox.popleft()
-                if not client.owed:
+                if client.finished():
                     raise RuntimeError("DataParallel(workers='processes'): waiting for a reply "
                                        "with no request in flight")
                 self._reading = True

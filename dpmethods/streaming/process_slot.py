@@ -34,21 +34,52 @@ class WorkerDiedError(RuntimeError):
 class Client:
     """One map or call's share of the pool: the replies read for it, its tickets owed.
 
+    Its counts change in two threads at once: the thread that sends its requests, and
+    whichever thread reads replies for the pool. ``owed += 1`` is not atomic in Python,
+    so every change holds a lock: a lost decrement would end a map short, silently.
+
     Example:
         >>> c = Client()
-        >>> c.owed, len(c.inbox), c.closed
-        (0, 0, False)
+        >>> c.expect(); c.owed, c.finished()
+        (1, False)
+        >>> c.answer(None, "a reply"); c.owed, c.inbox.popleft(), c.finished()
+        (0, (None, None, 'a reply'), True)
     """
 
     def __init__(self) -> None:
-        self.inbox: collections.deque[tuple[Slot, Any, tuple[Any, ...]]] = collections.deque()
+        self.inbox: collections.deque[tuple[Any, Any, tuple[Any, ...]]] = collections.deque()
         self.owed = 0
         self.closed = False
+        self._lock = threading.Lock()
+
+    def expect(self) -> None:
+        """One more request was sent for it."""
+        with self._lock:
+            self.owed += 1
+
+    def withdraw(self) -> None:
+        """A request counted by :meth:`expect` was not sent after all."""
+        with self._lock:
+            self.owed -= 1
+
+    def answer(self, tag: Any, reply: Any, slot: Any = None) -> None:
+        """One owed reply arrived: kept in the inbox unless the client was closed."""
+        with self._lock:
+            # In the inbox before the debt is paid: ``finished()`` never sees neither.
+            if not self.closed:
+                self.inbox.append((slot, tag, reply))
+            self.owed -= 1
+
+    def finished(self) -> bool:
+        """Nothing owed and nothing unread: a map of this client has ended."""
+        with self._lock:
+            return not self.owed and not self.inbox
 
     def close(self) -> None:
         """Drop what was read for it; replies still owed are read and dropped on arrival."""
-        self.closed = True
-        self.inbox.clear()
+        with self._lock:
+            self.closed = True
+            self.inbox.clear()
 
 
 class _Ticket(NamedTuple):
@@ -91,16 +122,16 @@ class Slot:
             if not self.usable():
                 raise self.died()
             self.tickets.append(_Ticket(client, tag))
-            client.owed += 1
+            client.expect()
             try:
                 self.conn.send_bytes(data)
             except (BrokenPipeError, ConnectionError, OSError, EOFError):
                 self.tickets.pop()
-                client.owed -= 1
+                client.withdraw()
                 raise self.died() from None
             except BaseException:
                 self.tickets.pop()
-                client.owed -= 1
+                client.withdraw()
                 self.broken = True  # interrupted mid-message: the pipe is unusable
                 raise
 
@@ -118,14 +149,12 @@ class Slot:
             self.abandon(f"DataParallel(workers='processes'): reading the reply of {self.describe()} "
                          "was interrupted; the next use starts a fresh worker")
             raise
-        if not self.tickets:  # a reply to no request: the protocol is broken, start afresh
+        ticket = self._next_ticket()
+        if ticket is None:  # a reply to no request: the protocol is broken, start afresh
             self.broken = True
             return
-        client, tag = self.tickets.popleft()
-        client.owed -= 1
         reply = loads(data)  # even for a closed client: its shared memory is fetched and freed
-        if not client.closed:
-            client.inbox.append((self, tag, reply))
+        ticket.client.answer(ticket.tag, reply, self)
 
     def died(self) -> WorkerDiedError:
         """The error for this slot's process being gone (joined, with its exit code)."""
@@ -147,11 +176,15 @@ class Slot:
     def abandon(self, text: str) -> None:
         """Answer every ticket with ``("lost", text)``: its reply will never come."""
         self.broken = True
-        while self.tickets:
-            client, tag = self.tickets.popleft()
-            client.owed -= 1
-            if not client.closed:
-                client.inbox.append((self, tag, ("lost", text)))
+        while (ticket := self._next_ticket()) is not None:
+            ticket.client.answer(ticket.tag, ("lost", text), self)
+
+    def _next_ticket(self) -> _Ticket | None:
+        # close() in one thread may abandon the tickets while another reads: never pop twice.
+        try:
+            return self.tickets.popleft()
+        except IndexError:
+            return None
 
     def stop(self) -> None:
         """Terminate and join at once (kill if needed), and forget the process."""

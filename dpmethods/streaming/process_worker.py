@@ -105,9 +105,14 @@ def _receive(conn: Any, requests: queue.SimpleQueue[Any]) -> None:
     """Put each request on ``requests`` as it arrives; ``None`` once there are no more."""
     while True:
         try:
-            msg = loads(conn.recv_bytes())
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             break  # the caller is gone
+        try:
+            msg = loads(data)
+        except BaseException as exc:  # a class this process can't import: that request fails
+            msg = ("unreadable", exc)
+        del data
         if msg[0] == "stop":
             # Every earlier request was received (its shared memory fetched), so nothing of
             # the caller's is half-taken: exit now, without running the requests queued.
@@ -123,14 +128,32 @@ def _answer(model: nn.Module | None, msg: tuple[Any, ...], dev: torch.device) ->
     """The model after ``msg``, and the reply to send for it."""
     seq = msg[1] if msg[0] == "run" else None
     try:
+        if msg[0] == "unreadable":
+            raise RuntimeError(
+                f"DataParallel(workers='processes'): a worker process could not unpickle a "
+                f"request: {type(msg[1]).__name__}: {msg[1]}. Classes defined in __main__ of an "
+                f"interactive session, or in modules the worker cannot import, can't cross "
+                f"processes: define them in an importable module, or use workers='threads'"
+            ) from msg[1]
         if msg[0] == "run":
             if model is None:
                 raise RuntimeError("DataParallel: worker process got a batch before its model")
-            return model, dumps(("done", seq, _run(model, msg, dev)))
+            return model, _done(seq, msg[2], _run(model, msg, dev))
         model = None  # the old one's memory goes first
         return _build(msg), dumps(("ready",))
     except BaseException as exc:
         return model, _failure(seq, exc)
+
+
+def _done(seq: Any, method: str, out: Any) -> bytes:
+    try:
+        return dumps(("done", seq, out))
+    except Exception as exc:
+        raise TypeError(
+            f"DataParallel(workers='processes'): the output of {method} cannot be sent back "
+            f"from the worker process: {type(exc).__name__}: {exc}; return picklable values "
+            f"(tensors, numbers, strings, ModelOutput...), or use workers='threads'"
+        ) from exc
 
 
 def serve(conn: Any, index: int, device: str, threads: int) -> None:
