@@ -410,6 +410,31 @@ def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
     assert "Traceback" not in run.stderr and "leaked" not in run.stderr, run.stderr
 
 
+_UNGUARDED_SCRIPT = """
+import torch, dpmethods
+
+dp = dpmethods.DataParallel(torch.nn.Linear(4, 2), device_ids=["cpu"] * 2, workers="processes")
+with torch.no_grad():
+    list(dp.map("forward", [torch.randn(2, 4)]))
+"""
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Path) -> None:
+    # spawn runs the main module again in each worker: unguarded, the worker fails in
+    # multiprocessing's start-up, and the caller sees only an exit code without the hint.
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    # The caller's traceback is the last one on stderr (the workers' come before it).
+    last = run.stderr[run.stderr.rindex("Traceback"):]
+    assert "WorkerDiedError: DataParallel(workers='processes'): worker" in last, run.stderr
+    assert "died with exit code 1" in last
+    assert "must start its work under `if __name__ == \"__main__\":`" in last
+    assert "or use workers='threads'" in last
+
+
 def test_a_model_that_cannot_be_pickled_fails_at_once() -> None:
     net = build_net()
     net.lin.register_forward_hook(lambda m, i, o: o)

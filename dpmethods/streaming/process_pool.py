@@ -50,6 +50,13 @@ _MODEL_HINT = (
     "be imported by a spawned process: define it in a module, or pass factory=, or use "
     "workers='threads')"
 )
+_START_HINT = (
+    "dpmethods: a worker that dies while it starts has usually failed in multiprocessing's "
+    "spawn start-up (its traceback is on stderr, above): spawn runs the main module again "
+    "in each worker, so a script must start its work under `if __name__ == \"__main__\":`, "
+    "and a program read from stdin cannot be run again; run it from a file with that guard, "
+    "or use workers='threads'"
+)
 
 
 def check_workers(value: Any, name: str = "workers") -> str:
@@ -153,7 +160,7 @@ class ProcessPool:
                 for s in fresh:
                     s.stop()
                     s.start(ctx, threads)
-            self._send_model(stale, messages, key)
+            self._send_model(stale, messages, key, fresh)
             # The fingerprint holds identities: keep what it saw alive, so no new object
             # can take an old one's id (and its place in the fingerprint) unnoticed.
             self._seen = _identities(module)
@@ -170,13 +177,18 @@ class ProcessPool:
         payloads = model_payloads(module, len(slots))
         return [dumps(("model", p, s.device)) for p, s in zip(payloads, slots)]
 
-    def _send_model(self, slots: list[Slot], messages: list[bytes], key: Any) -> None:
+    def _send_model(
+        self, slots: list[Slot], messages: list[bytes], key: Any, fresh: list[Slot]
+    ) -> None:
         # A client of its own: the replies of the caller's batches are not mixed in. A
         # worker still running earlier requests builds the new model after them.
         client = Client()
         for s, m in zip(slots, messages):
             s.key = None  # until it answers "ready"
-            s.send(client, "model", m)
+            try:
+                s.send(client, "model", m)
+            except WorkerDiedError as exc:
+                raise add_note(exc, _START_HINT) if s in fresh else exc from None
         messages.clear()
         failure = None
         for _ in slots:
@@ -188,6 +200,8 @@ class ProcessPool:
                     msg, slot, f"DataParallel(workers='processes'): raised {_MODEL_HINT}",
                     "the construction of its model",
                 )
+                if msg[0] == "lost" and slot in fresh:
+                    failure = add_note(failure, _START_HINT)
         if failure is not None:
             raise failure
 
