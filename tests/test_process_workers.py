@@ -435,6 +435,32 @@ def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Pa
     assert "or use workers='threads'" in last
 
 
+_GUARDED_CLASS_SCRIPT = """
+import torch, dpmethods
+
+if __name__ == "__main__":
+    class Net(torch.nn.Linear):  # a worker's __mp_main__ does not run this block
+        pass
+
+    dp = dpmethods.DataParallel(Net(4, 2), device_ids=["cpu"] * 2, workers="processes")
+    with torch.no_grad():
+        list(dp.map("forward", [torch.randn(2, 4)]))
+"""
+
+
+def test_a_model_class_the_workers_cannot_import_is_named(tmp_path: Path) -> None:
+    script = tmp_path / "guarded_class.py"
+    script.write_text(_GUARDED_CLASS_SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    assert "AttributeError: Can't get attribute 'Net'" in run.stderr, run.stderr
+    assert ("raised while building its model (a class defined in __main__ of an interactive "
+            "session, or inside `if __name__ == \"__main__\":`, cannot be imported by a spawned "
+            "process: define it at the top level of a module, or pass factory=, or use "
+            "workers='threads')") in run.stderr
+
+
 def test_a_model_that_cannot_be_pickled_fails_at_once() -> None:
     net = build_net()
     net.lin.register_forward_hook(lambda m, i, o: o)

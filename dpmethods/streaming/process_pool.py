@@ -46,9 +46,9 @@ START_METHOD = "spawn"
 _LOG = logging.getLogger("dpmethods")
 _POLL_S = 1.0  # a waiting caller wakes this often (Ctrl-C lands promptly)
 _MODEL_HINT = (
-    "while building its model (a class defined in __main__ of an interactive session cannot "
-    "be imported by a spawned process: define it in a module, or pass factory=, or use "
-    "workers='threads')"
+    "while building its model (a class defined in __main__ of an interactive session, or "
+    "inside `if __name__ == \"__main__\":`, cannot be imported by a spawned process: define "
+    "it at the top level of a module, or pass factory=, or use workers='threads')"
 )
 _START_HINT = (
     "dpmethods: a worker that dies while it starts has usually failed in multiprocessing's "
