@@ -398,13 +398,18 @@ if __name__ == "__main__":
 """
 
 
+def _run_script(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``text`` run as a script file of its own (spawn needs a main module it can import)."""
+    script = tmp_path / "script.py"
+    script.write_text(text)
+    return subprocess.run([sys.executable, *flags, str(script)], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+
+
 def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
     # Interpreter exit stops the workers; a worker stopped while it fetched a batch's
     # shared memory would leave a traceback from multiprocessing's resource sharer.
-    script = tmp_path / "exit_in_flight.py"
-    script.write_text(_EXIT_SCRIPT)
-    run = subprocess.run([sys.executable, "-W", "always", str(script)], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
+    run = _run_script(tmp_path, _EXIT_SCRIPT, "-W", "always")
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "exiting"
     assert "Traceback" not in run.stderr and "leaked" not in run.stderr, run.stderr
@@ -422,10 +427,7 @@ with torch.no_grad():
 def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Path) -> None:
     # spawn runs the main module again in each worker: unguarded, the worker fails in
     # multiprocessing's start-up, and the caller sees only an exit code without the hint.
-    script = tmp_path / "unguarded.py"
-    script.write_text(_UNGUARDED_SCRIPT)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    run = _run_script(tmp_path, _UNGUARDED_SCRIPT)
     assert run.returncode == 1
     # The caller's traceback is the last one on stderr (the workers' come before it).
     last = run.stderr[run.stderr.rindex("Traceback"):]
@@ -449,10 +451,7 @@ if __name__ == "__main__":
 
 
 def test_a_model_class_the_workers_cannot_import_is_named(tmp_path: Path) -> None:
-    script = tmp_path / "guarded_class.py"
-    script.write_text(_GUARDED_CLASS_SCRIPT)
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    run = _run_script(tmp_path, _GUARDED_CLASS_SCRIPT)
     assert run.returncode == 1
     assert "AttributeError: Can't get attribute 'Net'" in run.stderr, run.stderr
     assert ("raised while building its model (a class defined in __main__ of an interactive "
