@@ -402,8 +402,11 @@ def _run_script(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedP
     """``text`` run as a script file of its own (spawn needs a main module it can import)."""
     script = tmp_path / "script.py"
     script.write_text(text)
+    # dpmethods as this test imported it: installed, or built in place (CI's torch 2.11 leg).
+    root = str(Path(dpmethods.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, *flags, str(script)], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path)
+                          text=True, timeout=120, cwd=tmp_path, env=env)
 
 
 def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
