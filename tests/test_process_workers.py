@@ -11,6 +11,7 @@ import concurrent.futures
 import gc
 import multiprocessing
 import os
+import random
 import re
 import signal
 import socket
@@ -220,18 +221,42 @@ def test_maps_and_calls_share_the_workers(dp: Any, net: Net) -> None:
             _same(m, net(y))
 
 
-def test_calls_from_several_threads_at_once(dp: Any, net: Net) -> None:
-    xs = [torch.randn(4, 4) for _ in range(24)]
+@torch.no_grad()  # grad mode is per thread: this runs in the pool's threads
+def _mixed_use(dp: Any, x: torch.Tensor, seed: int) -> tuple[list[Any], list[torch.Tensor]]:
+    """One thread's use of the shared workers: a call, a map (ordered or not), or a map
+    closed after its first output; returns what it got and the batches it ran."""
+    r = random.Random(seed)
+    batches = [x * j for j in range(r.randrange(1, 6))]
+    kind = r.randrange(4)
+    if kind == 0:
+        return [dp(x)], [x]
+    if kind == 1:
+        return list(dp.map("forward", batches, prefetch=r.randrange(1, 3))), batches
+    if kind == 2:
+        pairs = sorted(dp.map("forward", batches, ordered=False), key=lambda p: p[0])
+        assert [i for i, _ in pairs] == list(range(len(batches)))
+        return [out for _, out in pairs], batches
+    with dp.map("forward", batches) as it:
+        return [next(it)], batches[:1]
 
-    def call(x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            return dp(x) if x[0, 0] > 0 else list(dp.map("forward", [x, x]))[1]
 
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(call, xs))
-    with torch.no_grad():
-        for out, x in zip(outs, xs, strict=True):
-            _same(out, net(x))
+def test_calls_and_maps_from_several_threads_at_once(dp: Any, net: Net) -> None:
+    # Six threads share two workers; whichever thread reads a reply delivers it. A map
+    # must never end short while another thread is reading its last reply (a lost output,
+    # silently); thread switches as often as possible make such windows show.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        with torch.no_grad(), concurrent.futures.ThreadPoolExecutor(6) as pool:
+            for round_ in range(40):
+                xs = [torch.randn(1 + i % 5, 4) for i in range(32)]
+                seeds = [round_ * 100 + i for i in range(32)]
+                for got, ran in pool.map(_mixed_use, [dp] * 32, xs, seeds):
+                    assert len(got) == len(ran)
+                    for out, batch in zip(got, ran):
+                        _same(out, net(batch))
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_a_reply_being_read_for_a_map_keeps_the_map_open() -> None:
