@@ -126,6 +126,9 @@ def _loss_call(model: nn.Module, kwargs: dict[str, Any], devices: int) -> tuple[
         warnings.simplefilter("always")
         want = model(**kwargs)
         got = DataParallel(model, device_ids=["cpu"] * devices)(**kwargs)
+    if isinstance(want, transformers.utils.ModelOutput):
+        # out[0] and to_tuple() follow the keys' order: the loss first, as on one device.
+        assert list(got.keys()) == list(want.keys())
     return got, want, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
 
 
@@ -268,6 +271,50 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
     model.zero_grad()
     DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
     _close(weight.grad, want_grad)
+
+
+_BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+             intermediate_size=32, max_position_embeddings=32)
+
+
+def _classification_case(kind: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(5, 50, (n, 6), generator=g)
+    classes = torch.randint(0, 3, (n,), generator=g)
+    classes[1] = -100  # an ignored row: the replicas' means are weighted by counted rows
+    torch.manual_seed(0)
+    if kind == "single-label":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(**_BERT, num_labels=3))
+        return model, dict(input_ids=ids, labels=classes)
+    if kind == "regression":
+        model = transformers.BertForSequenceClassification(transformers.BertConfig(**_BERT, num_labels=1))
+        return model, dict(input_ids=ids, labels=torch.randn(n, generator=g))
+    if kind == "multi-label":
+        config = transformers.BertConfig(**_BERT, num_labels=3, problem_type="multi_label_classification")
+        labels = (torch.rand(n, 3, generator=g) > 0.5).float()
+        return transformers.BertForSequenceClassification(config), dict(input_ids=ids, labels=labels)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1,
+                                         n_head=2, num_labels=3, pad_token_id=0)
+        return transformers.GPT2ForSequenceClassification(config), dict(input_ids=ids, labels=classes)
+    choices = torch.randint(5, 50, (n, 3, 6), generator=g)  # 3 choices: no share's size
+    return transformers.BertForMultipleChoice(transformers.BertConfig(**_BERT)), dict(
+        input_ids=choices, labels=classes
+    )
+
+
+@pytest.mark.parametrize("kind", ["single-label", "regression", "multi-label", "gpt2", "multiple-choice"])
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_classification_heads_losses_equal_the_full_batch_loss(n: int, devices: int, kind: str) -> None:
+    # The heads bind one loss_fct to MSELoss, CrossEntropyLoss or BCEWithLogitsLoss by
+    # problem type; each joins as the full batch's, with no configuration and no warning.
+    model, kwargs = _classification_case(kind, n)
+    got, want, warned = _loss_call(model, kwargs, devices)
+    assert warned == []
+    assert got.loss.dim() == 0
+    _close(got.loss, want.loss)
+    _close(got[0], want[0])  # the loss, as on one device
+    _close(got.logits, want.logits)
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)

@@ -23,11 +23,12 @@ the per-image outputs of vision towers in image order.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ from dpmethods.integrations.transformers.vision import take_per_image
 from dpmethods.parallel import gather
 from dpmethods.warn_once import warn_once
 
-__all__ = ["FORWARD_MODE", "LOSS_COUNT", "LossPlan", "loss_plan"]
+__all__ = ["FORWARD_MODE", "LOSS_COUNT", "LossPlan", "in_field_order", "loss_plan"]
 
 FORWARD_MODE = "transformers_forward"
 
@@ -164,10 +165,16 @@ def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
     if "problem_type" in source and hasattr(getattr(model, "config", None), "problem_type"):
         if _problem_type(model.config, labels) != "single_label_classification":
             return LossPlan("mean")  # mean squared error, binary cross-entropy: per row
-    made = _MADE_CE.findall(source)
-    if len(made) != 1 or made[0][1].replace(" ", "") not in ("", "ignore_index=-100"):
+    made = list(_MADE_CE.finditer(source))
+    if len(made) != 1 or made[0].group(2).replace(" ", "") not in ("", "ignore_index=-100"):
         return None
-    calls = re.findall(rf"(?<![\w.]){made[0][0]}\((.*)\)\s*$", source, re.M)
+    # The calls of the name while it is bound to the cross-entropy: sequence-classification
+    # heads bind one name (loss_fct) to MSELoss, CrossEntropyLoss and BCEWithLogitsLoss in
+    # turn, one per problem type, and call it in each branch.
+    fn, scope = made[0].group(1), source[made[0].end():]
+    rebound = re.search(rf"(?<![\w.]){fn}\s*=[^=]", scope)
+    scope = scope[: rebound.start()] if rebound else scope
+    calls = re.findall(rf"(?<![\w.]){fn}\((.*)\)\s*$", scope, re.M)
     if len(calls) != 1 or len(_arguments(calls[0])) != 2:
         return None
     name = re.match(r"\w*", _arguments(calls[0])[1]).group(0)  # type: ignore[union-attr]
@@ -304,7 +311,34 @@ def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) 
         out["loss"] = loss
     for key, value in per_image.items():
         out[key] = value  # a ModelOutput: per-image outputs exist only with return_dict
-    return out
+    return in_field_order(out)
+
+
+def in_field_order(out: Any) -> Any:
+    """``out`` with its keys in its dataclass's field order, as the model builds it.
+
+    A ModelOutput's ``out[0]`` and ``to_tuple()`` follow the order of its keys, and a key
+    set after the gather (the joined loss, per-image outputs) would come last: ``out[0]``
+    would be the logits, not the loss, as it is on one device.
+
+    Example:
+        >>> from transformers.modeling_outputs import SequenceClassifierOutput
+        >>> out = SequenceClassifierOutput(logits=torch.ones(1))
+        >>> out["loss"] = torch.zeros(())
+        >>> list(out), list(in_field_order(out))
+        (['logits', 'loss'], ['loss', 'logits'])
+    """
+    if not (dataclasses.is_dataclass(out) and isinstance(out, MutableMapping)):
+        return out
+    names = [f.name for f in dataclasses.fields(out) if f.init]
+    keys = list(out)
+    if keys == [k for k in names if k in out] + [k for k in keys if k not in names]:
+        return out
+    rebuilt = type(out)(**{k: out[k] for k in names if k in out})
+    for k in keys:
+        if k not in names:
+            rebuilt[k] = out[k]
+    return rebuilt
 
 
 register_gather_mode(FORWARD_MODE, gather_forward)
