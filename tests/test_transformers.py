@@ -317,6 +317,57 @@ def test_classification_heads_losses_equal_the_full_batch_loss(n: int, devices: 
     _close(got.logits, want.logits)
 
 
+def _question_answering(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "bert":  # computes its loss itself (ignored_index)
+        return transformers.BertForQuestionAnswering(transformers.BertConfig(**_BERT))
+    config = transformers.LlamaConfig(  # transformers' ForQuestionAnsweringLoss
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+    )
+    return transformers.LlamaForQuestionAnswering(config)
+
+
+def _positions(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(n)
+    starts = torch.randint(0, width, (n,), generator=g)
+    ends = torch.randint(0, width, (n,), generator=g)
+    starts[1] = ends[1] = width + 2  # an answer outside the input: ignored by both losses
+    starts[n - 1] = ends[n - 1] = width
+    return starts, ends
+
+
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+@pytest.mark.parametrize("return_dict", [True, False])
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_question_answering_loss_equals_the_full_batch_loss(
+    n: int, devices: int, kind: str, return_dict: bool
+) -> None:
+    ids = torch.randint(5, 50, (n, 6), generator=torch.Generator().manual_seed(n))
+    starts, ends = _positions(n, 6)
+    kwargs = dict(input_ids=ids, start_positions=starts, end_positions=ends, return_dict=return_dict)
+    got, want, warned = _loss_call(_question_answering(kind), kwargs, devices)
+    assert warned == []
+    assert got[0].dim() == 0
+    _close(got[0], want[0])  # the loss first, as on one device
+    _close(got[1], want[1])
+
+
+def test_question_answering_positions_ignored_by_one_loss_only_are_said() -> None:
+    # Row 0's start is outside the input and its end is not: the start loss averages over
+    # other rows than the end loss, and no weight per replica gives the full-batch loss.
+    ids = torch.randint(5, 50, (6, 6), generator=torch.Generator().manual_seed(0))
+    starts, ends = _positions(6, 6)
+    starts[0], ends[0] = 9, 2
+    kwargs = dict(input_ids=ids, start_positions=starts, end_positions=ends)
+    got, want, warned = _loss_call(_question_answering("bert"), kwargs, 3)
+    assert got.loss.shape == (3,)
+    assert [w for w in warned if "BertForQuestionAnswering.forward: some rows' start and end "
+            "positions are not both inside the sequence" in w and "one value per replica" in w]
+    assert not [w for w in warned if "gather='mean'" in w], warned  # not the full-batch loss
+    _close(got.start_logits, want.start_logits)
+
+
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_a_weighted_loss_with_return_dict_false_is_the_first_element(n: int, devices: int) -> None:
     model = _bert_mlm()

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from dpmethods.extending import Call, CallHooks, register_gather_mode
+from dpmethods.integrations.transformers.spans import is_span_loss, span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
 from dpmethods.parallel import gather
 from dpmethods.warn_once import warn_once
@@ -51,8 +52,9 @@ class LossPlan:
 
     Attributes:
         mode: ``"sum"`` (shares of the full loss), ``"mean"`` (weighted by rows),
-            ``"tokens"`` (weighted by counted labels) or ``"cat"`` (one loss per row,
-            joined along the batch).
+            ``"tokens"`` (weighted by counted labels), ``"spans"`` (question answering's
+            start and end losses, weighted by counted positions) or ``"cat"`` (one loss
+            per row, joined along the batch).
         count: the ``num_items_in_batch`` every replica is given, if any.
         shift: with ``"tokens"``, the labels that count are ``labels[..., 1:]``.
         ignore: with ``"tokens"``, the label that does not count.
@@ -212,7 +214,8 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
     given = _bound(model, args, kwargs)
     labels = given.get("labels")
     if not isinstance(labels, Tensor):
-        return None
+        # Question answering: a mean of two means, weighted per call (see spans).
+        return LossPlan("spans") if is_span_loss(model, _source(type(model)), given) else None
     if _adds_router_loss(model, given):
         return None  # a mixture of experts' load-balancing term: neither a sum nor a mean
     if given.get("num_items_in_batch") is not None:
@@ -242,8 +245,14 @@ def _labels(call: Call) -> Any:
     return _bound(getattr(call.module, "_orig_mod", call.module), call.args, call.kwargs).get("labels")
 
 
-def _weights(plan: LossPlan, call: Call, sizes: list[int] | None, n: int) -> list[float]:
-    """Each replica's weight in the full-batch loss."""
+def _weights(plan: LossPlan, call: Call, sizes: list[int] | None, outputs: list[Any]) -> list[float] | None:
+    """Each replica's weight in the full-batch loss (None: no weights give it)."""
+    n = len(outputs)
+    if plan.mode == "spans":
+        length = start_length(outputs)
+        if sizes is None or length is None:
+            return None
+        return span_weights(_bound(getattr(call.module, "_orig_mod", call.module), call.args, call.kwargs), length, sizes)
     if plan.mode == "sum" or sizes is None:
         return [1.0] * n if plan.mode == "sum" else [1.0 / n] * n
     if plan.mode == "mean":
@@ -262,6 +271,17 @@ def _join_losses(losses: Sequence[Tensor], device: torch.device, weights: list[f
     if not kept:
         return losses[0].to(device) * 0
     return torch.stack(kept).sum() if len(kept) > 1 else kept[0]
+
+
+def _warn_spans(call: Call) -> None:
+    warn_once(
+        f"DataParallel: {type(call.module).__name__}.forward: some rows' start and end "
+        "positions are not both inside the sequence (a position equal to or past its length "
+        "is ignored by one loss and not the other), so no weight per replica gives the "
+        "full-batch loss: it comes back as one value per replica. For the exact value, "
+        "compute the loss from the gathered start_logits and end_logits.",
+        stacklevel=6,
+    )
 
 
 def _warn_unknown(call: Call) -> None:
@@ -294,15 +314,25 @@ def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) 
     sizes = list(call.sizes) if len(call.sizes) == n else None
     extra: dict[str, Any] = dict(sizes=sizes, gather_dim=opts.gather_dim, pad_value=opts.pad_value)
     plan = loss_plan(call.module, call.args, call.kwargs)
-    if plan is None and isinstance(_labels(call), Tensor):
+    warned = plan is None and isinstance(_labels(call), Tensor)
+    if warned:
         _warn_unknown(call)
     per_image = take_per_image(outputs, device)
     tuples = type(outputs[0]) is tuple
     losses = [o[0] if tuples else o.get("loss") for o in outputs] if plan is not None else []
-    if plan is None or plan.mode == "cat" or not all(isinstance(x, Tensor) for x in losses):
-        out = gather(outputs, device, opts.dim, **extra)
+    weights = None
+    if plan is not None and plan.mode != "cat" and all(isinstance(x, Tensor) for x in losses):
+        weights = _weights(plan, call, sizes, outputs)
+        if weights is None and plan.mode == "spans":
+            _warn_spans(call)
+            warned = True
+    if weights is None:
+        # Our warning says why the losses stay per replica; the gather's own note on 0-dim
+        # outputs would suggest gather='mean', which is not the full-batch loss here.
+        mode: Any = ({0: "stack"} if tuples else {"loss": "stack"}) if warned else "cat"
+        out = gather(outputs, device, opts.dim, mode=mode, **extra)
     else:
-        loss = _join_losses(losses, device, _weights(plan, call, sizes, n))
+        loss = _join_losses(losses, device, weights)
         if tuples:  # return_dict=False: the loss comes first
             return (loss, *gather([o[1:] for o in outputs], device, opts.dim, **extra))
         for o in outputs:
