@@ -246,7 +246,25 @@ def _image_gpt() -> nn.Module:  # a causal LM whose forward shifts the labels it
     return transformers.ImageGPTForCausalImageModeling(config)
 
 
-@pytest.mark.parametrize("build", [_bert_mlm, _t5, _image_gpt], ids=["bert-mlm", "t5", "imagegpt"])
+def _distilbert_mlm() -> nn.Module:  # its CrossEntropyLoss is a child module, made in __init__
+    torch.manual_seed(0)
+    config = transformers.DistilBertConfig(
+        vocab_size=50, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_position_embeddings=32,
+        dropout=0.0, attention_dropout=0.0,
+    )
+    return transformers.DistilBertForMaskedLM(config)
+
+
+def _llama_tokens() -> nn.Module:  # calls self.loss_function without **kwargs
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**_LLAMA, num_labels=50, classifier_dropout=0.0)
+    return transformers.LlamaForTokenClassification(config)
+
+
+@pytest.mark.parametrize(
+    "build", [_bert_mlm, _t5, _image_gpt, _distilbert_mlm, _llama_tokens],
+    ids=["bert-mlm", "t5", "imagegpt", "distilbert-mlm", "llama-token-classification"],
+)
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_batch_loss(
     n: int, devices: int, build: Any
@@ -275,6 +293,8 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
 
 _BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
              intermediate_size=32, max_position_embeddings=32)
+_LLAMA = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
 
 
 def _classification_case(kind: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
@@ -293,6 +313,9 @@ def _classification_case(kind: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
         config = transformers.BertConfig(**_BERT, num_labels=3, problem_type="multi_label_classification")
         labels = (torch.rand(n, 3, generator=g) > 0.5).float()
         return transformers.BertForSequenceClassification(config), dict(input_ids=ids, labels=labels)
+    if kind == "llama":  # self.loss_function without **kwargs: a mean over counted rows
+        config = transformers.LlamaConfig(**_LLAMA, num_labels=3, pad_token_id=0)
+        return transformers.LlamaForSequenceClassification(config), dict(input_ids=ids, labels=classes)
     if kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1,
                                          n_head=2, num_labels=3, pad_token_id=0)
@@ -303,7 +326,7 @@ def _classification_case(kind: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
     )
 
 
-@pytest.mark.parametrize("kind", ["single-label", "regression", "multi-label", "gpt2", "multiple-choice"])
+@pytest.mark.parametrize("kind", ["single-label", "regression", "multi-label", "gpt2", "llama", "multiple-choice"])
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_classification_heads_losses_equal_the_full_batch_loss(n: int, devices: int, kind: str) -> None:
     # The heads bind one loss_fct to MSELoss, CrossEntropyLoss or BCEWithLogitsLoss by
