@@ -35,8 +35,10 @@ class Client:
     """One map or call's share of the pool: the replies read for it, its tickets owed.
 
     Its counts change in two threads at once: the thread that sends its requests, and
-    whichever thread reads replies for the pool. ``owed += 1`` is not atomic in Python,
-    so every change holds a lock: a lost decrement would end a map short, silently.
+    whichever thread reads replies for the pool. A reply goes into the inbox and its debt
+    is paid in one step, under a lock: were the debt paid while the reply was still being
+    unpickled, the map would look finished (nothing owed, nothing read) and end short,
+    silently.
 
     Example:
         >>> c = Client()
@@ -65,7 +67,6 @@ class Client:
     def answer(self, tag: Any, reply: Any, slot: Any = None) -> None:
         """One owed reply arrived: kept in the inbox unless the client was closed."""
         with self._lock:
-            # In the inbox before the debt is paid: ``finished()`` never sees neither.
             if not self.closed:
                 self.inbox.append((slot, tag, reply))
             self.owed -= 1
