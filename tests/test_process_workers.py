@@ -526,7 +526,7 @@ def test_invalid_workers_and_factory() -> None:
         dp.map("encode", [], workers=2)
 
 
-def test_generate_without_no_grad_in_maps_and_calls() -> None:
+def test_generate_without_no_grad_and_a_loss_in_maps_and_calls() -> None:
     pytest.importorskip("transformers")
     model = tiny_gpt2()
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
@@ -545,6 +545,14 @@ def test_generate_without_no_grad_in_maps_and_calls() -> None:
         for a, b in zip(outs, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(call, ref[3], rtol=0, atol=0)
+        # forward with labels: the loss joined as the full batch's, first in the output.
+        ids = torch.randint(2, 64, (5, 6), generator=g)
+        labels = ids.masked_fill(torch.rand(5, 6, generator=g) < 0.5, -100)
+        with torch.no_grad():
+            got, want = dp(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+        assert list(got.keys()) == list(want.keys())
+        torch.testing.assert_close(got[0], want.loss)
+        torch.testing.assert_close(got.logits, want.logits)
     finally:
         dp.close()
 
