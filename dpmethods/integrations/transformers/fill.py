@@ -10,7 +10,6 @@ the returned sequences, merged from the call's keyword arguments, the
 from __future__ import annotations
 
 import copy
-import inspect
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from torch import Tensor
 
 from dpmethods.extending import Call, CallHooks
+from dpmethods.integrations.transformers.arguments import bound_arguments, unwrap
 
 __all__ = ["PREFIX_OFFSET", "OffsetPrefixFn", "call_fill"]
 
@@ -32,19 +32,9 @@ def _first(value: Any) -> int | None:
     return int(value)
 
 
-def _model(module: Any) -> Any:
-    return getattr(module, "_orig_mod", module)  # through torch.compile's wrapper
-
-
 def _generation_config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """The generation config one ``model.generate(*args, **kwargs)`` call runs with."""
-    given = dict(kwargs)
-    try:
-        bound = inspect.signature(model.generate).bind_partial(*args, **kwargs)
-        given = dict(bound.arguments)
-        given.update(given.pop("kwargs", {}) or {})
-    except (TypeError, ValueError):
-        pass
+    given = bound_arguments(model.generate, args, kwargs)
     config = given.pop("generation_config", None)
     prepare = getattr(model, "_prepare_generation_config", None)
     if callable(prepare):
@@ -78,7 +68,7 @@ def call_fill(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
         >>> call_fill(NS(generation_config=config, generate=lambda **kw: None), (), {})
         {'fill_token_id': 7, 'num_beams': 1, 'num_return_sequences': 1}
     """
-    model = _model(module)
+    model = unwrap(module)
     config = _generation_config(model, args, kwargs)
     pad, eos = _first(config.pad_token_id), _first(config.eos_token_id)
     beams = int(getattr(config, "num_beams", 1) or 1)

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dpmethods.integrations.transformers.arguments import bound_arguments, unwrap
 from dpmethods.integrations.transformers.spans import is_span_loss
 
-__all__ = ["LossPlan", "bound_arguments", "loss_plan"]
+__all__ = ["LossPlan", "loss_plan"]
 
 
 @dataclass(frozen=True)
@@ -88,25 +89,6 @@ def _passes_kwargs_to_loss(cls: type) -> bool:
         return False
     takes = any(p.kind == p.VAR_KEYWORD for p in params.values())
     return takes and _LOSS_CALL.search(_source(cls)) is not None
-
-
-def bound_arguments(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The arguments of ``model.forward(*args, **kwargs)`` by name (its ``**kwargs`` merged in).
-
-    Example:
-        >>> import torch
-        >>> bound_arguments(torch.nn.Linear(2, 2), (torch.ones(1, 2),), {})["input"].shape
-        torch.Size([1, 2])
-    """
-    given = dict(kwargs)
-    if args:
-        try:
-            bound = inspect.signature(model.forward).bind_partial(*args, **kwargs)
-            given = dict(bound.arguments)
-            given.update(given.pop("kwargs", {}) or {})
-        except (TypeError, ValueError):
-            pass
-    return given
 
 
 def _problem_type(config: Any, labels: Tensor) -> str:
@@ -232,8 +214,8 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2), "num_items_in_batch": 5})
         LossPlan(mode='sum', count=None, shift=False, ignore=-100)
     """
-    model = getattr(model, "_orig_mod", model)  # through torch.compile's wrapper
-    given = bound_arguments(model, args, kwargs)
+    model = unwrap(model)
+    given = bound_arguments(model.forward, args, kwargs)
     labels = given.get("labels")
     if not isinstance(labels, Tensor):
         # Question answering: a mean of two means, weighted per call (see spans).

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from dpmethods.extending import Call, CallHooks, register_gather_mode
-from dpmethods.integrations.transformers.loss_plans import LossPlan, bound_arguments, loss_plan
+from dpmethods.integrations.transformers.arguments import bound_arguments, unwrap
+from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
 from dpmethods.parallel import gather
@@ -46,8 +47,12 @@ LOSS_COUNT = CallHooks(prepare=_count_prepare)
 """The hooks that give every replica the full batch's ``num_items_in_batch``."""
 
 
+def _given(call: Call) -> dict[str, Any]:
+    return bound_arguments(unwrap(call.module).forward, call.args, call.kwargs)
+
+
 def _labels(call: Call) -> Any:
-    return bound_arguments(getattr(call.module, "_orig_mod", call.module), call.args, call.kwargs).get("labels")
+    return _given(call).get("labels")
 
 
 def _weights(plan: LossPlan, call: Call, sizes: list[int] | None, outputs: list[Any]) -> list[float] | None:
@@ -57,7 +62,7 @@ def _weights(plan: LossPlan, call: Call, sizes: list[int] | None, outputs: list[
         length = start_length(outputs)
         if sizes is None or length is None:
             return None
-        return span_weights(bound_arguments(getattr(call.module, "_orig_mod", call.module), call.args, call.kwargs), length, sizes)
+        return span_weights(_given(call), length, sizes)
     if plan.mode == "sum" or sizes is None:
         return [1.0] * n if plan.mode == "sum" else [1.0 / n] * n
     if plan.mode == "mean":
