@@ -102,23 +102,37 @@ def _problem_type(config: Any, labels: Tensor) -> str:
     return "multi_label_classification"
 
 
-def _loss_function_plan(model: Any, given: dict[str, Any], labels: Tensor, ignore: int) -> LossPlan | None:
-    """The plan of a model that hands ``**kwargs`` to transformers' ``loss_function``."""
+def _counted(counted: Tensor, ignore: int, shares: bool, shift: bool = False) -> LossPlan:
+    """A loss averaged over ``counted`` labels other than ``ignore``.
+
+    ``shares``: the model hands ``num_items_in_batch`` on to its loss, so each replica is
+    given the full batch's count and returns its share; else each returns its own mean.
+    """
+    if shares:
+        return LossPlan("sum", (counted != ignore).sum())
+    return LossPlan("tokens", shift=shift, ignore=ignore)
+
+
+def _loss_function_plan(
+    model: Any, given: dict[str, Any], labels: Tensor, ignore: int, shares: bool
+) -> LossPlan | None:
+    """The plan of a model whose loss is transformers' ``loss_function``."""
     losses = sys.modules.get("transformers.loss.loss_utils")
     fn = getattr(model, "loss_function", None)
     if losses is None:
         return None
     if fn is getattr(losses, "ForCausalLMLoss", None):
         shift = given.get("shift_labels")
-        counted = shift if isinstance(shift, Tensor) else labels[..., 1:]
-        return LossPlan("sum", (counted != ignore).sum())
+        if isinstance(shift, Tensor):
+            return _counted(shift, ignore, shares)
+        return _counted(labels[..., 1:], ignore, shares, shift=True)
     if fn in (getattr(losses, "ForMaskedLMLoss", None), getattr(losses, "ForTokenClassification", None)):
-        return LossPlan("sum", (labels != ignore).sum())
+        return _counted(labels, ignore, shares)
     if fn is getattr(losses, "ForSequenceClassificationLoss", None):
-        # Single-label cross-entropy takes num_items_in_batch (rows whose label counts);
-        # regression and multi-label losses are means over rows (and labels).
+        # Single-label cross-entropy counts the rows whose label counts; regression and
+        # multi-label losses are means over rows (and labels).
         if _problem_type(model.config, labels) == "single_label_classification":
-            return LossPlan("sum", (labels != ignore).sum())
+            return _counted(labels, ignore, shares)
         return LossPlan("mean")
     if fn is getattr(losses, "ForCTCLoss", None):
         # CTC's own reductions: "sum" adds the rows' losses, "mean" averages them per row
@@ -225,21 +239,11 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
     if given.get("num_items_in_batch") is not None:
         return LossPlan("sum")  # the caller's count (the Trainer's): shares of the full loss
     ignore = int(given.get("ignore_index", -100))
+    plan = None
     if _passes_kwargs_to_loss(type(model)):
-        plan = _loss_function_plan(model, given, labels, ignore)
-        if plan is not None:
-            return plan
+        plan = _loss_function_plan(model, given, labels, ignore, shares=True)
     elif "self.loss_function(" in _source(type(model)):
         # Called without **kwargs (Llama's classification heads), so without
         # num_items_in_batch: each replica's loss is a mean over its counted labels.
-        plan = _loss_function_plan(model, {}, labels, ignore)
-        if plan is not None and plan.count is not None:
-            return LossPlan("tokens", shift=_is_causal_loss(model), ignore=ignore)
-        if plan is not None:
-            return plan
-    return _direct_plan(model, labels)
-
-
-def _is_causal_loss(model: Any) -> bool:
-    losses = sys.modules.get("transformers.loss.loss_utils")
-    return getattr(model, "loss_function", None) is getattr(losses, "ForCausalLMLoss", None)
+        plan = _loss_function_plan(model, {}, labels, ignore, shares=False)
+    return plan if plan is not None else _direct_plan(model, labels)
