@@ -9,11 +9,16 @@ records, in each replica's thread, the storages every operator reads or writes
 (a ``TorchDispatchMode``), and fails if a replica touched the parameters or buffers
 of another replica of the same call, or holds one in a plain attribute (a tensor,
 or a list or tuple of tensors) when its call starts.
+
+:func:`assert_close_to_reference` compares a parallel result with the one-device
+reference under a bound derived from the arithmetic (dtype, magnitude, and how many
+terms the computation sums), so a comparison holds on any CPU's kernels.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpmethods.core.parallel_apply import _REPLICA_CONTEXTS
 
-__all__ = ["IsolationReport", "assert_replicas_isolated"]
+__all__ = ["IsolationReport", "assert_close_to_reference", "assert_replicas_isolated"]
 
 
 def _storage(t: Tensor) -> tuple[torch.device, int] | None:
@@ -166,3 +171,151 @@ def assert_replicas_isolated(*, require_checks: bool = True) -> Iterator[Isolati
             f"{report.replica_runs} replica runs that share all their tensors (use "
             f"cpu_replicas='distinct' and at least 2 devices)"
         )
+
+
+def _leaf_tensor(x: Any) -> Tensor | None:
+    """A tensor for a tensor, a numpy array or a numpy scalar; None for anything else."""
+    if isinstance(x, Tensor):
+        t = x.detach().cpu()
+        return t.to_dense() if t.layout != torch.strided else t
+    if type(x).__module__ == "numpy" and hasattr(x, "__array__"):
+        return torch.as_tensor(x.copy() if hasattr(x, "copy") else x)
+    return None
+
+
+def _bound(expected: Tensor, terms: int, scale: float, dtype: torch.dtype, slack: float) -> tuple[float, float, float]:
+    """(atol, rtol, magnitude) for a result of ``terms`` rounded steps in ``dtype``."""
+    u = torch.finfo(dtype).eps / 2  # unit roundoff
+    if not 0 <= terms * u < 1:
+        raise ValueError(
+            f"assert_close_to_reference: terms={terms} is "
+            f"{'negative' if terms < 0 else f'too many for {dtype} (terms * eps / 2 >= 1)'}"
+        )
+    rtol = slack * 2 * terms * u / (1 - terms * u)  # slack * 2 * gamma_n: both sides rounded
+    finite = expected[torch.isfinite(expected)]
+    magnitude = max(scale, float(finite.abs().max()) if finite.numel() else 0.0)
+    return rtol * magnitude, rtol, magnitude
+
+
+def _compare_floats(name: str, a: Tensor, e: Tensor, terms: int, scale: float,
+                    dtype: torch.dtype | None, slack: float) -> str | None:
+    if e.is_complex():
+        a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
+    atol, rtol, magnitude = _bound(e, terms, scale, dtype or e.dtype, slack)
+    a64, e64 = a.double(), e.double()
+    nan_a, nan_e = a64.isnan(), e64.isnan()
+    diff = torch.where(a64 == e64, 0.0, (a64 - e64).abs()).masked_fill(nan_a & nan_e, 0.0)
+    allowed = torch.where(e64.isfinite(), atol + rtol * e64.abs(), 0.0)
+    bad = (diff > allowed) | (nan_a != nan_e) | (diff.isnan() & ~(nan_a & nan_e))
+    if not bool(bad.any()):
+        return None
+    rel = torch.where(diff == 0, 0.0, diff / e64.abs())
+    at = tuple(int(i) for i in torch.unravel_index(diff.nan_to_num(math.inf).argmax(), diff.shape))
+    return (
+        f"{name}: {int(bad.sum())} of {bad.numel()} elements differ by more than the bound; "
+        f"max absolute difference {float(diff.nan_to_num(math.inf).max()):.3g} at {list(at)} "
+        f"(actual {float(a64[at]):.9g}, expected {float(e64[at]):.9g}), max relative difference "
+        f"{float(rel.nan_to_num(math.inf).max()):.3g}; bound |actual - expected| <= atol + "
+        f"rtol * |expected| with rtol = {slack:g} * 2 * gamma_{terms} = {rtol:.3g} "
+        f"({dtype or e.dtype}) and atol = rtol * magnitude {magnitude:.3g} = {atol:.3g}"
+    )
+
+
+def _compare_leaf(name: str, actual: Any, expected: Any, terms: int, scale: float,
+                  dtype: torch.dtype | None, slack: float) -> str | None:
+    if isinstance(expected, float) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
+        # A Python float came from a tensor of the default dtype unless told otherwise.
+        dtype = dtype or torch.get_default_dtype()
+        actual, expected = torch.tensor(float(actual)), torch.tensor(expected)
+    a, e = _leaf_tensor(actual), _leaf_tensor(expected)
+    if a is None or e is None:
+        if a is not None or e is not None or type(actual) is not type(expected) or actual != expected:
+            return f"{name}: {actual!r} != expected {expected!r}"
+        return None
+    if a.shape != e.shape or a.dtype != e.dtype:
+        return f"{name}: shape {tuple(a.shape)} and {a.dtype}, expected {tuple(e.shape)} and {e.dtype}"
+    if e.is_floating_point() or e.is_complex():
+        return _compare_floats(name, a, e, terms, scale, dtype, slack)
+    if torch.equal(a, e):  # integers, bools, indices, tokens: exact
+        return None
+    wrong = (a != e).nonzero()
+    return (f"{name}: {len(wrong)} of {e.numel()} elements differ, and {e.dtype} must be "
+            f"exact; first at {wrong[0].tolist()}: actual {a[tuple(wrong[0])].item()}, "
+            f"expected {e[tuple(wrong[0])].item()}")
+
+
+def _leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
+    try:
+        pairs, spec = _pytree.tree_flatten_with_path(tree)
+        return [(_pytree.keystr(path) or "value", leaf) for path, leaf in pairs], spec
+    except ValueError:  # a node type registered without key paths
+        leaves, spec = _pytree.tree_flatten(tree)
+        return [(f"leaf {i}", leaf) for i, leaf in enumerate(leaves)], spec
+
+
+def assert_close_to_reference(
+    actual: Any, expected: Any, *, terms: int, scale: float = 1.0,
+    dtype: torch.dtype | None = None, slack: float = 4.0, msg: str = "",
+) -> None:
+    """Fail unless ``actual`` equals the one-device ``expected`` up to rounding.
+
+    A parallel result and its reference compute the same sums in another order: a
+    batch split in shares makes BLAS pick other blockings, and another CPU has other
+    kernels. Summing ``n`` terms ``x_i`` in any order in a float type with unit
+    roundoff ``u = eps / 2`` errs by at most ``gamma_n * sum |x_i|``, with
+    ``gamma_n = n*u / (1 - n*u)`` (Higham, *Accuracy and Stability of Numerical
+    Algorithms*, 4.2); two such results differ by twice that. ``sum |x_i|`` is
+    estimated by the magnitude of the reference (its largest finite ``|value|``, at
+    least ``scale``) and ``slack`` (default 4) covers cancellation. Each float tensor
+    must hold, elementwise::
+
+        |actual - expected| <= atol + rtol * |expected|
+        rtol = slack * 2 * gamma_terms,   atol = rtol * magnitude
+
+    ``terms`` counts the rounded steps on the path to one output element: the inner
+    dimension of a matmul (plus one for a bias), summed over the layers of a network,
+    plus the rows a mean or a weight gradient sums over; a step that amplifies
+    relative errors (``exp`` of a large value, a square, a softmax of large logits)
+    multiplies what comes before it by its condition number. ``terms=0`` asks for
+    bit-identical floats (a concatenation of copies). NaNs must sit in the same
+    places and infinities match exactly. Integer, bool, index and token tensors are
+    always compared exactly, and shapes and dtypes must match.
+
+    Args:
+        actual: a tensor, a numpy array, a Python number, or a pytree of them.
+        expected: the one-device reference, of the same structure.
+        terms: rounded steps on the path to an output element (see above).
+        scale: the least magnitude, for outputs that are small by cancellation.
+        dtype: the dtype the arithmetic ran in, when lower than the tensors'
+            (bfloat16 autocast); by default each tensor's own dtype.
+        slack: the factor for cancellation and for ``|expected|`` standing in for
+            ``sum |x_i|``.
+        msg: a prefix for the failure message.
+
+    Raises:
+        AssertionError: naming each leaf that differs, with its max absolute and
+            relative difference, where, and the bound used.
+
+    Example:
+        >>> import torch, dpmethods
+        >>> from dpmethods.testing import assert_close_to_reference
+        >>> model = torch.nn.Linear(784, 32)
+        >>> dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2)
+        >>> x = torch.randn(10, 784)
+        >>> assert_close_to_reference(dp(x), model(x), terms=785)  # 784 products + bias
+        >>> assert_close_to_reference(torch.tensor([1, 2]), torch.tensor([1, 3]), terms=1)
+        Traceback (most recent call last):
+        ...
+        AssertionError: value: 1 of 2 elements differ, and torch.int64 must be exact; first at [1]: actual 2, expected 3
+    """
+    got, got_spec = _leaves(actual)
+    want, want_spec = _leaves(expected)
+    prefix = f"{msg}: " if msg else ""
+    if got_spec != want_spec:
+        raise AssertionError(f"{prefix}structure {got_spec}, expected {want_spec}")
+    errors = [
+        err for (name, a), (_, e) in zip(got, want, strict=True)
+        if (err := _compare_leaf(name, a, e, terms, scale, dtype, slack)) is not None
+    ]
+    if errors:
+        raise AssertionError(prefix + "\n".join(errors))
