@@ -10,11 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from _close import mlp_terms, transformer_terms
 from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_method, warn_once
 from dpmethods.core.gather import gather
+from dpmethods.testing import assert_close_to_reference
 
 
 @pytest.fixture(autouse=True)
@@ -59,12 +61,13 @@ def test_register_type_splits_and_joins_without_touching_torch_registry() -> Non
     dp = DataParallel(model, device_ids=["cpu"] * 3)
     got, ref = dp.encode(x), model.encode(x)
     assert type(got["dist"]) is Gaussian and got["dist"].tag == "g"
-    torch.testing.assert_close(
+    assert_close_to_reference(
         got["dist"].sample(torch.Generator().manual_seed(1)),
         ref["dist"].sample(torch.Generator().manual_seed(1)),
+        terms=2 * mlp_terms(4),  # Linear(4, 6), then exp(logvar / 2) times the noise
     )
     # ... and as an input: the tensors inside are split per replica.
-    torch.testing.assert_close(dp.decode(ref["dist"]), model.decode(ref["dist"]))
+    assert_close_to_reference(dp.decode(ref["dist"]), model.decode(ref["dist"]), terms=1)
 
 
 def test_register_type_checks_its_arguments() -> None:
@@ -93,9 +96,7 @@ def test_torch_pytree_types_are_walked() -> None:
     a, b = torch.randn(7, 2), torch.randn(7)
     got, dq = DataParallel(M(), device_ids=["cpu"] * 3).f(Pair(a, b))
     assert type(got) is Pair and type(dq) is deque
-    torch.testing.assert_close(got.a, a + 1)
-    torch.testing.assert_close(got.b, b * 2)
-    torch.testing.assert_close(dq[0], a)
+    assert_close_to_reference((got.a, got.b, dq[0]), (a + 1, b * 2, a), terms=1)
 
 
 def test_mismatching_rule_contexts_are_a_structure_error() -> None:
@@ -135,8 +136,9 @@ def test_t5_encoder_decoder_cache_joined_and_used_for_the_next_step(batch: int, 
         assert type(cache) is transformers.EncoderDecoderCache
         got2 = dp(encoder_outputs=(got1.encoder_last_hidden_state,), decoder_input_ids=nxt,
                   use_cache=True, **{name: cache})
-    torch.testing.assert_close(got1.logits, ref1.logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got2.logits, ref2.logits, atol=1e-5, rtol=0)
+    # 2 encoder and 2 decoder blocks (each decoder block's cross-attention counted as a block).
+    terms = transformer_terms(width=32, ff=37, seq=6, layers=6)
+    assert_close_to_reference((got1.logits, got2.logits), (ref1.logits, ref2.logits), terms=terms)
 
 
 class _Rows:
@@ -222,7 +224,7 @@ def test_right_rules_in_other_shapes_still_work() -> None:
         model.kind = kind
         got = DataParallel(model, device_ids=["cpu"] * 3).make(x)
         assert type(got) is kind
-        torch.testing.assert_close(got.t, x * 2)
+        assert_close_to_reference(got.t, x * 2, terms=1)
 
 
 def test_register_type_checks_the_arity_of_flatten_and_unflatten() -> None:
@@ -246,7 +248,7 @@ def test_gpt2_cache_with_as_many_heads_as_rows_per_replica_is_not_warned(recwarn
     with torch.no_grad():
         got = DataParallel(gpt, device_ids=["cpu"] * 4)(ids, use_cache=True)  # keys [2, 2, 5, 16]
         ref = gpt(ids, use_cache=True)
-    torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=0)
+    assert_close_to_reference(got.logits, ref.logits, terms=transformer_terms(width=32, ff=128, seq=5, layers=2))
     assert not [str(w.message) for w in recwarn if "in more than one dim" in str(w.message)]
 
 
@@ -265,8 +267,8 @@ def test_gpt2_static_cache() -> None:
         cache = _cache_of(got1, name)
         assert type(cache) is transformers.StaticCache and cache.layers[0].keys.shape[0] == 7
         got2 = dp(nxt, use_cache=True, **{name: cache})
-    torch.testing.assert_close(got1.logits, ref1.logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(got2.logits, ref2.logits, atol=1e-5, rtol=0)
+    terms = transformer_terms(width=32, ff=128, seq=16, layers=2)  # attends over the 16 cache slots
+    assert_close_to_reference((got1.logits, got2.logits), (ref1.logits, ref2.logits), terms=terms)
 
 
 def test_shipped_rules_apply_in_a_fresh_process_without_touching_type_rules() -> None:
@@ -326,14 +328,16 @@ def test_packed_sequences_are_split_and_joined_item_by_item(batch: int, devices:
     ref_out, ref_lengths = pad_packed_sequence(ref["out"], batch_first=True)
     ref_grad = torch.autograd.grad(ref_out.sum() + ref["h"].sum(), x)[0]
     assert torch.equal(out_lengths, ref_lengths)
-    torch.testing.assert_close(out, ref_out)
-    torch.testing.assert_close(got["h"], ref["h"])
-    torch.testing.assert_close(grad, ref_grad)
+    # 6 steps through 2 GRU layers, each step's gates summing 3 + 5 (then 5 + 5) inputs
+    # and a bias each; the gradient runs the same path back.
+    terms = 6 * mlp_terms(3, 5, 5, 5)
+    assert_close_to_reference((out, got["h"]), (ref_out, ref["h"]), terms=terms)
+    assert_close_to_reference(grad, ref_grad, terms=2 * terms)
     with torch.no_grad():
         alone = DataParallel(model, device_ids=["cpu"] * devices).packed_only(packed)
-        torch.testing.assert_close(
+        assert_close_to_reference(
             pad_packed_sequence(alone, batch_first=True)[0],
-            pad_packed_sequence(model.packed_only(packed), batch_first=True)[0],
+            pad_packed_sequence(model.packed_only(packed), batch_first=True)[0], terms=terms,
         )
 
 
@@ -374,18 +378,22 @@ def test_torch_distributions_joined_and_split_through_their_parameters(kind: str
     got, ref = dp.dist(x, kind), model.dist(x, kind)
     assert type(got) is type(ref) and got.batch_shape == ref.batch_shape
     value = ref.sample()
-    torch.testing.assert_close(got.log_prob(value), ref.log_prob(value))
-    torch.testing.assert_close(got.entropy(), ref.entropy())
+    # Linear(4, 6): 5 terms. The densities square (value - loc) / exp(h) and take lgamma
+    # of exp(h): that multiplies h's error by up to about 2 |log_prob| |h|, here < 16.
+    terms = 16 * mlp_terms(4)
+    assert_close_to_reference(got.log_prob(value), ref.log_prob(value), terms=terms)
+    assert_close_to_reference(got.entropy(), ref.entropy(), terms=terms)
     torch.manual_seed(1)
     drawn = got.sample()
     torch.manual_seed(1)
-    torch.testing.assert_close(drawn, ref.sample())
-    # Gradients reach the parameters through the joined distribution.
+    assert_close_to_reference(drawn, ref.sample(), terms=terms)
+    # Gradients reach the parameters through the joined distribution (a sum over the rows).
     grad = torch.autograd.grad(got.log_prob(value).sum(), model.lin.weight)[0]
-    torch.testing.assert_close(grad, torch.autograd.grad(ref.log_prob(value).sum(), model.lin.weight)[0])
+    want = torch.autograd.grad(ref.log_prob(value).sum(), model.lin.weight)[0]
+    assert_close_to_reference(grad, want, terms=terms + batch)
     # As an input: each replica gets its items' distribution.
     with torch.no_grad():
-        torch.testing.assert_close(dp.log_prob(ref, value), model.log_prob(ref, value))
+        assert_close_to_reference(dp.log_prob(ref, value), model.log_prob(ref, value), terms=terms)
 
 
 def test_a_subclass_of_a_torch_distribution_without_a_rule_is_a_list_with_a_warning(recwarn: Any) -> None:
