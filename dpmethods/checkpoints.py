@@ -14,6 +14,8 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from dpmethods.core.compiled import unwrap_compiled
+
 __all__ = ["add_prefix", "fit_state_dict", "load_state_dict", "strip_prefix", "unwrap"]
 
 
@@ -34,8 +36,8 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile
-            model = model._orig_mod  # type: ignore[assignment]
+        elif unwrap_compiled(model) is not model:
+            model = unwrap_compiled(model)
         else:
             return model
 

@@ -14,6 +14,11 @@ the same ones you have for your own library:
 - :func:`mark_batch_coupled`: a module class whose result couples the batch (an
   in-batch-negatives loss), warned about when it runs on a replica's share.
 
+and what an integration builds with: :class:`MethodOptions`, :func:`gather` (the stage
+function, for a gather mode that joins parts of an output itself), :func:`warn_once`
+(one warning per distinct message) and :func:`unwrap_compiled` (the model under
+``torch.compile``'s wrapper).
+
 Example:
     >>> import torch
     >>> from dpmethods import DataParallel, MethodOptions
@@ -31,19 +36,29 @@ Example:
 from __future__ import annotations
 
 from dpmethods.call_hooks import Call, CallHooks
+from dpmethods.core.compiled import unwrap_compiled
 from dpmethods.gather_modes import Mode, known_modes, register_gather_mode
+from dpmethods.options import MethodOptions
+from dpmethods.parallel import gather
 from dpmethods.registry import register_method_finder
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
 from dpmethods.types.rules import register_type
+from dpmethods.warn_once import warn_once
 
+# The one door of an integration: it imports these names from here and nothing else of
+# dpmethods (tests/test_architecture.py checks it), so the modules behind them can move.
 __all__ = [
     "CallHooks",
     "Call",
+    "MethodOptions",
     "Mode",
+    "gather",
     "is_batch_coupled",
     "known_modes",
     "mark_batch_coupled",
     "register_gather_mode",
     "register_method_finder",
     "register_type",
+    "unwrap_compiled",
+    "warn_once",
 ]

@@ -1,5 +1,6 @@
 """The package's layout keeps its design: layers import downwards only, third-party
-libraries are known only in dpmethods/integrations, modules and functions stay small,
+libraries are known only in dpmethods/integrations (and an engine only in its front-end,
+as Ray in dpmethods/ray.py), modules and functions stay small,
 and the top level has twelve public names (and the old ones as aliases)."""
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import dpmethods
 _PKG = Path(dpmethods.__file__).resolve().parent
 _LIBRARIES = (
     "transformers", "diffusers", "sentence_transformers", "peft", "timm", "open_clip",
-    "torchvision", "accelerate",
+    "torchvision", "accelerate", "ray",
 )
+# Front-ends of an engine, beside distributed/ (torchrun's): each may name its engine only.
+_ENGINES = {"ray": "ray"}
 # Bottom to top; a module may import its own layer's modules and the layers below.
 _LAYERS: list[tuple[str, ...]] = [
     ("options", "call_hooks", "gather_modes", "warn_once"),
@@ -26,6 +29,7 @@ _LAYERS: list[tuple[str, ...]] = [
     ("streaming", "distributed"),
     ("data_parallel", "extending", "parallel", "checkpoints", "testing"),
     ("integrations",),
+    ("ray",),
     ("__init__", "__main__"),
 ]
 
@@ -114,6 +118,7 @@ def test_third_party_libraries_only_in_integrations() -> None:
     for module, path in _modules().items():
         if module.startswith("integrations"):
             continue
+        engine = _ENGINES.get(module.split(".")[0])
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = []
@@ -124,6 +129,8 @@ def test_third_party_libraries_only_in_integrations() -> None:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 names = [w.strip("`'\":") for w in node.value.split() if "." in w]
             for name in names:
+                if name.split(".")[0] == engine:
+                    continue
                 if name.split(".")[0] in _LIBRARIES and "." in name:
                     wrong.append(f"{module}:{node.lineno}: {name}")
                 elif isinstance(node, (ast.Import, ast.ImportFrom)) and name.split(".")[0] in _LIBRARIES:
@@ -176,3 +183,37 @@ def test_importing_dpmethods_imports_no_third_party_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def _dpmethods_imports(path: Path) -> list[tuple[str, int]]:
+    """Every name ``path`` imports from dpmethods, spelled in full (``import dpmethods``
+    alone is ``dpmethods``; ``from dpmethods import x`` is ``dpmethods.x``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "dpmethods"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dpmethods":
+            found += [(node.module if node.module != "dpmethods" else f"dpmethods.{a.name}", node.lineno)
+                      for a in node.names]
+    return found
+
+
+def test_integrations_enter_through_the_extension_api_only() -> None:
+    # An integration is a plugin: it may name dpmethods.extending and integration modules
+    # (peft builds on the transformers one), nothing else, so core modules can move.
+    # The package's __init__ is the loader, not an integration.
+    wrong = []
+    for module, path in _modules().items():
+        if not module.startswith("integrations.") or module == "integrations.__init__":
+            continue
+        for name, line in _dpmethods_imports(path):
+            if name != "dpmethods.extending" and not name.startswith("dpmethods.integrations."):
+                wrong.append(f"{module}:{line} imports {name}")
+    assert wrong == []
+
+
+def test_the_door_check_sees_a_bare_import(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("import dpmethods\nfrom dpmethods import registry\nfrom dpmethods.extending import gather\n")
+    assert [n for n, _ in _dpmethods_imports(probe)] == [
+        "dpmethods", "dpmethods.registry", "dpmethods.extending"]

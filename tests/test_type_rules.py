@@ -142,24 +142,27 @@ def test_t5_encoder_decoder_cache_joined_and_used_for_the_next_step(batch: int, 
 
 
 class _Rows:
-    """A state of two values per item: [share, 2], shaped like a similarity matrix on 8-on-4."""
+    """A state of one value per pair of items in the share: [share, share], as a similarity matrix."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
 
 
 class _RowsModel(nn.Module):
-    @parallel_method
+    @parallel_method(gather="pad")
     def state(self, x: torch.Tensor) -> _Rows:
-        return _Rows(x[:, :2] * 2)  # [share, 2]: 2 == share on 8-on-4
+        return _Rows(x[:, : len(x)] * 2)  # [4, 4] and [3, 3] on 7-on-2
 
 
 @pytest.mark.parametrize("per_item", [False, True])
 def test_per_item_rule_children_are_not_reported_as_batch_coupled(per_item: bool, recwarn: Any) -> None:
     dpmethods.register_type(_Rows, lambda r: ([r.t], None), lambda c, _: _Rows(c[0]), per_item=per_item)
-    x = torch.randn(8, 5)
-    got = DataParallel(_RowsModel(), device_ids=["cpu"] * 4).state(x)
-    torch.testing.assert_close(got.t, _RowsModel().state(x).t)
+    x = torch.randn(7, 5)
+    got = DataParallel(_RowsModel(), device_ids=["cpu"] * 2).state(x)
+    # Trusted rows are joined padded; a coupled leaf comes back as the replicas' pieces.
+    pieces = [got.t[:4, :4], got.t[4:, :3]] if per_item else got.t
+    torch.testing.assert_close(pieces[0], x[:4, :4] * 2)
+    torch.testing.assert_close(pieces[1], x[4:, :3] * 2)
     coupled = [w for w in recwarn if "in more than one dim" in str(w.message)]
     assert len(coupled) == (0 if per_item else 1)
     if not per_item:

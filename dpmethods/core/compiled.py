@@ -40,7 +40,7 @@ from torch import nn
 
 from dpmethods.warn_once import warn_once
 
-__all__ = ["method_owner", "one_at_a_time", "takes_turns"]
+__all__ = ["method_owner", "one_at_a_time", "takes_turns", "unwrap_compiled"]
 
 # Two threads calling one torch.compile'd Linear segfaulted in 6 of 8 runs on torch 2.11
 # and in none of 12 on 2.14; DataParallel(torch.compile(model)) on 3 CPU replicas
@@ -73,9 +73,26 @@ def method_owner(module: nn.Module) -> type:
         >>> method_owner(torch.compile(torch.nn.Linear(1, 1))).__name__
         'Linear'
     """
+    return type(unwrap_compiled(module))
+
+
+def unwrap_compiled(module: Any) -> Any:
+    """The module itself, through any number of ``torch.compile`` wrappers.
+
+    Args:
+        module: a module, possibly the ``OptimizedModule`` of ``torch.compile(model)``;
+            anything else is returned as it is.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(1, 1)
+        >>> unwrap_compiled(torch.compile(lin)) is lin, unwrap_compiled(lin) is lin
+        (True, True)
+    """
     while _is_compiled_wrapper(module):
+        # Read through __dict__: OptimizedModule's __getattr__ forwards to the model.
         module = module.__dict__["_modules"]["_orig_mod"]
-    return type(module)
+    return module
 
 
 def shallow_replica(module: nn.Module) -> nn.Module:

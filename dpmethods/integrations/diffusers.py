@@ -15,8 +15,7 @@ import inspect
 import re
 from typing import Any
 
-from dpmethods.extending import register_method_finder, register_type
-from dpmethods.options import MethodOptions
+from dpmethods.extending import MethodOptions, register_method_finder, register_type
 
 __all__: list[str] = []
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 import inspect
 import sys
 
-from dpmethods.extending import mark_batch_coupled, register_method_finder
-from dpmethods.options import MethodOptions
+from dpmethods.extending import MethodOptions, mark_batch_coupled, register_method_finder
 
 __all__: list[str] = []
 

@@ -16,9 +16,8 @@ from __future__ import annotations
 import inspect
 import sys
 
-from dpmethods.extending import register_method_finder
+from dpmethods.extending import MethodOptions, register_method_finder
 from dpmethods.integrations.transformers import PREFIX_OFFSET  # registers "generate" too
-from dpmethods.options import MethodOptions
 
 __all__ = ["APPLIES_TO", "METHODS"]
 

@@ -21,8 +21,13 @@ from typing import Any
 
 import torch
 
-from dpmethods.extending import Call, CallHooks, mark_batch_coupled, register_method_finder
-from dpmethods.options import MethodOptions
+from dpmethods.extending import (
+    Call,
+    CallHooks,
+    MethodOptions,
+    mark_batch_coupled,
+    register_method_finder,
+)
 
 __all__: list[str] = []
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import inspect
 
-from dpmethods.extending import register_method_finder
-from dpmethods.options import MethodOptions
+from dpmethods.extending import MethodOptions, register_method_finder
 
 __all__: list[str] = []
 

@@ -14,9 +14,13 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from dpmethods.extending import Call, register_gather_mode, register_method_finder
-from dpmethods.options import MethodOptions
-from dpmethods.parallel import gather
+from dpmethods.extending import (
+    Call,
+    MethodOptions,
+    gather,
+    register_gather_mode,
+    register_method_finder,
+)
 
 __all__: list[str] = []
 

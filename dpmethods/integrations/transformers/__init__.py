@@ -28,7 +28,7 @@ import re
 import sys
 import weakref
 
-from dpmethods.extending import register_method_finder
+from dpmethods.extending import MethodOptions, register_method_finder
 from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
 from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
 from dpmethods.integrations.transformers.generate import gather_generate
@@ -38,7 +38,6 @@ from dpmethods.integrations.transformers.vision import (
     VISION_SHARES,
     takes_vision_grids,
 )
-from dpmethods.options import MethodOptions
 
 __all__ = ["APPLIES_TO", "METHODS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_generate"]
 

@@ -1,6 +1,4 @@
-"""A transformers model's call, as its methods see it: the model under ``torch.compile``'s
-wrapper, and the call's arguments by name.
-"""
+"""A transformers model's call, as its methods see it: the call's arguments by name."""
 
 from __future__ import annotations
 
@@ -8,19 +6,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["bound_arguments", "unwrap"]
-
-
-def unwrap(module: Any) -> Any:
-    """The model itself, through ``torch.compile``'s wrapper.
-
-    Example:
-        >>> import torch
-        >>> lin = torch.nn.Linear(2, 2)
-        >>> unwrap(lin) is lin
-        True
-    """
-    return getattr(module, "_orig_mod", module)
+__all__ = ["bound_arguments"]
 
 
 def bound_arguments(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:

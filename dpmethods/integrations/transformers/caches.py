@@ -22,9 +22,7 @@ from typing import Any
 
 from torch import Tensor
 
-import dpmethods
-from dpmethods.extending import Call, CallHooks
-from dpmethods.warn_once import warn_once
+from dpmethods.extending import Call, CallHooks, register_type, warn_once
 
 __all__ = ["CACHE_IN_PLACE", "in_place_types"]
 
@@ -105,8 +103,8 @@ def _unflatten_encoder_decoder(children: list[Any], context: _Template) -> Any:
 
 
 for _name in ("DynamicCache", "StaticCache"):
-    dpmethods.register_type(f"{_CACHE_MODULE}:{_name}", _flatten_cache, _unflatten_cache, per_item=True)
-dpmethods.register_type(
+    register_type(f"{_CACHE_MODULE}:{_name}", _flatten_cache, _unflatten_cache, per_item=True)
+register_type(
     f"{_CACHE_MODULE}:EncoderDecoderCache", _flatten_encoder_decoder, _unflatten_encoder_decoder,
     per_item=True,
 )

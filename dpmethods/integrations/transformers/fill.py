@@ -16,8 +16,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dpmethods.extending import Call, CallHooks
-from dpmethods.integrations.transformers.arguments import bound_arguments, unwrap
+from dpmethods.extending import Call, CallHooks, unwrap_compiled
+from dpmethods.integrations.transformers.arguments import bound_arguments
 
 __all__ = ["PREFIX_OFFSET", "OffsetPrefixFn", "call_fill"]
 
@@ -68,7 +68,7 @@ def call_fill(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
         >>> call_fill(NS(generation_config=config, generate=lambda **kw: None), (), {})
         {'fill_token_id': 7, 'num_beams': 1, 'num_return_sequences': 1}
     """
-    model = unwrap(module)
+    model = unwrap_compiled(module)
     config = _generation_config(model, args, kwargs)
     pad, eos = _first(config.pad_token_id), _first(config.eos_token_id)
     beams = int(getattr(config, "num_beams", 1) or 1)

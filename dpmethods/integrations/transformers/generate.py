@@ -33,10 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.extending import Call, register_gather_mode
+from dpmethods.extending import Call, gather, register_gather_mode, warn_once
 from dpmethods.integrations.transformers.fill import call_fill
-from dpmethods.parallel import gather
-from dpmethods.warn_once import warn_once
 
 __all__ = ["gather_generate"]
 

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.integrations.transformers.arguments import bound_arguments, unwrap
+from dpmethods.extending import unwrap_compiled
+from dpmethods.integrations.transformers.arguments import bound_arguments
 from dpmethods.integrations.transformers.spans import is_span_loss
 
 __all__ = ["LossPlan", "loss_plan"]
@@ -228,7 +229,7 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2), "num_items_in_batch": 5})
         LossPlan(mode='sum', count=None, shift=False, ignore=-100)
     """
-    model = unwrap(model)
+    model = unwrap_compiled(model)
     given = bound_arguments(model.forward, args, kwargs)
     labels = given.get("labels")
     if not isinstance(labels, Tensor):

@@ -20,13 +20,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.extending import Call, CallHooks, register_gather_mode
-from dpmethods.integrations.transformers.arguments import bound_arguments, unwrap
+from dpmethods.extending import (
+    Call,
+    CallHooks,
+    gather,
+    register_gather_mode,
+    unwrap_compiled,
+    warn_once,
+)
+from dpmethods.integrations.transformers.arguments import bound_arguments
 from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
-from dpmethods.parallel import gather
-from dpmethods.warn_once import warn_once
 
 __all__ = ["FORWARD_MODE", "LOSS_COUNT", "in_field_order"]
 
@@ -48,7 +53,7 @@ LOSS_COUNT = CallHooks(prepare=_count_prepare)
 
 
 def _given(call: Call) -> dict[str, Any]:
-    return bound_arguments(unwrap(call.module).forward, call.args, call.kwargs)
+    return bound_arguments(unwrap_compiled(call.module).forward, call.args, call.kwargs)
 
 
 def _labels(call: Call) -> Any:

@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.extending import Call, CallHooks
-from dpmethods.integrations.transformers.arguments import unwrap
-from dpmethods.parallel import gather
+from dpmethods.extending import Call, CallHooks, gather, unwrap_compiled
 
 __all__ = ["VISION_ARGUMENTS", "VISION_SHARES", "take_per_image", "takes_vision_grids"]
 
@@ -80,7 +78,7 @@ def _shares(
     mine, full = _input_ids(args, kwargs), _input_ids(call.args, call.kwargs)
     if not isinstance(mine, Tensor) or not isinstance(full, Tensor):
         return args, kwargs
-    config = getattr(unwrap(call.module), "config", None)
+    config = getattr(unwrap_compiled(call.module), "config", None)
     merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
     kwargs = dict(kwargs)
     for patches, grid_name, extra, token_attr in _VISION:
