@@ -121,3 +121,25 @@ def test_open_clip_forward_gathers_logit_scale_and_bias_as_one_value() -> None:
     assert len(got) == 4 and got[2].dim() == 0 and got[3].dim() == 0
     for g, r in zip(got, ref):
         torch.testing.assert_close(g, r)
+
+
+def test_a_dim_equal_to_the_share_warns_only_where_the_shares_differ() -> None:
+    # Equal shares: [2, 2] logits of 2 classes, [10, 10] of 10 classes (40 rows on 4):
+    # they can't be told from [share, share] matrices, so nothing is said.
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 10))
+    x = torch.randn(40, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        two = DataParallel(nn.Linear(4, 2), device_ids=["cpu"] * 2)(torch.randn(4, 4))
+        ten = DataParallel(mlp, device_ids=["cpu"] * 4)(x)
+    assert two.shape == (4, 2) and ten.shape == (40, 10)
+
+    class Similarity(nn.Module):
+        def forward(self, a: torch.Tensor) -> torch.Tensor:
+            return a @ a.T
+
+    # 7 rows on 2 devices: [4, 4] and [3, 3] follow the shares, a real similarity matrix.
+    with pytest.warns(UserWarning, match=r"gather: output has each replica's share of the batch "
+                      r"\(\[4, 3\]\) in more than one dim, like a similarity matrix"):
+        pieces = DataParallel(Similarity(), device_ids=["cpu"] * 2)(torch.randn(7, 3))
+    assert [tuple(p.shape) for p in pieces] == [(4, 4), (3, 3)]

@@ -259,7 +259,8 @@ def test_clip_logits_per_text_and_per_image_with_gather_dim(batch: int, devices:
         _close(got[key], ref[key])
 
 
-@pytest.mark.parametrize("batch,devices", SPLITS)
+# Uneven shares: with equal ones a [share, share] output can't be told from [share, classes].
+@pytest.mark.parametrize("batch,devices", [pytest.param(7, 3, id="7-on-3"), pytest.param(7, 2, id="7-on-2")])
 def test_clip_contrastive_loss_split_per_replica_is_warned(batch: int, devices: int) -> None:
     clip = _clip()
     ids, pixels = torch.randint(3, 99, (batch, 6)), torch.randn(batch, 3, 16, 16)

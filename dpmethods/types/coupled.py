@@ -49,12 +49,11 @@ def joinable(column: Sequence[Tensor], dim: int) -> bool:
 
 
 def _coupled(column: Sequence[Tensor], sizes: Sequence[int], dim: int) -> bool:
-    # With equal shares, only a matrix: a feature map [n_r, c, h, w] or attention weights
-    # [n_r, heads, s, s] whose h or heads equals the share is a coincidence far more often
-    # than a coupling. Unequal shares are evidence at any rank (each replica's own share).
-    equal = len(set(sizes)) == 1
+    # Only shares that differ are evidence: the dims that follow each replica's own share
+    # (7 rows on 2 devices: [4, 4] and [3, 3]). With equal shares a [n_r, classes] output
+    # of a classifier whose class count equals the share cannot be told from [n_r, n_r].
     for t, share in zip(column, sizes):
-        if t.dim() < 2 or (equal and t.dim() != 2):
+        if t.dim() < 2:
             return False
         shape = t.shape
         if shape[dim % t.dim()] != share or shape.count(share) < 2:
@@ -84,7 +83,8 @@ def check_coupled(
 
     Args:
         columns: per leaf, the replicas' values.
-        sizes: each replica's share of the batch; nothing is checked without it.
+        sizes: each replica's share of the batch; nothing is checked without it, nor
+            when the shares are equal (a dim can then equal the share by chance).
         dims: per leaf, the join dim.
         modes: per leaf, the gather mode (``None``: all ``"cat"``).
         path: the output path of a leaf index, for the message.
@@ -93,7 +93,7 @@ def check_coupled(
             in a ``gather`` or ``gather_dim`` mapping (the user has said how they join) and
             those under a ``per_item`` type rule.
     """
-    if not sizes or len(sizes) < 2 or max(sizes) < 2:
+    if not sizes or len(sizes) < 2 or max(sizes) < 2 or len(set(sizes)) == 1:
         return set()
     share = sizes[0]
     # Replica 0 first, one cheap test per leaf, so outputs with many leaves pay little.
@@ -114,14 +114,6 @@ def check_coupled(
     if not coupled:
         return set()
     names = [path(i) for i in coupled]
-    # With equal shares a dim can equal the share by chance (2 classes, 2 items each).
-    maybe = (
-        " With equal shares this can be a coincidence (a dim that happens to have the share's "
-        "size, such as 2 classes): if so, name this output in gather={...} or gather_dim={...} "
-        "to say how it joins, which silences this warning."
-        if len(set(sizes)) == 1
-        else ""
-    )
     for name in names:
         warn_once(
             f"gather: {name} has each replica's share of the batch ({list(sizes)}) in more "
@@ -129,7 +121,7 @@ def check_coupled(
             "replica only saw pairs within its own share, so the joined tensor is not what one "
             "device computes on the full batch. Gather the per-item features with dpmethods "
             "and compute batch-coupled results (similarities, contrastive losses) on the "
-            "gathered batch instead." + maybe
+            "gathered batch instead."
         )
     for i, m in enumerate(modes or ()):
         if m in REDUCING:
