@@ -67,7 +67,7 @@ def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device)
     return out
 
 
-def same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
+def join_same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
     """The one value every replica computed (``"same"``); an error if they differ."""
     first = col[0].to(device)
     for r, t in enumerate(col[1:], 1):
@@ -88,7 +88,7 @@ def join_tensors(
     pieces to concatenate along ``d`` with the other leaves."""
     device, n = plan.device, plan.n
     if m == Mode.SAME:
-        return same(col, device, paths(i)), None
+        return join_same(col, device, paths(i)), None
     if m == Mode.LIST or (coupled and not joinable(col, d)):
         # A coupled leaf that cat can't join comes back in pieces: it was warned about.
         return [t.to(device) for t in col], None

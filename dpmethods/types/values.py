@@ -22,16 +22,16 @@ from dpmethods.gather_modes import REDUCING, Mode
 from dpmethods.types.per_item import Items, Whole, extend, to_device
 from dpmethods.warn_once import warn_once
 
-__all__ = ["join_values", "reduce", "same"]
+__all__ = ["all_equal", "join_values", "reduce"]
 
 _NUMBERS = (int, float, complex)
 
 
-def same(values: Sequence[Any]) -> bool:
+def all_equal(values: Sequence[Any]) -> bool:
     """Whether every value equals the first (values whose ``==`` is not a bool differ).
 
     Example:
-        >>> same([1, 1]), same(["a", "b"])
+        >>> all_equal([1, 1]), all_equal(["a", "b"])
         (True, False)
     """
     first = values[0]
@@ -105,7 +105,7 @@ def join_values(
     if mode == Mode.LIST:
         return list(column)
     if mode == Mode.SAME:
-        if not same(column):
+        if not all_equal(column):
             raise ValueError(
                 f"gather: {path}: 'same' expects one value equal on every replica, got "
                 f"{[v for v in column]!r}"
@@ -120,7 +120,7 @@ def join_values(
         if mode in REDUCING:
             return reduce(column, weights, device, mode == Mode.MEAN)
         return np.concatenate(column, axis=dim)
-    if same(column):
+    if all_equal(column):
         return first
     if all(type(v) is Size for v in column):
         joined = _join_shapes(column, dim)
