@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from _close import mlp_terms
 from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_method
+from dpmethods.testing import assert_close_to_reference
 
 CPU4 = ["cpu"] * 4
 
@@ -73,6 +75,10 @@ class VAE(nn.Module):
         return x + 1
 
 
+# encode: Linear(8, 6); decode: Linear(3, 8), through a sigmoid.
+VAE_TERMS = mlp_terms(8, 3)
+
+
 def _ref_and_dp(devices: list[Any] = CPU4, **kwargs: Any) -> tuple[VAE, VAE, DataParallel]:
     ref = VAE()
     model = copy.deepcopy(ref)
@@ -89,7 +95,7 @@ def test_is_a_torch_dataparallel_with_its_attributes() -> None:
     assert dp.device_ids == [torch.device("cpu")] * 4
     assert list(dp.state_dict()) == ["module." + k for k in model.state_dict()]
     x = torch.randn(9, 8)
-    assert torch.allclose(dp(x), ref(x), atol=1e-6)
+    assert_close_to_reference(dp(x), ref(x), terms=VAE_TERMS)
     assert "DataParallel" in repr(dp)
 
 
@@ -133,7 +139,7 @@ def test_child_module_named_in_methods_runs_on_every_replica_and_unnamed_warns()
     got = dp.conv1(x)
     assert sorted(calls) == [2, 2, 3]  # each replica's copy ran on its share, hooks included
     hook.remove()
-    torch.testing.assert_close(got, model.conv1(x))
+    assert_close_to_reference(got, model.conv1(x), terms=28)  # 3 channels x 3 x 3, and a bias
     got.sum().backward()  # gradients reach the module's own parameters
     assert model.conv1.weight.grad is not None
     assert dp.conv1.__doc__ == "Call the wrapped module's child ``conv1`` on every replica."
@@ -151,7 +157,7 @@ def test_child_module_named_in_methods_runs_on_every_replica_and_unnamed_warns()
     with pytest.raises(AttributeError, match="methods: SmallCNN has no method or submodule 'conv9'"):
         DataParallel(model, device_ids=["cpu"] * 3, methods=["conv9"])
     for clone in (copy.deepcopy(dp), pickle.loads(pickle.dumps(dp))):
-        torch.testing.assert_close(clone.conv1(x), clone.module.conv1(x))
+        assert_close_to_reference(clone.conv1(x), clone.module.conv1(x), terms=28)
 
 
 def test_protocol_methods_of_the_module_are_not_forwarded() -> None:
@@ -168,7 +174,7 @@ def test_copy_and_pickle_keep_the_methods() -> None:
     _, _, dp = _ref_and_dp()
     x = torch.randn(5, 8)
     for clone in (copy.deepcopy(dp), pickle.loads(pickle.dumps(dp))):
-        assert torch.allclose(clone.encode(x).mu, dp.encode(x).mu)
+        assert_close_to_reference(clone.encode(x).mu, dp.encode(x).mu, terms=VAE_TERMS)
 
 
 # --- same results as one device ---------------------------------------------------------
@@ -182,10 +188,9 @@ def test_outputs_equal_single_device(batch: int) -> None:
         warnings.simplefilter("ignore")  # small batches warn; tested below
         enc, enc_ref = dp.encode(x), ref.encode(x)
         assert isinstance(enc, Encoded) and enc.note == "vae"
-        assert torch.allclose(enc.mu, enc_ref.mu, atol=1e-6)
-        assert torch.allclose(enc.logvar, enc_ref.logvar, atol=1e-6)
+        assert_close_to_reference((enc.mu, enc.logvar), (enc_ref.mu, enc_ref.logvar), terms=VAE_TERMS)
         z = torch.randn(batch, 3)
-        assert torch.allclose(dp.decode(z), ref.decode(z), atol=1e-6)
+        assert_close_to_reference(dp.decode(z), ref.decode(z), terms=VAE_TERMS)
 
 
 @pytest.mark.parametrize("batch", [4, 7, 10])
@@ -193,23 +198,25 @@ def test_gradients_equal_single_device_with_uneven_chunks(batch: int) -> None:
     ref, model, dp = _ref_and_dp()
     x = torch.randn(batch, 8)
     out, out_ref = dp.training_step(x, beta=0.5), ref.training_step(x, beta=0.5)
-    assert torch.allclose(out["loss"], out_ref["loss"], atol=1e-6)  # weighted mean
-    assert torch.allclose(out["per_item"], out_ref["per_item"], atol=1e-6)
+    # per item: means over 8 and 3 values; the loss: a weighted mean over the rows.
+    assert_close_to_reference(out, out_ref, terms=VAE_TERMS + 8 + batch)
     out["loss"].backward()
     out_ref["loss"].backward()
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         assert p.grad is not None, name
-        assert torch.allclose(p.grad, p_ref.grad, atol=1e-6), name
+        # back through both layers, summed over the rows
+        assert_close_to_reference(p.grad, p_ref.grad, terms=2 * VAE_TERMS + 8 + batch, msg=name)
 
 
 def test_binding_positional_keyword_defaults_star_args_and_kwargs() -> None:
     ref, _, dp = _ref_and_dp()
     x, mask = torch.randn(6, 8), torch.randn(6)
     r1, r2, e = torch.randn(3), torch.randn(4), torch.randn(5)
-    assert torch.allclose(dp.masked(x, mask), ref.masked(x, mask))
-    assert torch.allclose(dp.masked(x, mask, r1, r2, scale=3.0, table=e),
-                          ref.masked(x, mask, r1, r2, scale=3.0, table=e), atol=1e-5)
-    assert torch.allclose(dp.masked(x=x, mask=mask, a=e, b=r1), ref.masked(x=x, mask=mask, a=e, b=r1), atol=1e-5)
+    terms = mlp_terms(8) + 2 + 5  # Linear(8, 6), then the sums of at most 5 values
+    assert_close_to_reference(dp.masked(x, mask), ref.masked(x, mask), terms=terms)
+    assert_close_to_reference(dp.masked(x, mask, r1, r2, scale=3.0, table=e),
+                              ref.masked(x, mask, r1, r2, scale=3.0, table=e), terms=terms)
+    assert_close_to_reference(dp.masked(x=x, mask=mask, a=e, b=r1), ref.masked(x=x, mask=mask, a=e, b=r1), terms=terms)
 
 
 def test_broadcast_names_are_checked_against_the_signature() -> None:
@@ -329,8 +336,7 @@ def test_no_device_ids_without_gpus_is_a_plain_call() -> None:
     ref, _, dp = _ref_and_dp(devices=None)  # type: ignore[arg-type]
     assert dp.device_ids == []
     x = torch.randn(4, 8)
-    assert torch.allclose(dp.encode(x).mu, ref.encode(x).mu)
-    assert torch.allclose(dp(x), ref(x))
+    assert_close_to_reference((dp.encode(x).mu, dp(x)), (ref.encode(x).mu, ref(x)), terms=VAE_TERMS)
 
 
 def test_device_id_errors() -> None:
@@ -350,7 +356,7 @@ def test_device_id_errors() -> None:
 def test_single_cpu_device() -> None:
     ref, _, dp = _ref_and_dp(devices=["cpu"])
     x = torch.randn(5, 8)
-    assert torch.allclose(dp.encode(x).mu, ref.encode(x).mu)
+    assert_close_to_reference(dp.encode(x).mu, ref.encode(x).mu, terms=VAE_TERMS)
 
 
 # --- helpers ----------------------------------------------------------------------------
@@ -433,7 +439,10 @@ def test_cnn_trained_through_training_step_matches_single_device() -> None:
             out["loss"].backward()
             optim.step()
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-        assert torch.allclose(p, p_ref, atol=1e-10), name
+        # float64; per step, back through conv1 (27 + 1), the GroupNorm's 4 x 64 values,
+        # conv2 (72 + 1), the mean over 16 positions, the head (16 + 1) and the softmax
+        # of 10, then the weight gradients' sums over up to 13 images x 64 positions.
+        assert_close_to_reference(p, p_ref, terms=4 * (2 * (28 + 256 + 73 + 16 + 17 + 10) + 13 * 64), msg=name)
     assert not torch.equal(model.head.weight, SmallCNN().double().head.weight)
 
 
@@ -449,7 +458,7 @@ def test_cached_replicas_keep_workers_until_the_wrapper_goes() -> None:
     x = torch.randn(9, 8)
     with torch.no_grad():
         for _ in range(3):
-            assert torch.allclose(dp.encode(x).mu, ref.encode(x).mu, atol=1e-6)
+            assert_close_to_reference(dp.encode(x).mu, ref.encode(x).mu, terms=VAE_TERMS)
     workers = _worker_threads()
     assert len(workers) == 3  # replica 0 runs in the caller
     x[5] = float("nan")
@@ -525,10 +534,10 @@ def test_subclasses_with_their_own_constructor_arguments(make: Any) -> None:
     ref = VAE()
     dp = make(copy.deepcopy(ref))
     x = torch.randn(5, 8)
-    torch.testing.assert_close(dp.encode(x).mu, ref.encode(x).mu)
+    assert_close_to_reference(dp.encode(x).mu, ref.encode(x).mu, terms=VAE_TERMS)
     assert isinstance(dp, DataParallel) and "encode" in type(dp).__dict__
     dp2 = copy.deepcopy(dp)
-    torch.testing.assert_close(dp2.encode(x).logvar, ref.encode(x).logvar)
+    assert_close_to_reference(dp2.encode(x).logvar, ref.encode(x).logvar, terms=VAE_TERMS)
     built = _Built(4)
     assert built.width == 4 and built.encode(x).mu.shape == (5, 3)
     with pytest.raises(TypeError, match="module: expected an nn.Module, got int"):
