@@ -16,12 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from _close import mlp_terms
 from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_method
+from dpmethods.testing import assert_close_to_reference as close
 
 CPU3 = ["cpu"] * 3
+# Net: Linear(6, 4). The step's loss squares it and takes the mean of up to 13 x 4 values.
+TERMS = mlp_terms(6)
+LOSS_TERMS = 2 * TERMS + 13 * 4
 
 
 class Net(nn.Module):
@@ -76,12 +81,12 @@ def test_every_seam_is_called_with_torchs_signature_for_every_method() -> None:
     ref, model = _pair()
     dp = Recorder(model, device_ids=CPU3)
     x = torch.randn(7, 6)
-    assert torch.allclose(dp(x), ref(x), atol=1e-6)
+    close(dp(x), ref(x), terms=TERMS)
     xt = torch.randn(3, 7, 6)  # a batch of 7 along dim 1
-    assert torch.allclose(dp.encode_t(xt), ref.encode_t(xt), atol=1e-6)
+    close(dp.encode_t(xt), ref.encode_t(xt), terms=TERMS)
     out = dp.step(x)
     # The method's own options reach gather through the call context: a weighted mean.
-    assert torch.allclose(out["loss"], ref.step(x)["loss"], atol=1e-6)
+    close(out["loss"], ref.step(x)["loss"], terms=LOSS_TERMS)
     assert [s[0] for s in dp.seen] == ["scatter", "replicate", "parallel_apply", "gather"] * 3
 
 
@@ -113,9 +118,9 @@ def test_a_subclass_overriding_one_seam_like_torch_works(seam: str, cached: bool
     dp = Sub(model, CPU3, cache_replicas=cached)
     x = torch.randn(8, 6)
     with torch.set_grad_enabled(not cached):  # the replica cache works under no_grad
-        assert torch.allclose(dp(x), ref(x), atol=1e-6)
-        assert torch.allclose(dp.step(x)["loss"], ref.step(x)["loss"], atol=1e-6)
-        assert torch.allclose(dp(x), ref(x), atol=1e-6)
+        close(dp(x), ref(x), terms=TERMS)
+        close(dp.step(x)["loss"], ref.step(x)["loss"], terms=LOSS_TERMS)
+        close(dp(x), ref(x), terms=TERMS)
     assert calls == [seam] * 3
 
 
@@ -129,8 +134,8 @@ def test_a_scatter_written_from_scratch_needs_no_sizes_attribute() -> None:
     ref, model = _pair()
     dp = Chunky(model, CPU3)
     x = torch.randn(9, 6)
-    assert torch.allclose(dp(x), ref(x), atol=1e-6)
-    assert torch.allclose(dp.step(x)["loss"], ref.step(x)["loss"], atol=1e-6)  # equal chunks
+    close(dp(x), ref(x), terms=TERMS)
+    close(dp.step(x)["loss"], ref.step(x)["loss"], terms=LOSS_TERMS)  # equal chunks
 
 
 def test_parallel_apply_seam_takes_none_kwargs_and_bare_inputs_like_torch() -> None:
@@ -139,9 +144,9 @@ def test_parallel_apply_seam_takes_none_kwargs_and_bare_inputs_like_torch() -> N
     replicas = dp.replicate(model, dp.device_ids[:2])
     a, b = torch.randn(2, 6), torch.randn(3, 6)
     out = dp.parallel_apply(replicas, [a, (b,)], None)
-    assert torch.allclose(out[0], ref(a), atol=1e-6) and torch.allclose(out[1], ref(b), atol=1e-6)
+    close((out[0], out[1]), (ref(a), ref(b)), terms=TERMS)
     g = dp.gather(out, dp.output_device)
-    assert torch.allclose(g, ref(torch.cat([a, b])), atol=1e-6)
+    close(g, ref(torch.cat([a, b])), terms=TERMS)
     scattered = dp.scatter((torch.cat([a, b]),), None, dp.device_ids)
     assert [t[0].shape[0] for t in scattered[0]] == [2, 2, 1] and scattered[1] == ({},) * 3
 
@@ -169,7 +174,7 @@ def test_gpu_ids_without_gpus_are_a_plain_call_with_one_warning(monkeypatch: Any
         dp = DataParallel(model, device_ids=[0, 1])
     assert dp.device_ids == [] and nn.DataParallel(copy.deepcopy(ref), [0, 1]).device_ids == []
     x = torch.randn(5, 6)
-    assert torch.allclose(dp(x), ref(x)) and torch.allclose(dp.step(x)["y"], ref.step(x)["y"])
+    close((dp(x), dp.step(x)["y"]), (ref(x), ref.step(x)["y"]), terms=TERMS)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         DataParallel(Net(), device_ids=[0, 1])  # once
@@ -180,7 +185,7 @@ def test_dataparallel_is_generic_like_torchs() -> None:
     dp = DataParallel[Net](model, CPU3)
     assert isinstance(dp, DataParallel) and isinstance(dp, nn.DataParallel)
     x = torch.randn(4, 6)
-    assert torch.allclose(dp(x), ref(x), atol=1e-6)
+    close(dp(x), ref(x), terms=TERMS)
     assert nn.DataParallel[Net] is not None and dpmethods.DataParallel[nn.Linear] is not None
 
 
@@ -213,7 +218,7 @@ def test_four_threads_with_different_options_overlap_safely(cached: bool) -> Non
         t.join(60)
     for got, want in zip(results, expected):
         assert got is not None and got.shape == want.shape
-        assert torch.allclose(got, want, atol=1e-6)
+        close(got, want, terms=LOSS_TERMS)
 
 
 def test_a_call_made_inside_a_seam_leaves_the_outer_calls_options_intact() -> None:
@@ -233,4 +238,4 @@ def test_a_call_made_inside_a_seam_leaves_the_outer_calls_options_intact() -> No
     out = dp.step(x)
     assert dp.inner is not None and dp.inner.shape == (2, 5, 4)
     assert out["loss"].dim() == 0  # still the outer call's weighted mean
-    assert torch.allclose(out["loss"], ref.step(x)["loss"], atol=1e-6)
+    close(out["loss"], ref.step(x)["loss"], terms=LOSS_TERMS)
