@@ -19,6 +19,7 @@ reinstalling recompiles only what changed: ninja compares sources, headers and f
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -81,6 +82,16 @@ def _write_build_info(path: Path, *, torch_version: str, archs: list[str], with_
     # Rewrite only on change so ninja does not rebuild module.cpp every time.
     if not path.exists() or path.read_text() != text:
         path.write_text(text)
+
+
+# Beside the built dpmethods._C: the torch it was compiled against, which
+# dpmethods/ops/extension.py compares with the torch running before it loads the library.
+_RECORD_NAME = "_build_info.json"
+
+
+def _write_record(package_dir: Path, record: dict[str, object]) -> None:
+    package_dir.mkdir(parents=True, exist_ok=True)
+    (package_dir / _RECORD_NAME).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def _extensions() -> tuple[list, dict]:
@@ -172,15 +183,18 @@ def _extensions() -> tuple[list, dict]:
         extra_link_args=extra_link,
         py_limited_api=False,
     )
-    return [ext], {"build_ext": _persistent_build_ext(cpp_extension.BuildExtension)}
+    record = {"torch": torch.__version__, "torch_cuda": torch.version.cuda, "cuda_kernels": with_cuda}
+    return [ext], {"build_ext": _persistent_build_ext(cpp_extension.BuildExtension, record)}
 
 
-def _persistent_build_ext(base: type) -> type:
+def _persistent_build_ext(base: type, record: dict[str, object]) -> type:
     """``base`` (torch's BuildExtension) with its object files in ``build/`` for every install.
 
     An editable install (``pip install -e .``) gives build_ext a new temporary
     ``build_temp`` each time, so ninja would recompile everything on every reinstall;
-    an explicit ``--build-temp`` still wins.
+    an explicit ``--build-temp`` still wins. Next to the library it writes ``record``
+    (``dpmethods/_build_info.json``), in the build folder and, for ``--inplace`` and
+    editable installs, in the source tree too.
     """
 
     class PersistentBuildExt(base):  # type: ignore[misc, valid-type]
@@ -195,6 +209,13 @@ def _persistent_build_ext(base: type) -> type:
                 tag = f"temp.{get_platform()}-{sys.implementation.cache_tag}"
                 self.build_temp = str(_ROOT / "build" / tag)
             super().finalize_options()
+
+        def run(self) -> None:
+            super().run()
+            _write_record(Path(self.build_lib) / "dpmethods", record)
+            if self.inplace:
+                build_py = self.get_finalized_command("build_py")
+                _write_record(Path(build_py.get_package_dir("dpmethods")), record)
 
     return PersistentBuildExt
 

@@ -130,10 +130,12 @@ def _print_info(info: dict[str, Any]) -> None:
             print(f"{i:>5} " + " ".join(f"{c:>5}" for c in cells))
     ext = info["extension"]
     print(f"extension: in use: {ext.get('in_use', 'unknown')}")
+    if ext.get("reason"):  # why the fallback (another torch, a failed import) and the fix, first
+        print(f"  reason: {ext['reason']}")
     for key in sorted(ext):
         value = ext[key]
         # Only what is there: no "reason: None" when nothing is wrong.
-        if key == "in_use" or value is None or (key == "reason" and not value):
+        if key in ("in_use", "reason") or value is None:
             continue
         if isinstance(value, list):
             value = ", ".join(map(str, value)) or "none"

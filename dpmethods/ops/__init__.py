@@ -61,7 +61,8 @@ def extension_info() -> dict[str, Any]:
     Returns:
         A dict with ``available`` (``dpmethods._C`` imported), ``cuda`` (built with
         CUDA kernels), ``cuda_archs`` (targets compiled, e.g. ``["sm_80", "sm_90",
-        "compute_90"]``), ``torch_built_against``, ``torch_runtime``, ``in_use``
+        "compute_90"]``), ``torch_built_against``, ``torch_runtime``, ``torch_cuda_built_against``
+        and ``torch_cuda_runtime`` (the CUDA versions of both torches), ``in_use``
         (``"compiled"`` or ``"pytorch fallback"``), ``reason`` (why the fallback,
         else None) and ``path`` (the loaded library).
 

@@ -1,16 +1,25 @@
 """Loading of the compiled extension ``dpmethods._C``.
 
-The extension is optional: when it is missing, fails to import, lacks CUDA for
-a CUDA target, or ``DPMETHODS_DISABLE_EXTENSION=1`` is set, dpmethods falls
-back to pure PyTorch and says why once on the ``dpmethods`` logger (warning
-for a failed import or a missing CUDA build, info when disabled on purpose).
+The extension is optional: when it is missing, fails to import, was built against
+another torch than the one running, lacks CUDA for a CUDA target, or
+``DPMETHODS_DISABLE_EXTENSION=1`` is set, dpmethods falls back to pure PyTorch and
+says why once on the ``dpmethods`` logger (warning for a failed import, another torch
+or a missing CUDA build, info when disabled on purpose).
+
+setup.py writes ``dpmethods/_build_info.json`` beside the library: the torch version
+and CUDA version it was compiled against. A library built against another torch
+(pip's isolated build fetches a torch of its own) fails to load, or worse, loads and
+misbehaves, so it is not imported then; the message names both torches and the fix.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -21,6 +30,12 @@ __all__: list[str] = []
 _log = logging.getLogger("dpmethods")
 
 DISABLE_ENV = "DPMETHODS_DISABLE_EXTENSION"
+BUILD_RECORD = Path(__file__).resolve().parent.parent / "_build_info.json"
+FIX = (
+    "reinstall dpmethods from its source folder with "
+    "`pip install --no-build-isolation -e .`, which compiles it against the torch in use "
+    "(without --no-build-isolation pip compiles against a torch it downloads for the build)"
+)
 
 
 @dataclass
@@ -42,16 +57,84 @@ def _load() -> _State:
         _STATE = _State(None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}")
         _log_once(_STATE, _STATE.reason or "", logging.INFO)
         return _STATE
-    try:
-        # Importing the module loads the shared library, whose static
-        # initializers register torch.ops.dpmethods.*.
-        from dpmethods import _C  # type: ignore[attr-defined]
-    except Exception as exc:  # ImportError, OSError (undefined symbol), ...
-        _STATE = _State(None, f"import of dpmethods._C failed: {type(exc).__name__}: {exc}")
-        _log_once(_STATE, _STATE.reason or "", logging.WARNING)
-        return _STATE
-    _STATE = _State(_C, None)
+    built = recorded_build()
+    reason = mismatch(built)
+    if reason is None:
+        try:
+            # Importing the module loads the shared library, whose static
+            # initializers register torch.ops.dpmethods.*.
+            from dpmethods import _C  # type: ignore[attr-defined]
+        except Exception as exc:  # ImportError, OSError (undefined symbol), ...
+            reason = _import_failure(exc, built)
+        else:
+            # An older build wrote no record: the library itself knows its torch version.
+            lib: Any = _C
+            reason = mismatch({"torch": lib.torch_version()}) if built is None else None
+            if reason is None:
+                _STATE = _State(_C, None)
+                return _STATE
+    _STATE = _State(None, reason)
+    _log_once(_STATE, reason, logging.WARNING)
     return _STATE
+
+
+def _import_failure(exc: Exception, built: dict[str, Any] | None) -> str:
+    if importlib.util.find_spec("dpmethods._C") is None:
+        return (
+            "dpmethods._C is not installed (an install with DPMETHODS_SKIP_EXTENSION=1 has "
+            f"none); to build it, {FIX}"
+        )
+    return (
+        f"import of dpmethods._C failed: {type(exc).__name__}: {exc}; it was built against "
+        f"torch {_describe(built)}, torch {_describe(_running())} is running; if torch "
+        f"changed since dpmethods was installed, {FIX}"
+    )
+
+
+def recorded_build() -> dict[str, Any] | None:
+    """The torch ``dpmethods._C`` was compiled against, as setup.py recorded it (None: no record)."""
+    try:
+        record = json.loads(BUILD_RECORD.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _running() -> dict[str, Any]:
+    return {"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}
+
+
+def _describe(build: dict[str, Any] | None) -> str:
+    if build is None:
+        return "unknown (no dpmethods/_build_info.json)"
+    if "torch_cuda" not in build:
+        return str(build.get("torch"))
+    cuda = build["torch_cuda"]
+    return f"{build.get('torch')} ({f'CUDA {cuda}' if cuda else 'CPU-only'})"
+
+
+def mismatch(built: dict[str, Any] | None) -> str | None:
+    """Why a library built against ``built`` must not load into the torch running (None: it may).
+
+    Compares the keys ``built`` has: ``torch`` (the version) and ``torch_cuda`` (the CUDA
+    version torch was built with, None for a CPU-only torch).
+
+    Example:
+        >>> import torch
+        >>> mismatch({"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}) is None
+        True
+        >>> print(mismatch({"torch": "0.1.0"}))  # doctest: +ELLIPSIS
+        dpmethods._C was built against torch 0.1.0, but torch ... is running; reinstall ...
+    """
+    if built is None:
+        return None
+    running = _running()
+    if all(built[k] == running[k] for k in ("torch", "torch_cuda") if k in built):
+        return None
+    return (
+        f"dpmethods._C was built against torch {_describe(built)}, but torch "
+        f"{_describe(running)} is running; {FIX}"
+    )
 
 
 def _log_once(state: _State, reason: str, level: int) -> None:
@@ -92,8 +175,9 @@ def info() -> dict[str, Any]:
     """Build and runtime facts; see :func:`dpmethods.ops.extension_info`."""
     state = _load()
     mod = state.module
+    record = recorded_build() or {}
     archs: list[str] = []
-    built: str | None = None
+    built: str | None = record.get("torch")
     cuda = False
     if mod is not None:
         archs = [a for a in mod.cuda_arch_list().split(";") if a]
@@ -104,7 +188,9 @@ def info() -> dict[str, Any]:
         "cuda": cuda,
         "cuda_archs": archs,
         "torch_built_against": built,
-        "torch_runtime": torch.__version__,
+        "torch_cuda_built_against": record.get("torch_cuda"),
+        "torch_runtime": str(torch.__version__),
+        "torch_cuda_runtime": torch.version.cuda,
         "in_use": "compiled" if mod is not None else "pytorch fallback",
         "reason": state.reason,
         "path": getattr(mod, "__file__", None),
