@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+from _close import mlp_terms
 from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, MethodOptions, parallel_method, warn_once
 from dpmethods.core.gather import gather
+from dpmethods.testing import assert_close_to_reference as close
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 
@@ -67,13 +69,18 @@ def _images(n: int) -> list[torch.Tensor]:
     return [torch.randn(3, 2 + i % 3, 4 + i % 2) for i in range(n)]
 
 
+# PerItem.score: a mean over up to 4 x 5 pixels, Linear(3, 2), a scale, then the squared
+# error summed over 2 values.
+ITEM_TERMS = 2 * (20 + 4 + 1) + 2
+
+
 def _assert_items_equal(got: list[dict[str, Any]], ref: list[dict[str, Any]]) -> None:
     assert len(got) == len(ref)
     for g, r in zip(got, ref):
         assert g.keys() == r.keys()
         for k in r:
             if isinstance(r[k], torch.Tensor):
-                torch.testing.assert_close(g[k], r[k], atol=1e-5, rtol=0)
+                close(g[k], r[k], terms=ITEM_TERMS)
             else:
                 assert g[k] == r[k]
 
@@ -115,7 +122,7 @@ def test_list_of_batch_tensors_with_equal_shares_is_joined_entry_by_entry_quietl
     with _no_warnings():
         got = gather(outs, "cpu", sizes=[2, 2, 2, 2])
     assert [t.shape for t in got] == [torch.Size([8, 3]), torch.Size([8, 5])]
-    torch.testing.assert_close(got[1], torch.cat([o[1] for o in outs]))
+    close(got[1], torch.cat([o[1] for o in outs]), terms=0)  # a copy
 
 
 @pytest.mark.parametrize("batch,devices", SPLITS)
@@ -123,7 +130,7 @@ def test_split_strings_batch_size_from_the_sequence(batch: int, devices: int) ->
     model = PerItem()
     words = tuple(f"w{'x' * i}" for i in range(batch))
     dp = DataParallel(model, device_ids=["cpu"] * devices)
-    torch.testing.assert_close(dp.lengths(list(words)), model.lengths(list(words)))
+    close(dp.lengths(list(words)), model.lengths(list(words)), terms=0)  # lengths + 0 * bias
     assert dp.upper(words) == model.upper(words)
 
 
@@ -183,7 +190,7 @@ def test_unsplit_list_as_long_as_the_batch_warns_naming_split_and_broadcast(batc
     assert not torch.allclose(wrong, model.scaled(x, scales))  # what the warning is about
     split = DataParallel(model, device_ids=["cpu"] * devices, methods={"scaled": {"split": "scales"}})
     with _no_warnings():
-        torch.testing.assert_close(split.scaled(x, scales), model.scaled(x, scales))
+        close(split.scaled(x, scales), model.scaled(x, scales), terms=1)
         # Named in broadcast: every replica needs it whole, said so, no warning.
         whole = DataParallel(model, device_ids=["cpu"] * devices, methods={"scaled": {"broadcast": "scales"}})
         whole.scaled(x, [1.0] * batch)
@@ -204,7 +211,7 @@ def test_split_moves_tensors_inside_items_and_keeps_gradients() -> None:
     ref = model.score(images, scale, targets=[{"t": torch.zeros(2)} for _ in range(5)])
     sum(o["loss"] for o in ref).backward()
     for g, i in zip(grads, images):
-        torch.testing.assert_close(g, i.grad, atol=1e-5, rtol=0)
+        close(g, i.grad, terms=2 * ITEM_TERMS)  # the forward's path, back
 
 
 # --- options -----------------------------------------------------------------------
@@ -256,8 +263,7 @@ def test_gather_dim_per_output_key(batch: int, devices: int) -> None:
     q, k = torch.randn(batch, 4), torch.randn(5, 4)
     got = DataParallel(model, device_ids=["cpu"] * devices).f(q, k)
     ref = model.f(q, k)
-    for key in ref:
-        torch.testing.assert_close(got[key], ref[key], atol=1e-5, rtol=0)
+    close(got, ref, terms=mlp_terms(4) + 4)  # Linear(4, 4), then a product with 4-wide keys
 
 
 def test_gather_dim_int_differs_from_scatter_dim() -> None:
@@ -267,7 +273,7 @@ def test_gather_dim_int_differs_from_scatter_dim() -> None:
             return x.T * 2  # batch moves to dim 1 (like audio codes)
 
     x = torch.randn(7, 3)
-    torch.testing.assert_close(DataParallel(T(), device_ids=["cpu"] * 3).f(x), x.T * 2)
+    close(DataParallel(T(), device_ids=["cpu"] * 3).f(x), x.T * 2, terms=1)
 
 
 class _LayersFirst(nn.Module):
@@ -298,8 +304,7 @@ def test_output_with_its_batch_in_another_dim_warns_naming_that_dim() -> None:
         got = fixed.states(x)
         # An int gather_dim is the caller's word for every output: trusted too.
         DataParallel(model, device_ids=["cpu"] * 4, methods={"states": {"gather_dim": 0}}).states(x)
-    torch.testing.assert_close(got["stacked"], model.states(x)["stacked"])
-    torch.testing.assert_close(got["last"], model.states(x)["last"])
+    close(got, model.states(x), terms=mlp_terms(3, 3))  # two Linear(3, 3)
 
 
 def test_output_batch_in_dim_0_under_a_scatter_dim_of_1_warns() -> None:
@@ -313,7 +318,7 @@ def test_output_batch_in_dim_0_under_a_scatter_dim_of_1_warns() -> None:
         DataParallel(Decoder(), device_ids=["cpu"] * 3).decode(codes)
     dp = DataParallel(Decoder(), device_ids=["cpu"] * 3, methods={"decode": {"dim": 1, "gather_dim": 0}})
     with _no_warnings():
-        torch.testing.assert_close(dp.decode(codes), Decoder().decode(codes))
+        close(dp.decode(codes), Decoder().decode(codes), terms=1)
 
 
 def test_gather_dim_mapping_needs_keyed_outputs() -> None:
@@ -354,10 +359,11 @@ def test_batch_coupled_output_and_its_loss_are_warned(batch: int, devices: int) 
     )
     # The right pattern: the features are exact; the loss is computed outside.
     ref = model(x, y)
-    torch.testing.assert_close(out["za"], ref["za"], atol=1e-5, rtol=0)
+    close(out["za"], ref["za"], terms=mlp_terms(4))
     sim = out["za"] @ out["zb"].T
     loss = nn.functional.cross_entropy(sim, torch.arange(batch))
-    torch.testing.assert_close(loss, ref["loss"], atol=1e-5, rtol=0)
+    # Linear(4, 8), the 8-term products, then a log-sum-exp over and a mean of the rows.
+    close(loss, ref["loss"], terms=mlp_terms(4) + 8 + 2 * batch)
     assert not torch.allclose(out["loss"], ref["loss"], atol=1e-5)
 
 
@@ -413,7 +419,7 @@ def test_counter_mappingproxy_inputs_and_defaultdict_outputs() -> None:
     table = types.MappingProxyType({"t": torch.randn(7, 2)})
     got = DataParallel(M(), device_ids=["cpu"] * 3).f(x, counts, table)
     assert type(got) is defaultdict and got.default_factory is list
-    torch.testing.assert_close(got["y"], x * 3 + table["t"])
+    close(got["y"], x * 3 + table["t"], terms=2)
     assert got["missing"] == []
 
     parts = dpmethods.scatter((counts, OrderedDict(z=torch.arange(4))), ["cpu"] * 2)
@@ -431,7 +437,7 @@ def test_torch_size_in_outputs() -> None:
     y, shape, tail = DataParallel(M(), device_ids=["cpu"] * 3).f(x)
     assert type(shape) is torch.Size and shape == x.shape
     assert type(tail) is torch.Size and tail == torch.Size([3])
-    torch.testing.assert_close(y, x + 1)
+    close(y, x + 1, terms=1)
 
 
 def test_fixed_arity_tuple_as_long_as_the_share_is_not_taken_for_per_item() -> None:
@@ -470,8 +476,7 @@ def test_feature_maps_and_attention_with_the_share_in_another_dim_are_not_taken_
     x = torch.randn(8, 3)
     with _no_warnings():
         got = DataParallel(Maps(), device_ids=["cpu"] * 4).maps(x)
-    torch.testing.assert_close(got["maps"], Maps().maps(x)["maps"])
-    torch.testing.assert_close(got["attn"], Maps().maps(x)["attn"])
+    close(got, Maps().maps(x), terms=0)  # copies of x
 
 
 def test_equal_shares_are_no_evidence_and_a_named_output_is_trusted() -> None:
