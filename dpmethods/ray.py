@@ -1,0 +1,328 @@
+"""Ray Data front-end: :class:`Predictor`, a callable class for ``Dataset.map_batches``.
+
+Ray Data schedules the work (one actor per GPU or group of GPUs, load balancing,
+restarts, streaming, storage); a :class:`Predictor` is what each actor runs: it builds
+the model once, turns a batch's columns into the method's arguments, runs the method
+through :class:`dpmethods.DataParallel` over the actor's devices under
+``torch.inference_mode()`` and turns the output back into columns. See docs/scaling.md.
+
+This module imports Ray only to ask which GPUs Ray gave the actor (and only when Ray is
+already imported); ``import dpmethods`` never imports it. A Predictor can also be called
+directly on a dict of numpy arrays, as below.
+
+Example:
+    >>> import numpy as np, torch, dpmethods
+    >>> from dpmethods.ray import Predictor
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.lin = torch.nn.Linear(4, 2)
+    ...     @dpmethods.parallel_method
+    ...     def encode(self, x):
+    ...         return {"mean": self.lin(x), "norm": x.norm(dim=1)}
+    >>> predict = Predictor(Net, "encode", columns={"x": "pixels"}, keep=["id"],
+    ...                     device_ids=["cpu"] * 2)
+    >>> out = predict({"id": np.arange(5), "pixels": np.ones((5, 4), dtype=np.float32)})
+    >>> sorted(out), out["mean"].shape, out["norm"].round(3).tolist()
+    (['id', 'mean', 'norm'], (5, 2), [2.0, 2.0, 2.0, 2.0, 2.0])
+
+    In a pipeline (``pip install "ray[data]"``)::
+
+        ds = ray.data.read_parquet(path).map_batches(
+            Predictor, fn_constructor_kwargs={"factory": load_model, "method": "encode"},
+            batch_size=64, num_gpus=1, compute=ray.data.ActorPoolStrategy(size=8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dpmethods import DataParallel
+
+__all__ = ["Predictor"]
+
+# numpy dtype kinds that become tensors: bool, signed and unsigned ints, floats, complex.
+_NUMERIC = "biufc"
+
+
+def _devices_for(gpu_ids: Sequence[Any] | None, cuda_count: int) -> list[Any]:
+    """The devices of an actor given Ray's GPU ids (None outside Ray) and torch's count.
+
+    Ray sets ``CUDA_VISIBLE_DEVICES`` to the actor's GPUs, so torch numbers them
+    ``0..n-1``; where it does not (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``),
+    torch sees every GPU and Ray's ids are torch's indices.
+    """
+    if gpu_ids is None:
+        return list(range(cuda_count)) or ["cpu"]
+    if not gpu_ids:
+        return ["cpu"]
+    if cuda_count == len(gpu_ids):
+        return list(range(cuda_count))
+    return [int(i) for i in gpu_ids]
+
+
+def _actor_devices() -> list[Any]:
+    ray = sys.modules.get("ray")  # a Ray worker has imported it; elsewhere, no Ray to ask
+    in_ray = ray is not None and ray.is_initialized()
+    gpu_ids = ray.get_gpu_ids() if in_ray else None  # type: ignore[union-attr]
+    return _devices_for(gpu_ids, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+
+
+def _nearest(name: str, names: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_names(arg: str, value: Any) -> None:
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        hint = f"; pass {arg}=[{value!r}]" if isinstance(value, str) else ""
+        raise TypeError(f"{arg}: expected a list of column names, got {value!r}{hint}")
+
+
+def _argument_map(columns: Any) -> dict[str, str] | None:
+    """``columns=`` as ``{argument: column}`` (None: every column but the kept ones)."""
+    if columns is None:
+        return None
+    if isinstance(columns, Mapping):
+        _check_names("columns", list(columns) + list(columns.values()))
+        return dict(columns)
+    if isinstance(columns, (list, tuple)):
+        _check_names("columns", columns)
+        return {c: c for c in columns}
+    raise TypeError(
+        "columns: expected a list of column names or a dict {argument: column}, got "
+        f"{type(columns).__name__} {columns!r}"
+    )
+
+
+def _method_of(model: nn.Module, method: str) -> None:
+    if not isinstance(method, str):
+        raise TypeError(f"method: expected a method name (str), got {type(method).__name__} {method!r}")
+    if method != "forward" and not callable(getattr(model, method, None)):
+        names = [n for n in dir(model) if not n.startswith("_") and callable(getattr(model, n, None))]
+        raise AttributeError(
+            f"method: {type(model).__name__} has no method {method!r}{_nearest(method, names)}"
+        )
+
+
+def _table(batch: Any) -> tuple[dict[str, Any], bool]:
+    """The batch's columns by name, and whether it is a pandas DataFrame."""
+    pandas = sys.modules.get("pandas")
+    if pandas is not None and isinstance(batch, pandas.DataFrame):
+        return {str(c): batch[c] for c in batch.columns}, True
+    if isinstance(batch, Mapping):
+        return {str(k): v for k, v in batch.items()}, False
+    raise TypeError(
+        "batch: expected a dict of numpy arrays or a pandas DataFrame (map_batches' "
+        f"batch_format 'numpy' or 'pandas'), got {type(batch).__module__}.{type(batch).__name__}"
+    )
+
+
+def _column(table: Mapping[str, Any], name: str, arg: str) -> Any:
+    if name not in table:
+        raise ValueError(
+            f"{arg}: {name!r} is not a column of the batch; its columns are "
+            f"{sorted(table)}{_nearest(name, list(table))}"
+        )
+    return table[name]
+
+
+def _argument(values: Any, device: torch.device) -> Any:
+    """A column as an argument: numeric -> a tensor on ``device``; else a list per row."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device)
+    if hasattr(values, "to_numpy") and not isinstance(values, np.ndarray):  # a pandas Series
+        values = values.to_numpy()
+        if values.dtype == object and len(values) and all(isinstance(v, np.ndarray) for v in values):
+            # A tensor column in a DataFrame: one array per row, stacked when they agree.
+            if len({(v.shape, v.dtype) for v in values}) == 1:
+                values = np.stack(list(values))
+    if isinstance(values, np.ndarray) and values.dtype.kind in _NUMERIC:
+        if not values.flags.writeable:  # Ray's zero-copy batches are read-only
+            values = values.copy()
+        return torch.from_numpy(values).to(device)
+    if isinstance(values, np.ndarray):
+        return values.tolist()
+    return list(values)
+
+
+def _to_host(value: Any) -> Any:
+    """Tensors (anywhere in lists, tuples, dicts) as CPU numpy arrays."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        # numpy has no bfloat16 (nor float8): widened to float32, which holds them exactly.
+        if value.is_floating_point() and value.dtype not in (torch.float16, torch.float32, torch.float64):
+            value = value.float()
+        return value.numpy()
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_to_host(v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _to_host(v) for k, v in value.items()}
+    return value
+
+
+def _fields(value: Any) -> list[tuple[Any, Any]] | None:
+    """A structured output's named parts (dict, ModelOutput, dataclass, namedtuple), or
+    a tuple's numbered ones; None for anything else."""
+    if isinstance(value, Mapping):
+        return list(value.items())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(f.name, getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, tuple):
+        names = getattr(value, "_fields", None)
+        return list(zip(names, value)) if names else list(enumerate(value))
+    return None
+
+
+def _rows(value: Any, name: str, n: int) -> Any:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        got = value.shape[0] if value.ndim else None
+        what = f"a {tuple(value.shape)} {type(value).__name__}"
+    elif isinstance(value, list):
+        got, what = len(value), "a list"
+    else:
+        got, what = None, type(value).__name__
+    if got != n:
+        rows = "no rows" if got is None else f"{got} rows"
+        raise ValueError(
+            f"output {name!r} is {what} with {rows}; expected one row per input row ({n} "
+            "rows). A column needs one entry per row: return per-row values, or pass "
+            "method kwargs that keep one output per input (e.g. num_return_sequences=1)"
+        )
+    return _to_host(value)
+
+
+def _output_columns(out: Any, name: str, n: int, top: bool = True) -> dict[str, Any]:
+    """The method's output as columns: see :class:`Predictor`."""
+    parts = None if isinstance(out, (torch.Tensor, np.ndarray, list)) else _fields(out)
+    if parts is None:
+        return {name: _rows(out, name, n)}
+    columns: dict[str, Any] = {}
+    for key, value in parts:
+        if value is None:  # a ModelOutput's or dataclass's field that was not computed
+            continue
+        # Top-level fields keep their own names; a tuple's items and nested fields
+        # are numbered or named after the column they belong to.
+        column = key if top and isinstance(key, str) else f"{name}_{key}"
+        columns.update(_output_columns(value, column, n, False))
+    return columns
+
+
+class Predictor:
+    """A callable class for Ray Data's ``map_batches``: one model per actor, a method
+    of it run on each batch over the actor's devices.
+
+    Args:
+        factory: a picklable zero-argument callable that builds the model (an
+            ``nn.Module``), called once per actor; the model is put in ``eval()`` mode.
+        method: the method to run: a parallel method (decorated, registered, or one a
+            library has with no configuration, as transformers ``generate`` or
+            sentence-transformers ``encode``), or ``"forward"``.
+        columns: which columns become which arguments: a list passes each column as the
+            keyword argument of its name, a dict maps argument names to column names.
+            Default: every column not in ``keep``, each as the keyword of its name.
+            Numeric columns become tensors on the first device; string and object
+            columns become Python lists (one entry per row).
+        keep: input columns copied unchanged into the output (an id column).
+        output: the column name of a tensor (or list) output, and the stem of a tuple's
+            columns ``{output}_0``, ``{output}_1``, ...; default: the method's name.
+        device_ids: the devices to split each batch over. Default: the GPUs Ray gave
+            the actor (all visible GPUs outside Ray), else the CPU.
+        **method_kwargs: keyword arguments passed to every call (``max_new_tokens=``).
+
+    A batch (a dict of numpy arrays, or a pandas DataFrame) gives the output in the same
+    format, with one row per input row: a tensor or per-row list is one column; a dict,
+    ``ModelOutput``, dataclass or namedtuple is one column per field (fields that are
+    None are left out); a tuple is ``{output}_0``, ``{output}_1``, ...; tensors come
+    back as CPU numpy arrays (bfloat16 widened to float32). An output without one row
+    per input row is an error naming it. The call runs under ``torch.inference_mode()``.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> from dpmethods.ray import Predictor
+        >>> predict = Predictor(lambda: torch.nn.Linear(3, 2), columns={"input": "x"},
+        ...                     output="y", device_ids=["cpu"] * 2)
+        >>> out = predict({"x": np.zeros((4, 3), dtype=np.float32)})
+        >>> list(out), out["y"].shape
+        (['y'], (4, 2))
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], nn.Module],
+        method: str = "forward",
+        *,
+        columns: Sequence[str] | Mapping[str, str] | None = None,
+        keep: Sequence[str] = (),
+        output: str | None = None,
+        device_ids: Sequence[Any] | None = None,
+        **method_kwargs: Any,
+    ) -> None:
+        if not callable(factory):
+            raise TypeError(
+                f"factory: expected a zero-argument callable that builds the model, got "
+                f"{type(factory).__name__} {factory!r}"
+            )
+        self._arguments = _argument_map(columns)
+        _check_names("keep", keep)
+        self._keep = list(keep)
+        if output is not None and not isinstance(output, str):
+            raise TypeError(f"output: expected a column name (str), got {type(output).__name__} {output!r}")
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"factory: expected it to return a torch.nn.Module, got {type(model).__name__}"
+            )
+        _method_of(model, method)
+        taken = sorted(set(method_kwargs) & set(self._arguments or ()))
+        if taken:
+            raise TypeError(f"method_kwargs: {taken} are also arguments given by columns=")
+        devices = list(_actor_devices() if device_ids is None else device_ids)
+        # One device needs no replicas to cache, and the cache's per-call check of the
+        # parameters would cost time for nothing.
+        self._dp = DataParallel(model.eval(), device_ids=devices, cache_replicas=len(devices) > 1)
+        self._device = torch.device(devices[0]) if devices else torch.device("cpu")
+        self._method = method
+        self._call = self._dp if method == "forward" else getattr(self._dp, method)
+        self._name = output if output is not None else method
+        self._kwargs = method_kwargs
+
+    def __call__(self, batch: Any) -> Any:
+        """Run the method on ``batch``; returns its columns (and the kept ones)."""
+        table, is_pandas = _table(batch)
+        arguments = self._arguments
+        if arguments is None:
+            arguments = {c: c for c in table if c not in self._keep}
+        kept = {c: _column(table, c, "keep") for c in self._keep}
+        inputs = {a: _column(table, c, "columns") for a, c in arguments.items()}
+        n = len(next(iter(table.values()))) if table else 0
+        with torch.inference_mode():
+            kwargs = {a: _argument(v, self._device) for a, v in inputs.items()}
+            columns = _output_columns(self._call(**kwargs, **self._kwargs), self._name, n)
+        clash = sorted(set(columns) & set(kept))
+        if clash:
+            raise ValueError(
+                f"keep: {clash} are also output columns of {self._method!r}; keep other "
+                "columns, or pass output= to name the output differently"
+            )
+        result = {**kept, **columns}
+        if not is_pandas:
+            return result
+        pandas = sys.modules["pandas"]
+        return pandas.DataFrame(
+            {k: list(v) if isinstance(v, np.ndarray) and v.ndim > 1 else v for k, v in result.items()},
+            index=batch.index,
+        )
+
+    def __repr__(self) -> str:
+        return f"Predictor({type(self._dp.module).__name__}.{self._method}, devices={self._dp.device_ids})"

@@ -1,0 +1,44 @@
+"""Model factories for the Ray tests: module-level, so Ray's workers import them by name.
+
+Each factory is seeded, so the model an actor builds equals the one the test builds as
+the one-device reference. The tests put this directory on the workers' PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dpmethods
+
+FEATURES, HIDDEN = 8, 6
+
+
+class Encoder(torch.nn.Module):
+    """A decorated method with a dict output: a per-row vector, a per-row scalar."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(FEATURES, HIDDEN)
+
+    @dpmethods.parallel_method
+    def encode(self, x: torch.Tensor, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        return {"mean": self.lin(x) * scale, "norm": x.norm(dim=1)}
+
+
+def encoder() -> Encoder:
+    torch.manual_seed(0)
+    return Encoder().eval()
+
+
+def gpt2() -> Any:
+    """A tiny random GPT-2 (as tests/test_generate.py builds it)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=48, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
+    )
+    return transformers.GPT2LMHeadModel(cfg).eval()

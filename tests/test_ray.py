@@ -1,0 +1,231 @@
+"""``dpmethods.ray.Predictor``: methods in Ray Data pipelines equal one device.
+
+The pipelines run on a local Ray cluster (``ray.init(num_cpus=2)``, started once for the
+module); the cheap error cases call a Predictor directly on a dict of numpy arrays, as
+Ray would, and need no Ray. The factories live in tests/_ray_models.py, which Ray's
+workers import by name (this directory is on their PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _ray_models import FEATURES, HIDDEN, encoder, gpt2
+from _tiny_models import random_sentences, tiny_sentence_transformer
+
+np = pytest.importorskip("numpy")
+
+from dpmethods.ray import Predictor, _devices_for  # noqa: E402
+
+_TESTS = Path(__file__).resolve().parent
+N = 10  # rows: batches of 4 give 4 + 4 + 2, split over 2 replicas as 2 + 2, 2 + 2, 1 + 1
+
+
+def _linear_tolerance(model: Any, x: torch.Tensor) -> float:
+    # A row of Linear(x) sums FEATURES products and the bias in fp32: its rounding error
+    # depends on the order of the sum (which BLAS picks by batch size), bounded by
+    # (FEATURES + 1) * eps * the sum of the terms' magnitudes.
+    with torch.no_grad():
+        scale = (x.abs() @ model.lin.weight.abs().T + model.lin.bias.abs()).max()
+    return float((FEATURES + 1) * torch.finfo(torch.float32).eps * scale)
+
+
+def _rows(n: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(n)
+    return {"id": np.arange(n), "pixels": torch.randn(n, FEATURES, generator=g).numpy()}
+
+
+# --- without Ray: a Predictor called on a batch as Ray calls it ---------------------
+
+
+def test_a_batch_gives_one_row_per_input_row_and_keeps_columns() -> None:
+    batch = _rows(N)
+    predict = Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["id"],
+                        device_ids=["cpu"] * 2, scale=2.0)
+    out = predict(batch)
+    model = encoder()
+    x = torch.from_numpy(batch["pixels"])
+    want = model.encode(x, scale=2.0)
+    assert sorted(out) == ["id", "mean", "norm"]
+    assert out["id"] is batch["id"]
+    tol = 2 * _linear_tolerance(model, x)
+    np.testing.assert_allclose(out["mean"], want["mean"].detach().numpy(), rtol=0, atol=tol)
+    np.testing.assert_allclose(out["norm"], want["norm"].numpy(), rtol=1e-6)
+
+
+def test_tuple_outputs_are_numbered_and_strings_become_lists() -> None:
+    class Tagger(torch.nn.Module):
+        def forward(self, x: torch.Tensor, words: list[str]) -> tuple[torch.Tensor, list[str]]:
+            return x * 2, [w.upper() for w in words]
+
+    predict = Predictor(Tagger, output="tag", device_ids=["cpu"])
+    out = predict({"x": np.arange(3.0), "words": np.array(["a", "b", "c"], dtype=object)})
+    assert sorted(out) == ["tag_0", "tag_1"]
+    assert out["tag_0"].tolist() == [0.0, 2.0, 4.0] and out["tag_1"] == ["A", "B", "C"]
+
+
+def test_a_missing_column_is_named_with_the_columns_that_exist() -> None:
+    predict = Predictor(encoder, "encode", columns={"x": "pixel"}, device_ids=["cpu"])
+    with pytest.raises(ValueError, match=(
+        r"columns: 'pixel' is not a column of the batch; its columns are \['id', 'pixels'\] "
+        r"\(did you mean 'pixels'\?\)"
+    )):
+        predict(_rows(3))
+    with pytest.raises(ValueError, match=r"keep: 'ids' is not a column of the batch; .*\(did you mean 'id'\?\)"):
+        Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["ids"])(_rows(3))
+
+
+def test_an_output_without_one_row_per_input_row_is_named() -> None:
+    class Summary(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"rows": x, "total": x.sum()}
+
+    predict = Predictor(Summary, device_ids=["cpu"])
+    with pytest.raises(ValueError, match=(
+        r"output 'total' is a \(\) Tensor with no rows; expected one row per input row "
+        r"\(4 rows\)"
+    )):
+        predict({"x": np.ones((4, 2))})
+
+    class Doubled(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x])
+
+    with pytest.raises(ValueError, match=r"output 'forward' is a \(8, 2\) Tensor with 8 rows; "
+                                         r"expected one row per input row \(4 rows\)"):
+        Predictor(Doubled, device_ids=["cpu"])({"x": np.ones((4, 2))})
+
+
+def test_arguments_are_checked_when_the_predictor_is_built() -> None:
+    with pytest.raises(AttributeError, match=r"method: Encoder has no method 'encod' \(did you mean 'encode'\?\)"):
+        Predictor(encoder, "encod")
+    with pytest.raises(TypeError, match=r"keep: expected a list of column names, got 'id'; pass keep=\['id'\]"):
+        Predictor(encoder, "encode", keep="id")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="factory: expected it to return a torch.nn.Module, got int"):
+        Predictor(lambda: 3)  # type: ignore[arg-type, return-value]
+    with pytest.raises(TypeError, match=r"method_kwargs: \['x'\] are also arguments given by columns="):
+        Predictor(encoder, "encode", columns=["x"], x=1)
+    with pytest.raises(ValueError, match=r"keep: \['mean'\] are also output columns of 'encode'"):
+        Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["mean"])(
+            {**_rows(2), "mean": np.zeros(2)})
+
+
+def test_devices_are_the_gpus_ray_gave_the_actor() -> None:
+    assert _devices_for(None, 0) == ["cpu"]  # outside Ray, without GPUs
+    assert _devices_for(None, 2) == [0, 1]  # outside Ray: every visible GPU
+    assert _devices_for([], 4) == ["cpu"]  # an actor given no GPU
+    assert _devices_for([3, 5], 2) == [0, 1]  # CUDA_VISIBLE_DEVICES=3,5: torch's 0 and 1
+    assert _devices_for(["3", "5"], 8) == [3, 5]  # Ray left CUDA_VISIBLE_DEVICES alone
+
+
+def test_pandas_batches_come_back_as_dataframes() -> None:
+    pd = pytest.importorskip("pandas")
+    batch = _rows(5)
+    frame = pd.DataFrame({"id": batch["id"], "pixels": list(batch["pixels"])})
+    out = Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["id"], device_ids=["cpu"])(frame)
+    assert isinstance(out, pd.DataFrame) and list(out.columns) == ["id", "mean", "norm"]
+    want = Predictor(encoder, "encode", columns={"x": "pixels"}, device_ids=["cpu"])(batch)
+    np.testing.assert_array_equal(np.stack(list(out["mean"])), want["mean"])
+    assert out["id"].tolist() == list(range(5))
+
+
+def test_importing_dpmethods_does_not_import_ray() -> None:
+    code = "import sys, dpmethods, dpmethods.ray; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+# --- on a local Ray cluster ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray() -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    path = os.pathsep.join(filter(None, [str(_TESTS), str(_TESTS.parent), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _run(ray: Any, items: list[dict[str, Any]], batch_format: str = "numpy", **kwargs: Any) -> list[dict[str, Any]]:
+    ds = ray.data.from_items(items).map_batches(
+        Predictor, fn_constructor_kwargs=kwargs, batch_size=4, batch_format=batch_format,
+        compute=ray.data.ActorPoolStrategy(size=1),
+    )
+    return sorted(ds.take_all(), key=lambda row: row["id"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("devices,batch_format", [(None, "numpy"), (["cpu"] * 2, "numpy"), (["cpu"] * 2, "pandas")])
+def test_a_decorated_method_in_a_pipeline_equals_one_device(ray: Any, devices: Any, batch_format: str) -> None:
+    batch = _rows(N)
+    items = [{"id": int(i), "pixels": p} for i, p in zip(batch["id"], batch["pixels"])]
+    rows = _run(ray, items, batch_format, factory=encoder, method="encode",
+                columns={"x": "pixels"}, keep=["id"], device_ids=devices)
+    model = encoder()
+    x = torch.from_numpy(batch["pixels"])
+    with torch.no_grad():
+        want = model.encode(x)
+    tol = _linear_tolerance(model, x)
+    assert [r["id"] for r in rows] == list(range(N))
+    assert all(sorted(r) == ["id", "mean", "norm"] for r in rows)
+    np.testing.assert_allclose(np.stack([r["mean"] for r in rows]), want["mean"].numpy(), rtol=0, atol=tol)
+    np.testing.assert_allclose([r["norm"] for r in rows], want["norm"].numpy(), rtol=1e-6)
+    assert np.stack([r["mean"] for r in rows]).shape == (N, HIDDEN)
+
+
+@pytest.mark.timeout(240)
+def test_transformers_generate_in_a_pipeline_equals_one_device(ray: Any) -> None:
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 48, (N, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = mask[5, :1] = 0  # left-padded prompts
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    items = [{"id": i, "input_ids": ids[i].numpy(), "attention_mask": mask[i].numpy()} for i in range(N)]
+    rows = _run(ray, items, factory=gpt2, method="generate", output="tokens",
+                keep=["id"], device_ids=["cpu"] * 2, **kwargs)
+    with torch.no_grad():
+        want = gpt2().generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert np.array_equal(np.stack([r["tokens"] for r in rows]), want.numpy())
+
+
+@pytest.mark.timeout(240)
+def test_sentence_transformers_encode_of_a_text_column_equals_one_device(
+    ray: Any, tmp_path: Path
+) -> None:
+    pytest.importorskip("sentence_transformers")
+    model = tiny_sentence_transformer(tmp_path)
+    sentences = random_sentences(N)
+    first = list(inspect.signature(type(model).encode).parameters)[1]
+    items = [{"id": i, "text": s} for i, s in enumerate(sentences)]
+    rows = _run(ray, items, factory=functools.partial(tiny_sentence_transformer, tmp_path),
+                method="encode", columns={first: "text"}, keep=["id"], output="embedding",
+                device_ids=["cpu"] * 2)
+    want = model.encode(sentences)
+    # fp32, as tests/test_integrations.py: the embeddings of a 2-layer BERT agree to
+    # 1e-5 whatever the batching (BLAS sums in another order for another batch size).
+    np.testing.assert_allclose(np.stack([r["embedding"] for r in rows]), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_a_missing_column_in_a_pipeline_reaches_the_driver(ray: Any) -> None:
+    items = [{"id": i, "pixels": np.zeros(FEATURES, dtype=np.float32)} for i in range(4)]
+    with pytest.raises(Exception, match=r"columns: 'x' is not a column of the batch; its columns are \['id', 'pixels'\]"):
+        _run(ray, items, factory=encoder, method="encode", columns=["x"])
