@@ -374,7 +374,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         opts = ctx.options if ctx is not None else self._options("forward")
         weights = ctx.weights(len(outputs)) if ctx is not None else None
         sizes = ctx.sizes if ctx is not None else None
-        named = named_mode(opts.gather) if isinstance(opts.gather, str) else None
+        named = named_mode(opts.gather, "gather") if isinstance(opts.gather, str) else None
         if named is not None:  # a library's mode: it joins the whole output, seeing the call
             call = None
             if ctx is not None:

@@ -10,13 +10,22 @@ the built-in ones once, and its members are those strings.
 
 from __future__ import annotations
 
+import difflib
 import enum
 from collections.abc import Callable
 from typing import Any
 
 from dpmethods.call_hooks import Call
 
-__all__ = ["BUILTIN_MODES", "Mode", "known_modes", "named_mode", "on_unknown_mode", "register_gather_mode"]
+__all__ = [
+    "BUILTIN_MODES",
+    "Mode",
+    "check_mode_name",
+    "known_modes",
+    "named_mode",
+    "on_unknown_mode",
+    "register_gather_mode",
+]
 
 
 class Mode(str, enum.Enum):
@@ -59,7 +68,7 @@ def register_gather_mode(name: str, fn: GatherFn) -> None:
     """Add a gather mode ``name``: ``fn(outputs, device, call)`` joins a whole output.
 
     ``outputs`` holds one output per replica, ``device`` is the output device, and
-    ``call`` is a :class:`~dpmethods.call_hooks.Call` (``None`` when :func:`dpmethods.gather` is called
+    ``call`` is a :class:`~dpmethods.extending.Call` (``None`` when :func:`dpmethods.parallel.gather` is called
     directly, outside a wrapper call). Registering a name again replaces its function.
 
     Example:
@@ -82,12 +91,19 @@ def register_gather_mode(name: str, fn: GatherFn) -> None:
     _NAMED[name] = fn
 
 
-def named_mode(name: str) -> GatherFn | None:
+def named_mode(name: str, where: str | None = None) -> GatherFn | None:
     """The function of the named mode ``name``, or None (a built-in or unknown name).
+
+    With ``where`` (the option's name, for the message), an unknown name is refused
+    with a ValueError that lists every mode and form, instead of returning None.
 
     Example:
         >>> named_mode("cat") is None
         True
+        >>> named_mode("nope", "gather")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: gather: expected one of the built-in modes ['cat', 'stack', 'mean', 'sum', 'pad', 'list', 'extend', 'same'], a named mode ...
     """
     if name in BUILTIN_MODES:
         return None
@@ -96,7 +112,51 @@ def named_mode(name: str) -> GatherFn | None:
         for hook in on_unknown_mode:
             hook(name)
         fn = _NAMED.get(name)
+    if fn is None and where is not None:
+        raise ValueError(_unknown(where, name))
     return fn
+
+
+def _unknown(where: str, name: str) -> str:
+    named = sorted(_NAMED)
+    close = difflib.get_close_matches(name, [*BUILTIN_MODES, *named], n=1)
+    return (
+        f"{where}: expected one of the built-in modes {list(BUILTIN_MODES)}, a named mode "
+        f"(registered so far: {', '.join(map(repr, named)) or 'none'}; a library's named "
+        "mode, such as transformers' 'generate', exists once the library is imported), a "
+        "mapping of output keys, field names or tuple positions to built-in modes, a tuple "
+        "of built-in modes (one per tuple position), or a callable fn(outputs, "
+        f"output_device); got {name!r}" + (f": did you mean {close[0]!r}?" if close else "")
+    )
+
+
+def check_mode_name(where: str, name: str) -> None:
+    """Refuse a mode name that is a typo of a built-in mode; accept any other.
+
+    A name that is neither built in nor registered yet may be a library's, registered
+    when the library is imported (after the method was decorated): it is resolved, with
+    :func:`named_mode`, when the method is called.
+
+    Example:
+        >>> check_mode_name("gather", "generate")  # resolved when called
+        >>> check_mode_name("gather", "extnd")
+        Traceback (most recent call last):
+        ...
+        ValueError: gather: expected one of ['cat', 'stack', 'mean', 'sum', 'pad', 'list', 'extend', 'same'] or a named mode, got 'extnd': did you mean 'extend'?
+    """
+    if name in BUILTIN_MODES or name in _NAMED:
+        return
+    close = difflib.get_close_matches(name.lower(), BUILTIN_MODES, n=1, cutoff=_TYPO)
+    if close:
+        raise ValueError(
+            f"{where}: expected one of {list(BUILTIN_MODES)} or a named mode, got {name!r}: "
+            f"did you mean {close[0]!r}?"
+        )
+
+
+# How close (difflib's ratio) to a built-in mode a name must be to be taken for its typo:
+# 'extnd', 'mena' and 'CAT' are; 'first' (0.67 to 'list') and 'generate' are not.
+_TYPO = 0.75
 
 
 def known_modes() -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Union
 
 from dpmethods.call_hooks import CallHooks
-from dpmethods.gather_modes import BUILTIN_MODES, Mode, known_modes, named_mode
+from dpmethods.gather_modes import BUILTIN_MODES, Mode, check_mode_name, known_modes
 
 __all__ = ["GATHER_MODES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions"]
 
@@ -201,8 +201,9 @@ def _check_scatter_dim(scatter_dim: Any) -> dict[str, int] | None:
 
 def _check_gather(gather: Any) -> None:
     if isinstance(gather, str):
-        if gather not in GATHER_MODES and named_mode(gather) is None:
-            raise ValueError(f"gather: expected one of {known_modes()}, got {gather!r}")
+        # A typo of a built-in is refused now; any other name may be a library's mode,
+        # registered once the library is imported: it is resolved when the method runs.
+        check_mode_name("gather", gather)
     elif isinstance(gather, Mapping):
         for key, mode in gather.items():
             if isinstance(key, bool) or not isinstance(key, (str, int)):

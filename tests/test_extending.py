@@ -88,5 +88,5 @@ def test_extension_api_errors_name_the_argument() -> None:
         CallHooks(prepare=1)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"hooks: expected a dpmethods.extending.CallHooks or None, got dict"):
         MethodOptions(hooks={})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"gather: expected one of \['cat', .*\], got 'nope'"):
-        MethodOptions(gather="nope")
+    with pytest.raises(ValueError, match=r"gather: expected one of \['cat', .*\] or a named mode, got 'extnd': did you mean 'extend'\?$"):
+        MethodOptions(gather="extnd")

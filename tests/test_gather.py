@@ -157,7 +157,7 @@ def test_structure_mismatch_names_the_key_path() -> None:
 def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="outputs: expected at least one replica output, got none"):
         gather([], "cpu")
-    with pytest.raises(ValueError, match=r"mode: expected one of \['cat'.*got 'avg'"):
+    with pytest.raises(ValueError, match=r"gather: mode: expected one of the built-in modes \['cat'.*got 'avg'$"):
         gather([torch.ones(1)], "cpu", mode="avg")
     with pytest.raises(ValueError, match=r"'mean' needs the same shape on every replica, got \[\[2\], \[1\]\]"):
         gather([torch.ones(2), torch.ones(1)], "cpu", mode="mean")

@@ -5,6 +5,11 @@ Each case is compared with the one-device call on random data.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +18,9 @@ from torch import nn
 
 from dpmethods import DataParallel, MethodOptions, parallel_method
 from dpmethods.core.gather import gather
+from dpmethods.extending import register_gather_mode
+
+_ROOT = Path(__file__).resolve().parent.parent
 
 
 class _Mixed(nn.Module):
@@ -124,3 +132,81 @@ def test_mode_keys_and_tuples_are_validated() -> None:
         MethodOptions(gather={1.5: "cat"})
     with pytest.raises(ValueError, match=r"needs outputs with keys, fields or positions"):
         gather([torch.ones(2), torch.ones(2)], "cpu", mode={0: "cat"})
+
+
+def test_a_mode_name_unknown_when_decorated_is_resolved_when_called() -> None:
+    class Late(nn.Module):
+        runs = 0
+
+        @parallel_method(gather="late_first")  # not registered yet, not a typo: accepted
+        def f(self, x: torch.Tensor) -> torch.Tensor:
+            Late.runs += 1
+            return x * 2
+
+    dp = DataParallel(Late(), device_ids=["cpu"] * 2)
+    with pytest.raises(ValueError) as info:
+        dp.f(torch.ones(4, 1))
+    message = str(info.value)
+    assert message.startswith(
+        "gather: expected one of the built-in modes ['cat', 'stack', 'mean', 'sum', 'pad', "
+        "'list', 'extend', 'same'], a named mode (registered so far: "
+    )
+    assert (
+        "a library's named mode, such as transformers' 'generate', exists once the library "
+        "is imported), a mapping of output keys, field names or tuple positions to built-in "
+        "modes, a tuple of built-in modes (one per tuple position), or a callable "
+        "fn(outputs, output_device); got 'late_first'"
+    ) in message
+    assert Late.runs == 0  # refused before any replica ran
+    register_gather_mode("late_first", lambda outputs, device, call: outputs[0].to(device))
+    assert dp.f(torch.ones(4, 1)).tolist() == [[2.0], [2.0]]  # replica 0's share
+
+
+def test_a_typo_of_a_built_in_mode_is_refused_when_decorated() -> None:
+    with pytest.raises(ValueError, match=r"^gather: expected one of \['cat', 'stack', 'mean', 'sum', "
+                       r"'pad', 'list', 'extend', 'same'\] or a named mode, got 'extnd': did you mean 'extend'\?$"):
+        parallel_method(gather="extnd")
+    with pytest.raises(ValueError, match=r"got 'Mean': did you mean 'mean'\?$"):
+        MethodOptions(gather="Mean")
+
+
+def test_the_generate_mode_named_before_transformers_is_imported() -> None:
+    pytest.importorskip("transformers")
+    code = textwrap.dedent('''
+        import sys
+        import torch
+        import dpmethods
+        from torch import nn
+
+        class Chat(nn.Module):
+            def __init__(self, lm):
+                super().__init__()
+                self.lm = lm
+
+            @property
+            def generation_config(self):
+                return self.lm.generation_config
+
+            @dpmethods.parallel_method(gather="generate")
+            def generate(self, input_ids, **kwargs):
+                return self.lm.generate(input_ids, **kwargs)
+
+        assert "transformers" not in sys.modules
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1,
+                                         n_head=2, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        torch.manual_seed(0)
+        chat = Chat(transformers.GPT2LMHeadModel(config).eval())
+        ids = torch.randint(2, 64, (3, 4))
+        with torch.no_grad():
+            got = dpmethods.DataParallel(chat, device_ids=["cpu"] * 2).generate(ids, max_new_tokens=3)
+            want = chat.generate(ids, max_new_tokens=3)
+        assert torch.equal(got, want), (got, want)
+        print("ok")
+    ''')
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=_ROOT, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr

@@ -125,8 +125,8 @@ def test_class_that_is_not_a_module() -> None:
 
 
 def test_option_validation_names_argument() -> None:
-    with pytest.raises(ValueError, match=r"gather: expected one of \['cat'.*got 'concat'"):
-        parallel_method(gather="concat")
+    with pytest.raises(ValueError, match=r"gather: expected one of \['cat'.*or a named mode, got 'Cat': did you mean 'cat'\?"):
+        parallel_method(gather="Cat")
     with pytest.raises(ValueError, match=r"gather\['loss'\]: expected one of"):
         parallel_method(gather={"loss": "avg"})
     with pytest.raises(TypeError, match="dim: expected an int, got str"):

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpmethods.gather_modes import named_mode
 from dpmethods.options import MethodOptions
 
 __all__: list[str] = []
@@ -35,6 +36,12 @@ class _Call:
     sizes: list[int] = field(default_factory=list)  # batch items per replica, set by scatter
     args: tuple[Any, ...] = ()  # the call's own arguments (hooks and named gather modes read
     kwargs: dict[str, Any] = field(default_factory=dict)  # them: generate's pad/eos ids)
+
+    def __post_init__(self) -> None:
+        # A mode named when the method was decorated may be a library's, registered once
+        # the library is imported: resolved now, before any replica runs (unknown: refused).
+        if isinstance(self.options.gather, str):
+            named_mode(self.options.gather, "gather")
 
     def weights(self, n: int) -> list[float] | None:
         """Each replica's share of the batch, or None (equal) if unknown."""

@@ -19,7 +19,7 @@ from torch import Tensor
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather_keys import leaf_dims, leaf_modes, named_leaves
 from dpmethods.core.join import coalesced, join_tensors
-from dpmethods.gather_modes import Mode, known_modes, named_mode
+from dpmethods.gather_modes import Mode, named_mode
 from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
@@ -138,10 +138,9 @@ def gather(
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
-        named = named_mode(mode)
-        if named is None:
-            raise ValueError(f"gather: mode: expected one of {known_modes()}, got {mode!r}")
-        return named(outputs, device, None)  # a library's mode, outside a wrapper call
+        # A library's mode, outside a wrapper call; an unknown name raises, listing the modes.
+        named = named_mode(mode, "gather: mode")
+        return named(outputs, device, None)  # type: ignore[misc]
     plan = _plan(outputs, device, dim, mode, pad_value, weights, sizes, gather_dim)
     if _all_batch_tensors(outputs, plan):
         return _gather_tensors(outputs, plan)
