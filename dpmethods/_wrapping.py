@@ -9,6 +9,7 @@ completion show the model's own method, and no ``__getattr__`` lookup runs per c
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 import warnings
@@ -144,10 +145,7 @@ class _MethodWrapper(nn.Module):
         try:
             attr = getattr(module, name)
         except AttributeError:
-            raise AttributeError(
-                f"{type(self).__name__!r} object has no attribute {name!r}, and neither has "
-                f"the wrapped {type(module).__name__}"
-            ) from None
+            raise AttributeError(self._missing(module, name)) from None
         if inspect.ismethod(attr) and attr.__self__ is module:
             return self._single_device(name, attr)
         if isinstance(attr, nn.Module) and name not in self._dpm_warned:
@@ -157,6 +155,19 @@ class _MethodWrapper(nn.Module):
             if message is not None:
                 warnings.warn(message, UserWarning, stacklevel=2)
         return attr
+
+    def _missing(self, module: nn.Module, name: str) -> str:
+        """The message of a missing attribute: the nearest name, and the parallel methods."""
+        methods = sorted(set(self._dpm_methods) - {"forward"})
+        public = {n for n in dir(module) if not n.startswith("_")} | set(methods)
+        close = difflib.get_close_matches(name, sorted(public), n=1)
+        kind = type(module).__name__
+        return (
+            f"{type(self).__name__!r} object has no attribute {name!r}, and neither has the "
+            f"wrapped {kind}" + (f": did you mean {close[0]!r}?" if close else ".")
+            + (f" The parallel methods of {kind} are {methods}." if methods
+               else f" {kind} has no parallel methods besides forward.")
+        )
 
     def _single_device(self, name: str, bound: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(bound)

@@ -126,8 +126,15 @@ def test_attributes_and_undecorated_methods_forward_with_one_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         dp.helper(x)  # once only
-    with pytest.raises(AttributeError, match="'DataParallel' object has no attribute 'nope', and neither has the wrapped VAE"):
+    with pytest.raises(AttributeError, match=r"^'DataParallel' object has no attribute 'nope', and neither has the "
+                       r"wrapped VAE\. The parallel methods of VAE are \['decode', 'encode', 'masked', 'training_step'\]\.$"):
         dp.nope  # noqa: B018
+    with pytest.raises(AttributeError, match=r"^'DataParallel' object has no attribute 'encod', and neither has the "
+                       r"wrapped VAE: did you mean 'encode'\? The parallel methods of VAE are \['decode', "):
+        dp.encod  # noqa: B018
+    with pytest.raises(AttributeError, match=r"wrapped Linear: did you mean 'weight'\? Linear has no parallel "
+                       r"methods besides forward\.$"):
+        DataParallel(nn.Linear(2, 2), device_ids=["cpu"] * 2).wieght  # noqa: B018
 
 
 def test_child_module_named_in_methods_runs_on_every_replica_and_unnamed_warns() -> None:
