@@ -200,23 +200,39 @@ def register(cls: type, name: str, **options: Any) -> None:
     _REGISTERED.setdefault(cls, {})[name] = MethodOptions().with_updates(**options)
 
 
-def get_options(cls: type, name: str) -> MethodOptions | None:
+def get_options(cls: type | nn.Module, name: str) -> MethodOptions | None:
     """The options of ``cls.name`` if it is a parallel method, else ``None``.
 
     Decorations and :func:`register` come first; then the built-in methods of imported
     libraries (see :mod:`dpmethods.integrations`).
 
     Args:
-        cls: the class to look the method up on (its MRO is searched).
+        cls: the class to look the method up on (its MRO is searched), or a module
+            (its class is used).
         name: the method name.
 
     Example:
         >>> import torch
         >>> get_options(torch.nn.Linear, "forward") is None
         True
+        >>> get_options(torch.nn.Linear(2, 2), "forward") is None
+        True
     """
+    cls = _as_class("get_options", cls)
     own = _own_options(cls, name)
     return own if own is not None else _builtin(cls).get(name)  # libraries' methods last
+
+
+def _as_class(function: str, cls: Any) -> type:
+    """``cls`` itself, or the class of a module (the model's, through ``torch.compile``)."""
+    if isinstance(cls, type):
+        return cls
+    if isinstance(cls, nn.Module):
+        return method_owner(cls)
+    raise TypeError(
+        f"{function}: cls: expected an nn.Module subclass or a module, got "
+        f"{type(cls).__name__} {cls!r}"
+    )
 
 
 def _own_options(cls: type, name: str) -> MethodOptions | None:
@@ -274,17 +290,18 @@ def _builtin(cls: type) -> dict[str, MethodOptions]:
     return found
 
 
-def parallel_methods(cls: type) -> dict[str, MethodOptions]:
+def parallel_methods(cls: type | nn.Module) -> dict[str, MethodOptions]:
     """All parallel methods of ``cls``, by name.
 
     Args:
-        cls: an ``nn.Module`` subclass.
+        cls: an ``nn.Module`` subclass, or a module (its class is used).
 
     Example:
         >>> import torch
-        >>> parallel_methods(torch.nn.Linear)
-        {}
+        >>> parallel_methods(torch.nn.Linear), parallel_methods(torch.nn.Linear(2, 2))
+        ({}, {})
     """
+    cls = _as_class("parallel_methods", cls)
     builtin = _builtin(cls)  # asked once: every finder walks the class
     names: set[str] = set(builtin)
     for klass in cls.__mro__:

@@ -35,6 +35,18 @@ def test_bare_and_called_forms_record_options() -> None:
     assert sorted(parallel_methods(Base)) == ["decode", "encode"]
 
 
+def test_lookups_take_an_instance_for_its_class() -> None:
+    model = Base()
+    assert parallel_methods(model) == parallel_methods(Base)
+    assert parallel_methods(torch.compile(model)) == parallel_methods(Base)  # the model's class
+    assert get_options(model, "decode") == get_options(Base, "decode")
+    assert get_options(model, "forward") is None
+    with pytest.raises(TypeError, match=r"^parallel_methods: cls: expected an nn.Module subclass or a module, got int 3$"):
+        parallel_methods(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^get_options: cls: expected an nn.Module subclass or a module, got str 'Base'$"):
+        get_options("Base", "encode")  # type: ignore[arg-type]
+
+
 def test_unwrapped_method_is_the_plain_function() -> None:
     m = Base()
     x = torch.randn(5, 4)
