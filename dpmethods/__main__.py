@@ -210,7 +210,7 @@ def run_demo(replicas: int = 4, batch: int = 10) -> dict[str, Any]:
     generate_equal = ids.shape == ref_ids.shape and bool(torch.equal(ids, ref_ids))
     lengths = (ids != -1).sum(-1).tolist()
     with torch.no_grad():
-        sizes = dpmethods.chunk_sizes(batch, replicas)
+        sizes = dpmethods.parallel.chunk_sizes(batch, replicas)
         widths = [int(model.generate(chunk).shape[1]) for chunk in x.split(sizes)]
     print(f"dpmethods.DataParallel(model, device_ids=['cpu'] * {replicas}).encode(x): "
           f"shape {list(got.shape)}, equal to model.encode(x): {encode_equal}")
@@ -220,6 +220,17 @@ def run_demo(replicas: int = 4, batch: int = 10) -> dict[str, Any]:
           f"{ids.shape[1]}")
     return {"torch_error": torch_error, "encode_equal": encode_equal,
             "generate_equal": generate_equal, "lengths": lengths, "widths": widths}
+
+
+def _positive(value: str) -> int:
+    """An argparse type: a count of at least 1, or a usage error (exit 2) saying so."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != value.strip().lstrip("+"):
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
+    return n
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,8 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "in parallel with the same result as one device.",
         formatter_class=formatter,
     )
-    demo_p.add_argument("--replicas", type=int, default=4, help="the number of CPU replicas")
-    demo_p.add_argument("--batch", type=int, default=10, help="the number of input rows")
+    demo_p.add_argument("--replicas", type=_positive, default=4, help="the number of CPU replicas")
+    demo_p.add_argument("--batch", type=_positive, default=10, help="the number of input rows")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

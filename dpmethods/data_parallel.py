@@ -346,7 +346,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def parallel_apply(  # type: ignore[override]
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any = None
     ) -> list[Any]:
-        """Run the current method on every replica in parallel; see :func:`dpmethods.parallel_apply`.
+        """Run the current method on every replica in parallel; see :func:`dpmethods.parallel.parallel_apply`.
 
         As torch: ``kwargs`` may be None, and an input that is not a tuple or list is
         the replica's only argument. With ``cache_replicas`` the worker threads are kept.
@@ -369,7 +369,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             CachedReplicas.give_back(replicas)
 
     def gather(self, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[override]
-        """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.gather`."""
+        """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.parallel.gather`."""
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
         weights = ctx.weights(len(outputs)) if ctx is not None else None

@@ -138,7 +138,7 @@ def ragged_batch(
     early = [i for i, n in enumerate(lengths) if n == 1]
     late = sorted(range(len(pool)), key=lambda i: -lengths[i])
     late = [i for i in late if lengths[i] > 1]
-    first_chunk = dpmethods.chunk_sizes(batch, replicas)[0]
+    first_chunk = dpmethods.parallel.chunk_sizes(batch, replicas)[0]
     # Repeating an early prompt is fine: what matters is that the whole chunk stops early.
     chosen = [early[k % len(early)] for k in range(first_chunk)]
     rest = batch - first_chunk
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         out = dp(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
         ref_out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False)
-        sizes = dpmethods.chunk_sizes(len(ids), len(device_ids))
+        sizes = dpmethods.parallel.chunk_sizes(len(ids), len(device_ids))
         per_chunk = torch.cat([
             model(input_ids=i, attention_mask=m, use_cache=False).logits
             for i, m in zip(ids.split(sizes), mask.split(sizes), strict=True)

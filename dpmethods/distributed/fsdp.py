@@ -67,7 +67,7 @@ def register_fsdp_methods(module: nn.Module, methods: MethodsArg = None) -> list
         >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         >>> model = Net()
         >>> _ = fully_shard(model)  # torch's own
-        >>> dpmethods.register_fsdp_methods(model)
+        >>> dpmethods.distributed.register_fsdp_methods(model)
         ['training_step']
         >>> dist.destroy_process_group()
     """

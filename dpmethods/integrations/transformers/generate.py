@@ -275,7 +275,8 @@ def _gather_mode(outputs: list[Any], device: torch.device, call: Call | None) ->
         raise ValueError(
             "gather: mode: 'generate' needs the generate call (the model and its arguments, "
             "for the pad and eos ids), which a direct gather does not have; call "
-            "dpmethods.gather_generate(outputs, device, fill_token_id=...) instead"
+            "dpmethods.integrations.transformers.gather_generate(outputs, device, fill_token_id=...) "
+            "instead"
         )
     return gather_generate(outputs, device, **call_fill(call.module, call.args, call.kwargs))
 
