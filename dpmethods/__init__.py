@@ -91,8 +91,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+# The subpackages and modules that are homes of public names (dpmethods.parallel.gather,
+# dpmethods.extending.register_gather_mode, ...); the others are the layers under them.
+_PUBLIC_MODULES = (
+    "checkpoints", "distributed", "extending", "integrations", "ops", "parallel", "testing",
+)
+
+
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | set(_ALIASES))
+    # The public names only: not this file's own imports (importlib, Any, ...), the
+    # internal layers, or the old spellings that __getattr__ still resolves.
+    return sorted({*__all__, *_PUBLIC_MODULES, "__version__"})
 
 
 # Load dpmethods._C now, as torchvision registers its ops on import: code that calls
