@@ -228,7 +228,7 @@ def _positive(value: str) -> int:
         n = int(value)
     except ValueError:
         n = 0
-    if n < 1 or str(n) != value.strip().lstrip("+"):
+    if n < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {value!r}")
     return n
 

@@ -152,6 +152,21 @@ def test_subcommand_help_gives_defaults(capsys: pytest.CaptureFixture[str]) -> N
     assert "(default: 10)" in out
 
 
+@pytest.mark.parametrize("args", [("--replicas", "0"), ("--replicas", "-2"), ("--batch", "0"), ("--batch", "x")])
+def test_demo_counts_below_one_are_usage_errors(args: tuple[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    from dpmethods.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m dpmethods demo")
+    assert err.rstrip().endswith(
+        f"python -m dpmethods demo: error: argument {args[0]}: expected a whole number of at "
+        f"least 1, got {args[1]!r}"
+    )
+
+
 def test_main_docstring_examples() -> None:
     # pytest --doctest-modules skips __main__.py files: run its examples here.
     import doctest
