@@ -19,8 +19,10 @@ from torch import nn
 from dpmethods import DataParallel, MethodOptions, parallel_method
 from dpmethods.core.gather import gather
 from dpmethods.extending import register_gather_mode
+from dpmethods.testing import assert_close_to_reference as close
 
 _ROOT = Path(__file__).resolve().parent.parent
+TERMS = 5  # _Mixed: Linear(4, 3)
 
 
 class _Mixed(nn.Module):
@@ -67,9 +69,7 @@ def test_extend_on_a_tuple_of_a_per_item_list_and_a_batch_tensor(batch: int, dev
     ref = model.items_and_batch(x)
     assert isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], list)
     assert len(got[0]) == batch
-    for a, b in zip(got[0], ref[0]):
-        torch.testing.assert_close(a, b)
-    torch.testing.assert_close(got[1], ref[1])
+    close(got, ref, terms=TERMS)
 
 
 @pytest.mark.parametrize("batch,devices", [(8, 4), (4, 4), (5, 2)])
@@ -80,11 +80,10 @@ def test_same_per_tuple_position_keeps_a_scale_0_dim(batch: int, devices: int) -
     dp = DataParallel(model, device_ids=["cpu"] * devices)
     got, ref = dp.features(x), model.features(x)
     assert got[2].dim() == 0
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b)
+    close(got, ref, terms=TERMS)  # the scale's exp is computed alike everywhere
     # Gradients flow to the scale through the one value.
     (g,) = torch.autograd.grad(got[2], model.scale)
-    torch.testing.assert_close(g, torch.autograd.grad(ref[2], model.scale)[0])
+    close(g, torch.autograd.grad(ref[2], model.scale)[0], terms=1)
     # One mapping serves tuples of several arities and dict outputs, without warnings.
     import warnings
 
@@ -94,7 +93,7 @@ def test_same_per_tuple_position_keeps_a_scale_0_dim(batch: int, devices: int) -
             out = dp.clip_like(x, as_dict)
             scale = out["logit_scale"] if as_dict else out[2]
             assert scale.dim() == 0
-            torch.testing.assert_close(scale, model.scale.exp())
+            close(scale, model.scale.exp(), terms=1)
 
 
 def test_same_errors_when_the_replicas_disagree() -> None:
@@ -113,15 +112,14 @@ def test_per_key_list_keeps_each_replicas_value_whatever_its_structure(batch: in
     x[0] = x[0].abs() + 1  # replica 0 keeps more rows than the others
     dp = DataParallel(model, device_ids=["cpu"] * devices)
     got = dp.step(x)
-    torch.testing.assert_close(got["loss"], model.step(x)["loss"])
+    close(got["loss"], model.step(x)["loss"], terms=2 * TERMS + 3 * batch)  # a mean of squares
     shares = [c.shape[0] for c in x.tensor_split(devices)] if batch % devices else [batch // devices] * devices
     parts = x.split(shares)
     assert isinstance(got["image_outputs"], list) and len(got["image_outputs"]) == devices
     for value, part in zip(got["image_outputs"], parts):
         ref = model.step(part)["image_outputs"]
         assert len(value) == len(ref)
-        for a, b in zip(value, ref):
-            torch.testing.assert_close(a, b)
+        close(value, ref, terms=TERMS)
 
 
 def test_mode_keys_and_tuples_are_validated() -> None:
