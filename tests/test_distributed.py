@@ -8,7 +8,6 @@ tests below only compare them. Every run is bounded three ways: the process grou
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import socket
@@ -34,6 +33,7 @@ from dpmethods.distributed import (
     route,
 )
 from dpmethods.registry import parallel_method
+from dpmethods.testing import assert_close_to_reference as close
 
 REPO = Path(__file__).resolve().parents[1]
 _PG_TIMEOUT_S = 30  # a rank blocked on a dead peer gives up after this
@@ -86,6 +86,9 @@ class _Net(nn.Module):
 _GLOBAL_BATCH = 12  # divisible by 2 and 3, and by 2 micro-batches on 2 ranks
 _STEPS = 3
 _LR = 0.1
+# Per step: the forward (Linear(4, 8), then the two Linear(8, 1) heads) and back, the
+# loss's mean over the global batch; the parameters sum _STEPS such updates.
+_TRAIN_TERMS = _STEPS * (2 * (5 + 9 + 9) + _GLOBAL_BATCH)
 
 
 def _make_net() -> _Net:
@@ -386,18 +389,15 @@ def _spawn(suite: str, world: int, tmp: Path) -> list[dict[str, Any]]:
 
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(
-            a[k], b[k], rtol=1e-5, atol=1e-6, msg=functools.partial(_named, k)
-        )
-
-
-def _named(key: str, message: str) -> str:
-    return f"{key}: {message}"
+    close(a, b, terms=_TRAIN_TERMS)
 
 
 def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return any(not torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a)
+    try:
+        close(a, b, terms=_TRAIN_TERMS)
+    except AssertionError:
+        return True
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -475,7 +475,7 @@ def test_find_unused_parameters(features: list[dict[str, Any]]) -> None:
     ref = _reference("partial_step")
     for r in features:
         _assert_same(r["unused"], ref)
-        torch.testing.assert_close(r["unused"]["aux.weight"], _params(_make_net())["aux.weight"])
+        close(r["unused"]["aux.weight"], _params(_make_net())["aux.weight"], terms=0)  # never updated
 
 
 @pytest.mark.distributed
@@ -639,10 +639,11 @@ def test_route_calls_the_method_through_the_wrapper() -> None:
     x, y = _data(0)
     routed = route(toy)
     assert routed.training_step.__name__ == "training_step"
-    torch.testing.assert_close(routed.training_step(x, y), net.training_step(x, y))
+    terms = 5 + 9 + 9 + len(x)  # the forward, then the loss's mean over the rows
+    close(routed.training_step(x, y), net.training_step(x, y), terms=terms)
     assert toy.calls == 1
     # training_step calls self(x), which must be the real forward (no recursion).
-    torch.testing.assert_close(routed.plain_step(x, y=y), F.mse_loss(net(x), y))
+    close(routed.plain_step(x, y=y), F.mse_loss(net(x), y), terms=terms)
     assert toy.calls == 2
     assert "forward" not in net.__dict__
     assert route(toy).forward(x).shape == (12, 1)
