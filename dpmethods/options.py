@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Union
 
 from dpmethods.call_hooks import CallHooks
 from dpmethods.gather_modes import BUILTIN_MODES, Mode, check_mode_name, known_modes
 
-__all__ = ["GATHER_MODES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions"]
+__all__ = [
+    "GATHER_MODES", "OPTION_NAMES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions",
+    "check_option_names",
+]
 
 GatherMode = Mode
 GATHER_MODES: tuple[str, ...] = BUILTIN_MODES  # named modes (a library's) are registered apart
@@ -104,17 +108,31 @@ class MethodOptions:
             >>> MethodOptions().with_updates(dim=1).dim
             1
         """
-        unknown = sorted(set(changes) - set(_OPTION_NAMES))
-        if unknown:
-            raise TypeError(
-                f"unknown option(s) {unknown}; expected any of {sorted(_OPTION_NAMES)}"
-            )
+        check_option_names("MethodOptions.with_updates", changes)
         return replace(self, **changes)
 
 
-_OPTION_NAMES = (
-    "dim", "broadcast", "gather", "pad_value", "split", "gather_dim", "scatter_dim", "hooks",
-)
+# Read from the class, so every function that takes options takes exactly its fields.
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(MethodOptions))
+
+
+def check_option_names(where: str, names: Iterable[str]) -> None:
+    """Refuse names that are not fields of :class:`MethodOptions`, suggesting the nearest.
+
+    Example:
+        >>> check_option_names("register", ["gathr"])
+        Traceback (most recent call last):
+        ...
+        TypeError: register: unknown option(s) ['gathr'] (did you mean 'gather'?); expected any of ['dim', 'broadcast', 'gather', 'pad_value', 'split', 'gather_dim', 'scatter_dim', 'hooks']
+    """
+    unknown = sorted(set(names) - set(OPTION_NAMES))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], OPTION_NAMES, n=1)
+        raise TypeError(
+            f"{where}: unknown option(s) {unknown}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; expected any of {list(OPTION_NAMES)}"
+        )
 
 
 def names_option(option: str, value: Any) -> tuple[str, ...]:

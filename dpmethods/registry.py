@@ -9,6 +9,7 @@ inherits the options of the closest decorated ancestor.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -16,8 +17,15 @@ from typing import Any, TypeVar, Union, overload
 
 from torch import nn
 
+from dpmethods.call_hooks import CallHooks
 from dpmethods.core.compiled import method_owner
-from dpmethods.options import GATHER_MODES, GatherMode, GatherOption, MethodOptions, names_option
+from dpmethods.options import (
+    GATHER_MODES,
+    GatherMode,
+    GatherOption,
+    MethodOptions,
+    check_option_names,
+)
 
 __all__ = [
     "GATHER_MODES",
@@ -102,7 +110,7 @@ def parallel_method(fn: _F) -> _F: ...
 
 
 @overload
-def parallel_method(
+def parallel_method(  # for type checkers; the options taken are MethodOptions' fields
     fn: None = None,
     *,
     dim: int = 0,
@@ -111,19 +119,12 @@ def parallel_method(
     pad_value: float = 0,
     split: Iterable[str] = (),
     gather_dim: int | Mapping[str | int, int] | None = None,
+    scatter_dim: Mapping[str, int] | None = None,
+    hooks: CallHooks | None = None,
 ) -> Callable[[_F], _F]: ...
 
 
-def parallel_method(
-    fn: Callable[..., Any] | None = None,
-    *,
-    dim: int = 0,
-    broadcast: Iterable[str] = (),
-    gather: GatherOption = "cat",
-    pad_value: float = 0,
-    split: Iterable[str] = (),
-    gather_dim: int | Mapping[str | int, int] | None = None,
-) -> Any:
+def parallel_method(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     """Mark a method of an ``nn.Module`` subclass to run data-parallel.
 
     Used bare (``@parallel_method``) or with options (``@parallel_method(...)``).
@@ -131,12 +132,9 @@ def parallel_method(
 
     Args:
         fn: the method, when used without parentheses.
-        dim: the batch dimension of inputs and outputs.
-        broadcast: names of arguments that every replica gets whole (masks, tables).
-        gather: how outputs are joined; see :class:`MethodOptions`.
-        pad_value: the fill value of ``gather="pad"``.
-        split: names of arguments that are Python sequences with one entry per item.
-        gather_dim: the output join dimension(s), when not ``dim``.
+        **options: every field of :class:`MethodOptions`, with its meaning and default:
+            ``dim``, ``broadcast``, ``gather``, ``pad_value``, ``split``, ``gather_dim``,
+            ``scatter_dim``, ``hooks``.
 
     Example:
         >>> import torch
@@ -147,18 +145,12 @@ def parallel_method(
         >>> Net().generate(torch.ones(2)).tolist()
         [1.0, 1.0]
     """
-    options = MethodOptions(
-        dim=dim,
-        broadcast=names_option("broadcast", broadcast),
-        gather=gather,
-        pad_value=pad_value,
-        split=names_option("split", split),
-        gather_dim=gather_dim,
-    )
+    check_option_names("parallel_method", options)
+    options_ = MethodOptions(**options)
 
     def mark(f: Any) -> Any:
         _check_method(f, getattr(f, "__qualname__", repr(f)))
-        setattr(f, _OPTIONS_ATTR, options)
+        setattr(f, _OPTIONS_ATTR, options_)
         return _Marker(f)
 
     if fn is not None:
@@ -171,6 +163,17 @@ def parallel_method(
     return mark
 
 
+# help() and inspect.signature show each option with its default, read from MethodOptions
+# itself, so the decorator takes exactly the options MethodOptions has.
+parallel_method.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(MethodOptions)
+    ]
+)
+
+
 def register(cls: type, name: str, **options: Any) -> None:
     """Make ``cls.name`` a parallel method for every instance of ``cls`` and its subclasses.
 
@@ -179,8 +182,7 @@ def register(cls: type, name: str, **options: Any) -> None:
     Args:
         cls: an ``nn.Module`` subclass.
         name: the name of a method defined on ``cls``.
-        **options: ``dim``, ``broadcast``, ``gather``, ``pad_value``, ``split``,
-            ``gather_dim`` as in :func:`parallel_method`.
+        **options: every field of :class:`MethodOptions`, as in :func:`parallel_method`.
 
     Example:
         >>> import torch
@@ -197,7 +199,8 @@ def register(cls: type, name: str, **options: Any) -> None:
     if attr is None:
         raise AttributeError(f"register: {cls.__qualname__} has no method {name!r}")
     _check_method(attr, f"register({cls.__qualname__}, {name!r})")
-    _REGISTERED.setdefault(cls, {})[name] = MethodOptions().with_updates(**options)
+    check_option_names("register", options)
+    _REGISTERED.setdefault(cls, {})[name] = MethodOptions(**options)
 
 
 def get_options(cls: type | nn.Module, name: str) -> MethodOptions | None:
@@ -360,6 +363,7 @@ def resolve_methods(module: nn.Module, methods: MethodsArg = None) -> dict[str, 
                 )
         else:
             _check_method(attr, f"methods[{name!r}]")
+        check_option_names(f"methods[{name!r}]", opts)
         base = found.get(name) or MethodOptions()
         found[name] = base.with_updates(**opts)
     return found

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import inspect
+import typing
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 import dpmethods
 from dpmethods import MethodOptions, get_options, parallel_method, parallel_methods
+from dpmethods.extending import CallHooks
 
 
 class Base(nn.Module):
@@ -145,6 +148,30 @@ def test_option_validation_names_argument() -> None:
         parallel_method(dim="0")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="pad_value: expected an int or float, got str"):
         parallel_method(pad_value="x")  # type: ignore[arg-type]
+
+
+def test_the_decorator_takes_every_option_of_method_options() -> None:
+    names = [f.name for f in dataclasses.fields(MethodOptions)]
+    assert list(inspect.signature(parallel_method).parameters) == ["fn", *names]
+    get_overloads = getattr(typing, "get_overloads", None)  # Python 3.11+
+    if get_overloads is not None:  # the typed overload lists them too
+        typed = inspect.signature(get_overloads(parallel_method)[-1]).parameters
+        assert [n for n in typed if n != "fn"] == names
+
+    class Codes(nn.Module):
+        @parallel_method(scatter_dim={"codes": 1}, gather_dim=1, hooks=CallHooks())
+        def decode(self, codes: torch.Tensor) -> torch.Tensor:
+            return codes * 2
+
+    assert get_options(Codes, "decode") == MethodOptions(scatter_dim={"codes": 1}, gather_dim=1, hooks=CallHooks())
+    codes = torch.randn(2, 6, 3)  # the batch in dim 1
+    torch.testing.assert_close(dpmethods.DataParallel(Codes(), device_ids=["cpu"] * 3).decode(codes), codes * 2)
+    with pytest.raises(TypeError, match=r"^parallel_method: unknown option\(s\) \['scater_dim'\] \(did you mean "
+                       r"'scatter_dim'\?\); expected any of \['dim', 'broadcast', 'gather', 'pad_value', 'split', "
+                       r"'gather_dim', 'scatter_dim', 'hooks'\]$"):
+        parallel_method(scater_dim={"codes": 1})
+    with pytest.raises(TypeError, match=r"^methods\['decode'\]: unknown option\(s\) \['gathr'\] \(did you mean 'gather'\?\)"):
+        dpmethods.DataParallel(Codes(), device_ids=["cpu"] * 2, methods={"decode": {"gathr": "cat"}})
 
 
 def test_register_for_classes_you_dont_own() -> None:
