@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from dpmethods import warn_once
 from dpmethods.parallel import gather
 
 
@@ -56,7 +57,9 @@ def test_cat_rebuilds_nested_types() -> None:
         Out(zp, {"h": [hp], "tag": "same", "none": None, "n": i})
         for i, (zp, hp) in enumerate(zip(_parts(z, [3, 2]), _parts(h, [3, 2])))
     ]
-    g = gather(outs, "cpu")
+    warn_once.reset()
+    with pytest.warns(UserWarning, match=r"output\.extras\['n'\] \(int\) differs across replicas"):
+        g = gather(outs, "cpu")
     assert isinstance(g, Out) and torch.equal(g.z, z) and torch.equal(g.extras["h"][0], h)
     assert g.extras["tag"] == "same"  # equal non-tensors come back once
     assert g.extras["none"] is None

@@ -10,6 +10,7 @@ and non-zero, left-padded prompts, 7 items on 3 replicas and 8 on 4.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections import Counter
 from typing import Any
@@ -284,9 +285,11 @@ def test_a_cache_passed_to_generate_that_cannot_be_updated_in_place_is_warned_ab
     inputs = _inputs("gpt2", 7)
     dp = DataParallel(model, device_ids=["cpu"] * 3)
     dpmethods.warn_once.reset()
+    # transformers 5 renamed generate's past_key_values to cache (the old name warns).
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = transformers.DynamicCache()
     with torch.no_grad(), pytest.warns(UserWarning, match=r"the DynamicCache passed in is not updated in place.*out\.past_key_values"):
-        got = dp.generate(**inputs, max_new_tokens=3, pad_token_id=0, past_key_values=cache)
+        got = dp.generate(**inputs, max_new_tokens=3, pad_token_id=0, **{name: cache})
     with torch.no_grad():
         want = model.generate(**inputs, max_new_tokens=3, pad_token_id=0)
     assert torch.equal(got, want)
@@ -294,7 +297,7 @@ def test_a_cache_passed_to_generate_that_cannot_be_updated_in_place_is_warned_ab
     cache = transformers.DynamicCache()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        out = dp.generate(**inputs, max_new_tokens=3, pad_token_id=0, past_key_values=cache,
+        out = dp.generate(**inputs, max_new_tokens=3, pad_token_id=0, **{name: cache},
                           return_dict_in_generate=True)
     assert out.past_key_values is cache and cache.get_seq_length() == want.shape[1] - 1
 
