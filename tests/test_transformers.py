@@ -12,10 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from _close import transformer_terms
 from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_methods, warn_once
+from dpmethods.testing import assert_close_to_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,8 +29,16 @@ def _fresh_warnings() -> None:
     warn_once.reset()
 
 
-def _close(got: Any, want: Any) -> None:
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+# The terms summed on the path to one output of this file's tiny models (see
+# dpmethods.testing.assert_close_to_reference): at most 2 blocks of width 32 (MLP 128)
+# over up to 16 tokens, a head over up to 99 classes, a loss's mean over up to 8 x 16
+# tokens. A gradient runs the path back and sums over the tokens.
+TERMS = transformer_terms(width=32, ff=128, seq=16, layers=2) + 99 + 8 * 16
+GRAD_TERMS = 2 * TERMS + 8 * 16
+
+
+def _close(got: Any, want: Any, terms: int = TERMS) -> None:
+    assert_close_to_reference(got, want, terms=terms)
 
 
 def _counting(module: nn.Module) -> list[int]:
@@ -166,7 +176,7 @@ def test_gpt2_left_padded_loss_equals_the_full_batch_loss(n: int, devices: int) 
     want_grad = model.transformer.wte.weight.grad.clone()
     model.zero_grad()
     DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
-    _close(model.transformer.wte.weight.grad, want_grad)
+    _close(model.transformer.wte.weight.grad, want_grad, GRAD_TERMS)
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
@@ -202,7 +212,8 @@ def test_ctc_loss_follows_the_configured_reduction(n: int, devices: int, reducti
     labels[torch.rand(n, 6, generator=g) < 0.3] = -100
     got, want, warned = _loss_call(_wav2vec2(reduction), dict(input_values=audio, labels=labels), devices)
     assert warned == []
-    torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5 * float(want.loss.abs()))
+    # The CTC recursion: a log-sum-exp of 3 per frame over 39 frames, then the batch's sum or mean.
+    _close(got.loss, want.loss, TERMS + 3 * 39 + n)
 
 
 def _uneven_labels(ids: torch.Tensor, devices: int) -> torch.Tensor:
@@ -288,7 +299,7 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
     want_grad, weight.grad = weight.grad.clone(), None
     model.zero_grad()
     DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
-    _close(weight.grad, want_grad)
+    _close(weight.grad, want_grad, GRAD_TERMS)
 
 
 _BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -548,10 +559,13 @@ def test_encodec_codes_batch_in_dim_1(batch: int, devices: int) -> None:
         finally:
             hook.remove()
         assert sorted(seen) == sorted(dpmethods.chunk_sizes(batch, devices))  # each replica its rows
-        _close(got_audio, model.decode(ref.audio_codes, ref.audio_scales).audio_values)
+        # The decoder: an LSTM over 16 frames (16 + 16 inputs, 2 biases a step) and about
+        # 6 convs of kernel 7 over 16 channels.
+        terms = 16 * (16 + 16 + 2) + 6 * 7 * 16
+        _close(got_audio, model.decode(ref.audio_codes, ref.audio_scales).audio_values, terms)
         # The options spelled out, as before: the same.
         dec = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1, "gather_dim": 0}})
-        _close(dec.decode(ref.audio_codes, ref.audio_scales).audio_values, got_audio)
+        _close(dec.decode(ref.audio_codes, ref.audio_scales).audio_values, got_audio, terms)
         if batch % devices == 0:  # equal shares: joining the audio on dim 1 would succeed, wrongly
             plain = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1}})
             with pytest.warns(UserWarning, match=r"audio_values is joined along dim 1.*its dim 0 has them"):
