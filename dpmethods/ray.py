@@ -139,27 +139,30 @@ def _argument(values: Any, device: torch.device) -> Any:
     """A column as an argument: numeric -> a tensor on ``device``; else a list per row."""
     if isinstance(values, torch.Tensor):
         return values.to(device)
-    if hasattr(values, "to_numpy") and not isinstance(values, np.ndarray):  # a pandas Series
+    if not isinstance(values, np.ndarray) and hasattr(values, "to_numpy"):  # a pandas Series
         values = values.to_numpy()
         if values.dtype == object and len(values) and all(isinstance(v, np.ndarray) for v in values):
             # A tensor column in a DataFrame: one array per row, stacked when they agree.
             if len({(v.shape, v.dtype) for v in values}) == 1:
                 values = np.stack(list(values))
-    if isinstance(values, np.ndarray) and values.dtype.kind in _NUMERIC:
-        if not values.flags.writeable:  # Ray's zero-copy batches are read-only
-            values = values.copy()
-        return torch.from_numpy(values).to(device)
-    if isinstance(values, np.ndarray):
+    if not isinstance(values, np.ndarray):
+        return list(values)
+    if values.dtype.kind not in _NUMERIC:
         return values.tolist()
-    return list(values)
+    if not values.flags.writeable:  # Ray's zero-copy batches are read-only
+        values = values.copy()
+    return torch.from_numpy(values).to(device)
+
+
+# numpy has no bfloat16 nor float8: those are widened to float32, which holds them exactly.
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
 
 def _to_host(value: Any) -> Any:
     """Tensors (anywhere in lists, tuples, dicts) as CPU numpy arrays."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu()
-        # numpy has no bfloat16 (nor float8): widened to float32, which holds them exactly.
-        if value.is_floating_point() and value.dtype not in (torch.float16, torch.float32, torch.float64):
+        if value.is_floating_point() and value.dtype not in _NUMPY_FLOATS:
             value = value.float()
         return value.numpy()
     if isinstance(value, list):
@@ -174,6 +177,8 @@ def _to_host(value: Any) -> Any:
 def _fields(value: Any) -> list[tuple[Any, Any]] | None:
     """A structured output's named parts (dict, ModelOutput, dataclass, namedtuple), or
     a tuple's numbered ones; None for anything else."""
+    if isinstance(value, (torch.Tensor, np.ndarray, list)):
+        return None
     if isinstance(value, Mapping):
         return list(value.items())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -185,26 +190,29 @@ def _fields(value: Any) -> list[tuple[Any, Any]] | None:
 
 
 def _rows(value: Any, name: str, n: int) -> Any:
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        got = value.shape[0] if value.ndim else None
-        what = f"a {tuple(value.shape)} {type(value).__name__}"
+    """``value`` as a column of ``n`` rows (tensors to CPU numpy), or an error naming it."""
+    shape = getattr(value, "shape", None) if isinstance(value, (torch.Tensor, np.ndarray)) else None
+    if shape is not None and len(shape) and shape[0] == n:
+        return _to_host(value)
+    if isinstance(value, list) and len(value) == n:
+        return _to_host(value)
+    if shape is not None:
+        what, got = f"a {tuple(shape)} {type(value).__name__}", shape[0] if len(shape) else None
     elif isinstance(value, list):
-        got, what = len(value), "a list"
+        what, got = "a list", len(value)
     else:
-        got, what = None, type(value).__name__
-    if got != n:
-        rows = "no rows" if got is None else f"{got} rows"
-        raise ValueError(
-            f"output {name!r} is {what} with {rows}; expected one row per input row ({n} "
-            "rows). A column needs one entry per row: return per-row values, or pass "
-            "method kwargs that keep one output per input (e.g. num_return_sequences=1)"
-        )
-    return _to_host(value)
+        what, got = type(value).__name__, None
+    rows = "no rows" if got is None else f"{got} rows"
+    raise ValueError(
+        f"output {name!r} is {what} with {rows}; expected one row per input row ({n} "
+        "rows). A column needs one entry per row: return per-row values, or pass "
+        "method kwargs that keep one output per input (e.g. num_return_sequences=1)"
+    )
 
 
 def _output_columns(out: Any, name: str, n: int, top: bool = True) -> dict[str, Any]:
     """The method's output as columns: see :class:`Predictor`."""
-    parts = None if isinstance(out, (torch.Tensor, np.ndarray, list)) else _fields(out)
+    parts = _fields(out)
     if parts is None:
         return {name: _rows(out, name, n)}
     columns: dict[str, Any] = {}
@@ -288,12 +296,16 @@ class Predictor:
         if taken:
             raise TypeError(f"method_kwargs: {taken} are also arguments given by columns=")
         devices = list(_actor_devices() if device_ids is None else device_ids)
-        # One device needs no replicas to cache, and the cache's per-call check of the
-        # parameters would cost time for nothing.
-        self._dp = DataParallel(model.eval(), device_ids=devices, cache_replicas=len(devices) > 1)
-        self._device = torch.device(devices[0]) if devices else torch.device("cpu")
+        self._dp = DataParallel(model.eval(), device_ids=devices, cache_replicas=True)
+        first = self._dp.device_ids[0] if self._dp.device_ids else "cpu"  # none: no GPU here
+        self._device = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
+        model.to(self._device)  # where DataParallel scatters from
         self._method = method
-        self._call = self._dp if method == "forward" else getattr(self._dp, method)
+        # On one device (DataParallel has put the model there) the method is called as
+        # it is: DataParallel would return the same, after a scatter and gather of one
+        # share that cost more than a small model's batch.
+        target = self._dp if len(self._dp.device_ids) > 1 else self._dp.module
+        self._call = target if method == "forward" else getattr(target, method)
         self._name = output if output is not None else method
         self._kwargs = method_kwargs
 
