@@ -17,10 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from _close import transformer_terms
 
 import dpmethods
 from dpmethods import DataParallel
 from dpmethods.parallel import chunk_sizes
+from dpmethods.testing import assert_close_to_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -123,12 +125,14 @@ def test_sequences_equal_one_device(built: tuple[str, Any], n: int, replicas: in
     assert torch.equal(got, want), (got.tolist(), want.tolist())
 
 
+# A step's scores: 2 blocks of width 16 (MLP 64) over up to 24 tokens, the head and
+# a log-softmax over the 48 tokens, and a sum over the NEW steps (sequence scores). The
+# big random weights give logits of tens: the bound scales with the reference's magnitude.
+TERMS = transformer_terms(width=16, ff=64, seq=24, layers=2) + 48 + NEW
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    # fp32 1e-5, relative to the tensor's scale: the big random weights give logits of
-    # tens, whose last bits differ with the batch size (BLAS blocking), as on one device.
-    finite = torch.isfinite(want)
-    scale = float(want[finite].abs().max()) if finite.any() else 1.0
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, scale))
+    assert_close_to_reference(got, want, terms=TERMS)
 
 
 def _dict_call(name: str, n: int, replicas: int, beams: int, **extra: Any) -> tuple[Any, Any, Any, list[int]]:
