@@ -108,8 +108,17 @@ def test_equal_shares_per_item_list_warns_naming_the_path_and_extend() -> None:
     model = PerItem()
     images, scale = _images(8), torch.randn(8)
     dp = DataParallel(model, device_ids=["cpu"] * 4)
-    with pytest.warns(UserWarning, match=r"gather: output is a list with one entry per batch item.*'extend'"):
+    warn_once.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         dp.score(images, scale)
+    said = [str(w.message) for w in seen]
+    assert any("gather: output is a list with one entry per batch item" in m and "'extend'" in m
+               for m in said), said
+    # Joined entry by entry, as the per-replica list it looks like, each entry's item
+    # count differs across the replicas: said too, for each entry, and nothing else.
+    rest = [m for m in said if "gather: output is a list with one entry per batch item" not in m]
+    assert rest and all("['n'] (int) differs across replicas" in m for m in rest), rest
     # With "extend" it is right and quiet.
     dp = DataParallel(model, device_ids=["cpu"] * 4, methods={"score": {"gather": "extend"}})
     with _no_warnings():
