@@ -10,11 +10,15 @@ library as for the built-in integrations.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Union
 
-__all__ = ["Call", "CallHooks", "Finish", "PerReplica", "Prepare"]
+__all__ = [
+    "Call", "CallHooks", "Finish", "PerReplica", "Prepare", "check_arity", "check_per_replica",
+    "check_prepared",
+]
 
 
 class Call(NamedTuple):
@@ -73,13 +77,15 @@ class CallHooks:
     per_replica: PerReplica | None = None
 
     def __post_init__(self) -> None:
-        for name in ("prepare", "per_replica"):
+        for name, params in (("prepare", "(args, kwargs, call)"), ("per_replica", "(args, kwargs, start, call)")):
             value = getattr(self, name)
             if value is not None and not callable(value):
                 raise TypeError(
                     f"CallHooks: {name}: expected a callable or None, got "
                     f"{type(value).__name__} {value!r}"
                 )
+            if value is not None:
+                check_arity(f"CallHooks: {name}", value, name + params)
 
     def then(self, other: CallHooks | None) -> CallHooks:
         """These hooks, then ``other``'s: prepares run in order and their finishes in
@@ -103,8 +109,8 @@ def _chain_prepare(first: Prepare | None, second: Prepare | None) -> Prepare | N
         return first or second
 
     def prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
-        args, kwargs, finish_a = first(args, kwargs, call)
-        args, kwargs, finish_b = second(args, kwargs, call)
+        args, kwargs, finish_a = check_prepared(first(args, kwargs, call), first)
+        args, kwargs, finish_b = check_prepared(second(args, kwargs, call), second)
         if finish_a is None or finish_b is None:
             return args, kwargs, finish_a or finish_b
         return args, kwargs, lambda out: finish_a(finish_b(out))
@@ -117,7 +123,83 @@ def _chain_per_replica(first: PerReplica | None, second: PerReplica | None) -> P
         return first or second
 
     def per_replica(args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
-        args, kwargs = first(args, kwargs, start, call)
-        return second(args, kwargs, start, call)
+        args, kwargs = check_per_replica(first(args, kwargs, start, call), first)
+        return check_per_replica(second(args, kwargs, start, call), second)
 
     return per_replica
+
+
+def _label(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of length {len(value)}"
+    return f"{type(value).__name__} {value!r}"[:200]
+
+
+def check_prepared(result: Any, fn: Any) -> tuple[tuple[Any, ...], dict[str, Any], Finish | None]:
+    """``prepare``'s result, checked: ``(args, kwargs, finish)``, or a TypeError naming the hook.
+
+    Example:
+        >>> check_prepared(((1,), {}, None), print)
+        ((1,), {}, None)
+        >>> check_prepared(None, print)
+        Traceback (most recent call last):
+        ...
+        TypeError: CallHooks.prepare (print) must return (args, kwargs, finish): a tuple of positional arguments, a dict of keyword arguments and a function applied to the gathered output or None; got NoneType None
+    """
+    if not (
+        isinstance(result, tuple) and len(result) == 3 and isinstance(result[0], (tuple, list))
+        and isinstance(result[1], Mapping) and (result[2] is None or callable(result[2]))
+    ):
+        raise TypeError(
+            f"CallHooks.prepare ({_label(fn)}) must return (args, kwargs, finish): a tuple of "
+            "positional arguments, a dict of keyword arguments and a function applied to the "
+            f"gathered output or None; got {_describe(result)}"
+        )
+    return tuple(result[0]), dict(result[1]), result[2]
+
+
+def check_per_replica(result: Any, fn: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``per_replica``'s result, checked: ``(args, kwargs)``, or a TypeError naming the hook.
+
+    Example:
+        >>> check_per_replica(((1,), {"a": 2}), print)
+        ((1,), {'a': 2})
+    """
+    if not (
+        isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], (tuple, list))
+        and isinstance(result[1], Mapping)
+    ):
+        raise TypeError(
+            f"CallHooks.per_replica ({_label(fn)}) must return (args, kwargs): the replica's "
+            "tuple of positional arguments and dict of keyword arguments; got "
+            f"{_describe(result)}"
+        )
+    return tuple(result[0]), dict(result[1])
+
+
+def check_arity(where: str, fn: Callable[..., Any], call: str) -> None:
+    """Refuse a function that can't be called as ``call`` (``"fn(outputs, device, call)"``).
+
+    Checked when the extension API is given the function: called with the wrong number of
+    arguments later, deep inside a call, it would raise a bare "<lambda>() takes 2
+    positional arguments but 3 were given". Callables without a signature are trusted.
+
+    Example:
+        >>> check_arity("register_gather_mode: fn", lambda outputs, device: 0, "fn(outputs, device, call)")
+        Traceback (most recent call last):
+        ...
+        TypeError: register_gather_mode: fn: expected a function called as fn(outputs, device, call), got <lambda>(outputs, device)
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: trust them
+        return
+    try:
+        signature.bind(*([None] * (call.count(",") + 1)))
+    except TypeError:
+        label = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(f"{where}: expected a function called as {call}, got {label}{signature}") from None

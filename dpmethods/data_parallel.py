@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dpmethods._wrapping import _MethodWrapper, check_module
-from dpmethods.call_hooks import Call
+from dpmethods.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.checkpoints import _load_fitted
 from dpmethods.core.call import _Call, _current, _entered
 from dpmethods.core.devices import DeviceLike, _resolve_devices, _resolve_output, as_device
@@ -243,9 +243,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         opts = self._options(name)
         finish = None
         if opts.hooks is not None and opts.hooks.prepare is not None:
-            args, kwargs, finish = opts.hooks.prepare(
+            args, kwargs, finish = check_prepared(opts.hooks.prepare(
                 args, kwargs, Call(self.module, name, args, kwargs, (), opts)
-            )
+            ), opts.hooks.prepare)
         with _entered(_Call(self, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
             # torch's seams, with torch's signatures; the rest of the call is in ctx.
             inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
@@ -300,7 +300,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         if adapt is not None and ctx is not None and len(result.sizes) > 1:
             call = Call(self.module, ctx.name, ctx.args, ctx.kwargs, result.sizes, opts)
             starts = accumulate(result.sizes[:-1], initial=0)
-            pairs = [adapt(a, k, s, call) for a, k, s in zip(result[0], result[1], starts)]
+            pairs = [check_per_replica(adapt(a, k, s, call), adapt) for a, k, s in zip(result[0], result[1], starts)]
             return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
         return result[0], result[1]
 

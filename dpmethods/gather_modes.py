@@ -15,7 +15,7 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from dpmethods.call_hooks import Call
+from dpmethods.call_hooks import Call, check_arity
 
 __all__ = [
     "BUILTIN_MODES",
@@ -88,6 +88,7 @@ def register_gather_mode(name: str, fn: GatherFn) -> None:
             f"register_gather_mode: fn: expected a callable fn(outputs, device, call), got "
             f"{type(fn).__name__} {fn!r}"
         )
+    check_arity("register_gather_mode: fn", fn, "fn(outputs, device, call)")
     _NAMED[name] = fn
 
 

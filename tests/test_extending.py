@@ -19,6 +19,7 @@ from dpmethods.extending import (
     Call,
     CallHooks,
     known_modes,
+    mark_batch_coupled,
     register_gather_mode,
     register_method_finder,
     register_type,
@@ -91,3 +92,62 @@ def test_extension_api_errors_name_the_argument() -> None:
         MethodOptions(hooks={})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"gather: expected one of \['cat', .*\] or a named mode, got 'extnd': did you mean 'extend'\?$"):
         MethodOptions(gather="extnd")
+
+
+def test_extension_functions_check_what_they_are_given_when_given() -> None:
+    with pytest.raises(TypeError, match=r"^register_gather_mode: fn: expected a function called as "
+                       r"fn\(outputs, device, call\), got <lambda>\(outputs, device\)$"):
+        register_gather_mode("two_arguments", lambda outputs, device: outputs[0])
+    assert "two_arguments" not in known_modes()
+    with pytest.raises(TypeError, match=r"^CallHooks: per_replica: expected a function called as "
+                       r"per_replica\(args, kwargs, start, call\), got <lambda>\(args, kwargs, call\)$"):
+        CallHooks(per_replica=lambda args, kwargs, call: (args, kwargs))
+    # An instance where the class belongs is named as such, before flatten and unflatten.
+    with pytest.raises(TypeError, match=r"^register_type: cls: expected a class, got Scores <"):
+        register_type(Scores(torch.ones(1), "x"), len, len)  # type: ignore[arg-type]
+
+
+def test_a_named_class_that_its_imported_module_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^mark_batch_coupled: cls: expected a class of torch.nn \(imported\), got "
+                       r"'torch.nn:CrossEntropyLosss', which it lacks: did you mean 'torch.nn:CrossEntropyLoss'\?$"):
+        mark_batch_coupled("torch.nn:CrossEntropyLosss")
+    with pytest.raises(ValueError, match=r"^register_type: cls: expected a class of collections \(imported\), got "
+                       r"'collections:OrderedDictt', which it lacks: did you mean 'collections:OrderedDict'\?$"):
+        register_type("collections:OrderedDictt", lambda d: (list(d.values()), list(d)), lambda c, k: dict(zip(k, c)))
+    # A class only some versions of a library have: skipped when asked (the integrations do).
+    mark_batch_coupled("torch.nn:NoSuchLossInThisVersion", missing_ok=True)
+    # A module not imported yet: the name waits for it, as before.
+    mark_batch_coupled("a_module_never_imported_here:Loss")
+
+
+class _Echo(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_call_hooks_returning_the_wrong_shape_name_the_hook_and_what_it_must_return() -> None:
+    def no_result(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+        return None
+
+    def two_of_three(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+        return args, kwargs
+
+    def args_only(args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
+        return args
+
+    x = torch.randn(4, 2)
+    cases = [
+        (CallHooks(prepare=no_result), r"CallHooks\.prepare \(.*\.no_result\) must return \(args, kwargs, finish\): "
+         r"a tuple of positional arguments, a dict of keyword arguments and a function applied to the gathered "
+         r"output or None; got NoneType None$"),
+        (CallHooks(prepare=two_of_three), r"CallHooks\.prepare \(.*\.two_of_three\) must return \(args, kwargs, "
+         r"finish\).*; got a tuple of length 2$"),
+        (CallHooks(per_replica=args_only), r"CallHooks\.per_replica \(.*\.args_only\) must return \(args, kwargs\): "
+         r"the replica's tuple of positional arguments and dict of keyword arguments; got a tuple of length 1$"),
+        # Chained hooks name the one that failed.
+        (CallHooks(per_replica=_offsets).then(CallHooks(per_replica=args_only)), r"CallHooks\.per_replica \(.*\.args_only\)"),
+    ]
+    for hooks, match in cases:
+        dp = DataParallel(_Echo(), device_ids=["cpu"] * 2, methods={"forward": {"hooks": hooks}})
+        with pytest.raises(TypeError, match=match):
+            dp(x)

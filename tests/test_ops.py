@@ -319,6 +319,17 @@ def test_error_messages(
         ops.gather_coalesced(tensors, r, dim, CPU)
 
 
+@pytest.mark.parametrize("path", ["this process's", "pure PyTorch"])
+def test_a_piece_that_is_no_tensor_is_named(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "pure PyTorch":
+        monkeypatch.setattr(ops, "_op", None)
+    t = torch.ones(2, 3)
+    with pytest.raises(TypeError, match=r"^gather_coalesced\(\): tensors\[1\]: expected a Tensor, got NoneType None$"):
+        ops.gather_coalesced([t, None], 2, 0, CPU)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^gather_coalesced\(\): tensors\[2\]: expected a Tensor, got str 'x'$"):
+        ops.gather_coalesced([t, t, "x", t], 2, 0, CPU)  # type: ignore[list-item]
+
+
 def test_count_errors_without_extension_path() -> None:
     with pytest.raises(ValueError, match=r"num_replicas must be >= 1, got 0"):
         ops.gather_coalesced([], 0, 0, CPU)

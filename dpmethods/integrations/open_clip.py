@@ -46,4 +46,6 @@ def _open_clip_methods(cls: type) -> dict[str, MethodOptions]:
 register_method_finder(_open_clip_methods)
 
 for _name in ("ClipLoss", "SigLipLoss", "DistillClipLoss"):
-    mark_batch_coupled(f"open_clip.loss:{_name}", what="a similarity matrix over the batch")
+    mark_batch_coupled(
+        f"open_clip.loss:{_name}", what="a similarity matrix over the batch", missing_ok=True
+    )

@@ -119,4 +119,4 @@ _COUPLED = {
 
 for _what, _names in _COUPLED.items():
     for _name in _names:
-        mark_batch_coupled(f"{_LOSSES}:{_name}", what=_what)
+        mark_batch_coupled(f"{_LOSSES}:{_name}", what=_what, missing_ok=True)  # by version

@@ -92,6 +92,15 @@ def _check_ints(num_replicas: Any, dim: Any) -> None:
             )
 
 
+def _check_tensors(tensors: Sequence[Any]) -> None:
+    """Raise naming the first piece that is not a tensor (off the hot path)."""
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(
+                f"gather_coalesced(): tensors[{i}]: expected a Tensor, got {type(t).__name__} {t!r}"[:300]
+            )
+
+
 def _check_counts(n: int, num_replicas: int) -> None:
     if num_replicas < 1:
         raise ValueError(f"gather_coalesced(): num_replicas must be >= 1, got {num_replicas}")
@@ -210,6 +219,7 @@ def gather_coalesced(
     if _op is None or (device.type != "cpu" and _extension.unsupported_reason(device) is not None):
         _check_ints(num_replicas, dim)
         _check_counts(len(tensors), num_replicas)
+        _check_tensors(tensors)
         return _fallback(tensors, num_replicas, dim, device)
     if torch.compiler.is_compiling():
         # Traced through the fake kernel and the Python autograd formula.
@@ -223,6 +233,7 @@ def gather_coalesced(
     if out is not None:
         return out
     _check_ints(num_replicas, dim)  # torch.ops' own message names no value
+    _check_tensors(tensors)  # nor does it name a piece that is no tensor (the fast path declined it)
     # Tensor subclasses and __torch_function__ modes need the torch.ops call.
     if torch.is_grad_enabled() and _any_requires_grad(*tensors):
         return _op_autograd(tensors, num_replicas, dim, device)

@@ -84,7 +84,9 @@ def resolve_pending() -> None:
             mark_batch_coupled(cls, what=what)
 
 
-def mark_batch_coupled(cls: type | str, *, what: str = "it computes over the whole batch") -> None:
+def mark_batch_coupled(
+    cls: type | str, *, what: str = "it computes over the whole batch", missing_ok: bool = False
+) -> None:
     """Mark ``cls`` as a module whose output couples the items of its batch.
 
     Args:
@@ -92,6 +94,9 @@ def mark_batch_coupled(cls: type | str, *, what: str = "it computes over the who
             ``"module:Class"`` for a class whose module may not be imported yet: it is
             marked once that module is imported (checked when a wrapper is made).
         what: what couples the batch, for the warning (``"in-batch negatives"``).
+        missing_ok: with ``"module:Class"``, a class that its module (imported already)
+            lacks is skipped instead of refused: for a class only some versions of a
+            library have.
 
     Example:
         >>> import torch
@@ -105,7 +110,7 @@ def mark_batch_coupled(cls: type | str, *, what: str = "it computes over the who
     if not isinstance(what, str):
         raise TypeError(f"mark_batch_coupled: what: expected a str, got {type(what).__name__} {what!r}")
     if isinstance(cls, str):
-        check_class_path("mark_batch_coupled", cls)
+        check_class_path("mark_batch_coupled", cls, missing_ok)
         _PENDING[cls] = what
         resolve_pending()
         return

@@ -15,10 +15,10 @@ without importing the library. Rules for torch's own types (``PackedSequence``,
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
+from dpmethods.call_hooks import check_arity
 from dpmethods.types import torch_rules
 from dpmethods.types import tree as _tree
 from dpmethods.types.named_classes import check_class_path, take_imported
@@ -39,6 +39,7 @@ def register_type(
     per_item: bool = False,
     ragged: bool = False,
     exact: bool = False,
+    missing_ok: bool = False,
 ) -> None:
     """Teach dpmethods to split and join objects of ``cls`` (and its subclasses).
 
@@ -62,6 +63,9 @@ def register_type(
             the rule's own lengths must mask.
         exact: the rule is for ``cls`` only, not its subclasses (whose constructors may
             take other arguments).
+        missing_ok: with ``"module:Class"``, a class that its module (imported already)
+            lacks is skipped instead of refused: for a class only some versions of a
+            library have.
 
     Example:
         >>> import torch, dpmethods
@@ -76,7 +80,9 @@ def register_type(
         >>> gather(parts, "cpu").t.tolist()
         [0, 1, 2, 3]
     """
-    label = cls if isinstance(cls, str) else getattr(cls, "__qualname__", repr(cls))
+    if not isinstance(cls, (type, str)):  # first: an instance is the likeliest slip
+        raise TypeError(f"register_type: cls: expected a class, got {type(cls).__name__} {cls!r}"[:300])
+    label = cls if isinstance(cls, str) else cls.__qualname__
     for name, fn, params in (
         ("flatten", flatten, "(obj)"),
         ("unflatten", unflatten, "(children, context)"),
@@ -85,20 +91,19 @@ def register_type(
             raise TypeError(
                 f"register_type: {name}: expected a callable, got {type(fn).__name__} {fn!r}"
             )
-        _check_arity(label, name, fn, params)
-    for name, flag in (("per_item", per_item), ("ragged", ragged), ("exact", exact)):
+        check_arity(f"register_type: {name} (of {label})", fn, name + params)
+    flags = (("per_item", per_item), ("ragged", ragged), ("exact", exact), ("missing_ok", missing_ok))
+    for name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(
                 f"register_type: {name}: expected True or False, got {type(flag).__name__} {flag!r}"
             )
     rule = _tree.TypeRule(flatten, unflatten, per_item, ragged, exact)
     if isinstance(cls, str):
-        check_class_path("register_type", cls)
+        check_class_path("register_type", cls, missing_ok)
         _PENDING[cls] = rule
         _resolve_pending()
         return
-    if not isinstance(cls, type):
-        raise TypeError(f"register_type: cls: expected a class, got {type(cls).__name__} {cls!r}")
     _tree.set_rule(cls, rule)
 
 
@@ -109,23 +114,6 @@ def _resolve_pending(kind: type | None = None) -> None:
     for cls, rule in take_imported(_PENDING):
         if isinstance(cls, type):
             _tree.set_rule(cls, rule)
-
-
-def _check_arity(owner: str, name: str, fn: Callable[..., Any], params: str) -> None:
-    # Checked here, once: called with the wrong number of arguments deep inside a
-    # gather, the rule would raise a bare "<lambda>() takes 1 positional argument".
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):  # some builtins have no signature: trust them
-        return
-    try:
-        signature.bind(*([None] * params.count(",")), None)
-    except TypeError:
-        label = getattr(fn, "__name__", type(fn).__name__)
-        raise TypeError(
-            f"register_type: {name} (of {owner}): expected a function called as "
-            f"{name}{params}, got {label}{signature}"
-        ) from None
 
 
 torch_rules.install_packed_sequence()

@@ -102,11 +102,13 @@ def _unflatten_encoder_decoder(children: list[Any], context: _Template) -> Any:
     return cache
 
 
-for _name in ("DynamicCache", "StaticCache"):
-    register_type(f"{_CACHE_MODULE}:{_name}", _flatten_cache, _unflatten_cache, per_item=True)
+for _name in ("DynamicCache", "StaticCache"):  # missing_ok: classes by transformers' version
+    register_type(
+        f"{_CACHE_MODULE}:{_name}", _flatten_cache, _unflatten_cache, per_item=True, missing_ok=True
+    )
 register_type(
     f"{_CACHE_MODULE}:EncoderDecoderCache", _flatten_encoder_decoder, _unflatten_encoder_decoder,
-    per_item=True,
+    per_item=True, missing_ok=True,
 )
 
 
