@@ -20,7 +20,7 @@ from dpmethods.gather_modes import REDUCING, Mode
 from dpmethods.types.coupled import joinable
 from dpmethods.types.values import reduce
 
-__all__ = ["coalesced", "join_tensors", "pad", "same"]
+__all__ = ["coalesced", "join_tensors", "pad", "join_same"]
 
 
 def pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Tensor]:
@@ -68,7 +68,7 @@ def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device)
 
 
 def join_same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
-    """The one value every replica computed (``"same"``); an error if they differ."""
+    """The one value every replica computed (``"join_same"``); an error if they differ."""
     first = col[0].to(device)
     for r, t in enumerate(col[1:], 1):
         t = t.to(device)
