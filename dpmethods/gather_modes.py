@@ -15,6 +15,7 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
+from dpmethods._loading import load_pending
 from dpmethods.call_hooks import Call, check_arity
 
 __all__ = [
@@ -23,7 +24,6 @@ __all__ = [
     "check_mode_name",
     "known_modes",
     "named_mode",
-    "on_unknown_mode",
     "register_gather_mode",
 ]
 
@@ -59,9 +59,6 @@ REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})
 
 GatherFn = Callable[[list[Any], Any, "Call | None"], Any]
 _NAMED: dict[str, GatherFn] = {}
-# Called with a name that is neither built in nor registered, before it is refused: the
-# integrations hook in here to load the one that provides it ("generate").
-on_unknown_mode: list[Callable[[str], None]] = []
 
 
 def register_gather_mode(name: str, fn: GatherFn) -> None:
@@ -110,8 +107,7 @@ def named_mode(name: str, where: str | None = None) -> GatherFn | None:
         return None
     fn = _NAMED.get(name)
     if fn is None:
-        for hook in on_unknown_mode:
-            hook(name)
+        load_pending()  # an integration imported since may provide it ("generate")
         fn = _NAMED.get(name)
     if fn is None and where is not None:
         raise ValueError(_unknown(where, name))

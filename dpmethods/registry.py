@@ -17,6 +17,7 @@ from typing import Any, TypeVar, Union, overload
 
 from torch import nn
 
+from dpmethods._loading import load_pending
 from dpmethods.call_hooks import CallHooks
 from dpmethods.core.compiled import method_owner
 from dpmethods.options import (
@@ -254,9 +255,6 @@ MethodFinder = Callable[[type], Mapping[str, MethodOptions]]
 # Libraries' finders (dpmethods.integrations and users' own), in registration order; a
 # later finder's options win for a name both give.
 _FINDERS: list[MethodFinder] = []
-# Run before each lookup of library methods: the integrations hook in here to load
-# the ones whose library was imported since.
-before_lookup: list[Callable[[], None]] = []
 
 
 def register_method_finder(find: MethodFinder) -> None:
@@ -285,8 +283,7 @@ def register_method_finder(find: MethodFinder) -> None:
 
 
 def _builtin(cls: type) -> dict[str, MethodOptions]:
-    for hook in list(before_lookup):
-        hook()
+    load_pending()  # the integrations of libraries imported since the last lookup
     found: dict[str, MethodOptions] = {}
     for find in list(_FINDERS):
         found.update(find(cls))

@@ -16,14 +16,13 @@ from typing import Any
 
 import torch
 
-from dpmethods import gather_modes, registry
-from dpmethods.types import tree
+from dpmethods._loading import add_loader
 
 __all__ = ["INTEGRATIONS", "load_imported", "registrations"]
 
 # library import name -> the integration modules that know it.
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
-    "transformers": (f"{__name__}.transformers",),
+    "transformers": (f"{__name__}.transformers", f"{__name__}.transformers.processes"),
     "sentence_transformers": (f"{__name__}.sentence_transformers",),
     "peft": (f"{__name__}.peft",),
     "diffusers": (f"{__name__}.diffusers",),
@@ -70,12 +69,10 @@ def registrations() -> list[dict[str, Any]]:
         described = [importlib.import_module(m) for m in modules]
         rows.append({
             "library": library, "installed": installed, "imported": library in sys.modules,
-            "applies_to": "; ".join(getattr(m, "APPLIES_TO", "") for m in described),
-            "methods": "; ".join(getattr(m, "METHODS", "") for m in described),
+            "applies_to": "; ".join(filter(None, (getattr(m, "APPLIES_TO", "") for m in described))),
+            "methods": "; ".join(filter(None, (getattr(m, "METHODS", "") for m in described))),
         })
     return rows
 
 
-registry.before_lookup.append(load_imported)
-gather_modes.on_unknown_mode.append(lambda name: load_imported())
-tree.on_miss.append(lambda kind: load_imported())
+add_loader(load_imported)

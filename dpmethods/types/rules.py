@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from dpmethods._loading import add_loader
 from dpmethods.call_hooks import check_arity
 from dpmethods.types import torch_rules
 from dpmethods.types import tree as _tree
@@ -107,7 +108,7 @@ def register_type(
     _tree.set_rule(cls, rule)
 
 
-def _resolve_pending(kind: type | None = None) -> None:
+def _resolve_pending() -> None:
     """Register the rules of named classes whose module is imported by now."""
     if not _PENDING:
         return
@@ -117,5 +118,5 @@ def _resolve_pending(kind: type | None = None) -> None:
 
 
 torch_rules.install_packed_sequence()
-_tree.on_miss.append(torch_rules.install_distributions_on_miss)
-_tree.on_miss.append(_resolve_pending)
+add_loader(torch_rules.install_distributions_once)
+add_loader(_resolve_pending)

@@ -188,11 +188,11 @@ def install_distributions() -> bool:
 _installed: list[bool] = []
 
 
-def install_distributions_on_miss(kind: type) -> None:
-    """``tree.on_miss`` hook: install the distribution rules once they can be.
+def install_distributions_once() -> None:
+    """A loader (``dpmethods._loading``): install the distribution rules once they can be.
 
     Example:
-        >>> install_distributions_on_miss(int)
+        >>> install_distributions_once()
     """
     if not _installed and install_distributions():
         _installed.append(True)

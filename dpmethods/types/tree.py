@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 import torch.utils._pytree as _pytree
 from torch import Size, Tensor
 
+from dpmethods._loading import load_pending
+
 __all__: list[str] = []
 
 # Leaf markers. Tensors, None and other values are told apart in the spec, so equal
@@ -69,9 +71,6 @@ class TypeRule(NamedTuple):
 # applies to subclasses too. Resolved lookups are cached per class.
 RULES: dict[type, TypeRule] = {}
 _resolved: dict[type, TypeRule | None] = {}
-# Called once per class not found in RULES, before torch's pytree registry is asked;
-# dpmethods.types.rules installs the shipped rules of libraries imported by then.
-on_miss: list[Callable[[type], None]] = []
 
 
 def set_rule(cls: type, rule: TypeRule | None) -> None:
@@ -89,8 +88,7 @@ def rule_for(kind: type) -> TypeRule | None:
         return _resolved[kind]
     except KeyError:
         pass
-    for hook in on_miss:
-        hook(kind)
+    load_pending()  # once per class: rules of libraries imported by now come first
     rule = next((RULES[k] for k in kind.__mro__ if k in RULES and (k is kind or not RULES[k].exact)), None)
     _resolved[kind] = rule
     return rule
