@@ -4,21 +4,17 @@
     python examples/hf_generate.py --arch llama --devices cuda
 
 The model is a tiny GPT-2 (or Llama) built from a config with random weights and
-a fixed seed: nothing is downloaded, prompts are integer token ids. Its
-``generate`` is made a parallel method from outside the class::
+a fixed seed: nothing is downloaded, prompts are integer token ids. Once transformers
+is imported, its ``generate`` and ``forward`` are parallel methods with no configuration::
 
-    dp = dpmethods.DataParallel(
-        model, device_ids=["cpu"] * 4,
-        methods={"generate": {"gather": "pad", "pad_value": pad_token_id}},
-    )
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 4)
 
 Each replica stops when all of ITS sequences hit ``eos_token_id``, so replicas
-return different lengths; ``gather="pad"`` right-pads the short ones with
-``pad_token_id``, which is what ``generate`` itself writes after a finished
-sequence, so the result is token-for-token ``model.generate(batch)``. The script
-picks an ``eos_token_id`` that greedy decoding emits first for some prompts and
-builds a batch where one replica's sequences all stop at once and others run to
-``max_new_tokens``.
+return different lengths; the built-in gather mode ``"generate"`` pads the short ones
+as ``generate`` itself fills a finished sequence (here with ``pad_token_id``), so the
+result is token-for-token ``model.generate(batch)``. The script picks an
+``eos_token_id`` that greedy decoding emits first for some prompts and builds a batch
+where one replica's sequences all stop at once and others run to ``max_new_tokens``.
 
 ``dp(input_ids=..., attention_mask=...)`` gives back the model's own ``ModelOutput``
 type. Its KV cache (a ``transformers`` ``Cache`` object) is joined into one cache
@@ -236,14 +232,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "eos_token_id": eos, "pad_token_id": PAD_TOKEN_ID,
     }
 
-    dp = dpmethods.DataParallel(
-        model, device_ids=device_ids,
-        methods={
-            "generate": {"gather": "pad", "pad_value": PAD_TOKEN_ID},
-            # Each replica's loss is its chunk's mean; "mean" weights them by batch share.
-            "forward": {"gather": {"loss": "mean"}},
-        },
-    )
+    # generate and forward are built in: generate's outputs padded as transformers fills
+    # finished rows, forward's loss joined as transformers averages it over the batch.
+    dp = dpmethods.DataParallel(model, device_ids=device_ids)
     with torch.no_grad():
         reference = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
         tokens = dp.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
@@ -295,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     say(f"dp(...) -> {summary['output_type']} (model(...) -> {summary['reference_type']}); "
         f"max |logits diff| {summary['logits_max_diff']:.2e}; "
         f"bitwise equal to per-chunk logits: {summary['logits_equal_per_chunk']}")
-    say(f"loss (gather 'mean'): {out.loss.item():.4f}, |diff| vs one device "
+    say(f"loss (joined over the replicas): {out.loss.item():.4f}, |diff| vs one device "
         f"{summary['loss_diff']:.2e}")
     say(f"use_cache=True gathers the KV cache as: {cache_type}")
     return summary
