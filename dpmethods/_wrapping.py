@@ -19,9 +19,9 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.core.compiled import method_owner
 from dpmethods.registry import MethodOptions, MethodsArg, resolve_methods
 from dpmethods.types.coupled_modules import resolve_pending
+from dpmethods.types.owners import method_owner
 
 __all__: list[str] = []
 

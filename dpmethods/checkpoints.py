@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
-from dpmethods.core.compiled import unwrap_compiled
+from dpmethods.types.owners import unwrap_compiled
 
 __all__ = ["add_prefix", "fit_state_dict", "load_state_dict", "strip_prefix", "unwrap"]
 

@@ -36,12 +36,12 @@ Example:
 from __future__ import annotations
 
 from dpmethods.call_hooks import Call, CallHooks
-from dpmethods.core.compiled import unwrap_compiled
 from dpmethods.gather_modes import Mode, known_modes, register_gather_mode
 from dpmethods.options import MethodOptions
 from dpmethods.parallel import gather
 from dpmethods.registry import register_method_finder
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
+from dpmethods.types.owners import unwrap_compiled
 from dpmethods.types.rules import register_type
 from dpmethods.warn_once import warn_once
 

@@ -19,7 +19,6 @@ from torch import nn
 
 from dpmethods._loading import load_pending
 from dpmethods.call_hooks import CallHooks
-from dpmethods.core.compiled import method_owner
 from dpmethods.options import (
     GATHER_MODES,
     GatherMode,
@@ -27,6 +26,7 @@ from dpmethods.options import (
     MethodOptions,
     check_option_names,
 )
+from dpmethods.types.owners import method_owner
 
 __all__ = [
     "GATHER_MODES",

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods.core.compiled import method_owner
 from dpmethods.options import MethodOptions
+from dpmethods.types.owners import method_owner
 
 __all__ = ["check_argument_names", "check_source_device"]
 

@@ -24,8 +24,9 @@ _ENGINES = {"ray": "ray"}
 _LAYERS: list[tuple[str, ...]] = [
     ("_loading", "options", "call_hooks", "gather_modes", "warn_once"),
     ("types", "ops"),
+    ("registry",),
     ("core",),
-    ("registry", "_wrapping", "wrapper_checks"),
+    ("_wrapping", "wrapper_checks"),
     ("streaming", "distributed"),
     ("data_parallel", "extending", "parallel", "checkpoints", "testing"),
     ("integrations",),

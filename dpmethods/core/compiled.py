@@ -17,7 +17,7 @@ Three kinds of module hold code bound to *their own instance*, which a shallow r
   replica.
 
 Decorated methods of a compiled model are looked up on the wrapped model's class
-(:func:`method_owner`).
+(``dpmethods.types.owners.method_owner``).
 
 torch 2.11 crashes (a segfault in dynamo's tracing) when replicas' threads compile,
 at once or one after another, unless the caller's thread compiled first; there,
@@ -28,7 +28,6 @@ runs them one after another in the caller's thread, ``map`` one at a time
 
 from __future__ import annotations
 
-import sys
 import threading
 import types
 import weakref
@@ -38,9 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dpmethods.types.owners import is_compiled_wrapper
 from dpmethods.warn_once import warn_once
 
-__all__ = ["method_owner", "one_at_a_time", "takes_turns", "unwrap_compiled"]
+__all__ = ["one_at_a_time", "takes_turns"]
 
 # Two threads calling one torch.compile'd Linear segfaulted in 6 of 8 runs on torch 2.11
 # and in none of 12 on 2.14; DataParallel(torch.compile(model)) on 3 CPU replicas
@@ -49,50 +49,6 @@ __all__ = ["method_owner", "one_at_a_time", "takes_turns", "unwrap_compiled"]
 _CONCURRENT_COMPILE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 _COMPILE_LOCK = threading.RLock()  # re-entrant: a replica's method may call another replica
 _TAKING_TURNS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-
-
-def _optimized_module_class() -> type | None:
-    # Only present once torch._dynamo is imported, which torch.compile does.
-    cls = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
-    return cls if isinstance(cls, type) else None
-
-
-def _is_compiled_wrapper(module: Any) -> bool:
-    cls = _optimized_module_class()
-    return cls is not None and isinstance(module, cls)
-
-
-def method_owner(module: nn.Module) -> type:
-    """The class whose methods are ``module``'s: the model's, through ``torch.compile``.
-
-    Args:
-        module: a module, possibly the ``OptimizedModule`` of ``torch.compile(model)``.
-
-    Example:
-        >>> import torch
-        >>> method_owner(torch.compile(torch.nn.Linear(1, 1))).__name__
-        'Linear'
-    """
-    return type(unwrap_compiled(module))
-
-
-def unwrap_compiled(module: Any) -> Any:
-    """The module itself, through any number of ``torch.compile`` wrappers.
-
-    Args:
-        module: a module, possibly the ``OptimizedModule`` of ``torch.compile(model)``;
-            anything else is returned as it is.
-
-    Example:
-        >>> import torch
-        >>> lin = torch.nn.Linear(1, 1)
-        >>> unwrap_compiled(torch.compile(lin)) is lin, unwrap_compiled(lin) is lin
-        (True, True)
-    """
-    while _is_compiled_wrapper(module):
-        # Read through __dict__: OptimizedModule's __getattr__ forwards to the model.
-        module = module.__dict__["_modules"]["_orig_mod"]
-    return module
 
 
 def shallow_replica(module: nn.Module) -> nn.Module:
@@ -105,7 +61,7 @@ def shallow_replica(module: nn.Module) -> nn.Module:
         >>> len(list(m.parameters()))
         2
     """
-    if not _is_compiled_wrapper(module):
+    if not is_compiled_wrapper(module):
         return module._replicate_for_data_parallel()
     # OptimizedModule.__setattr__ forwards to _orig_mod: torch's replication would
     # empty the original model's _parameters. Work on the replica's own __dict__.
@@ -164,7 +120,7 @@ def bound_attributes(modules: list[nn.Module]) -> list[tuple[int, str]]:
     kinds = (types.MethodType, types.FunctionType)  # compiled wrappers are functions
     found = []
     for i, m in enumerate(modules):
-        if _is_compiled_wrapper(m):
+        if is_compiled_wrapper(m):
             found.append((i, ""))
             continue
         found += [(i, k) for k, v in m.__dict__.items() if type(v) in kinds]
