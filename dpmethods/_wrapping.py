@@ -19,7 +19,8 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.registry import MethodOptions, MethodsArg, resolve_methods
+from dpmethods.options import MethodOptions
+from dpmethods.registry import MethodsArg, resolve_methods
 from dpmethods.types.coupled_modules import resolve_pending
 from dpmethods.types.owners import method_owner
 

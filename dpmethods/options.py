@@ -11,7 +11,7 @@ from dpmethods.call_hooks import CallHooks
 from dpmethods.gather_modes import BUILTIN_MODES, Mode, check_mode_name, known_modes
 
 __all__ = [
-    "GATHER_MODES", "OPTION_NAMES", "CallHooks", "GatherMode", "GatherOption", "MethodOptions",
+    "GATHER_MODES", "OPTION_NAMES", "GatherMode", "GatherOption", "MethodOptions",
     "check_option_names",
 ]
 

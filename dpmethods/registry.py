@@ -19,20 +19,10 @@ from torch import nn
 
 from dpmethods._loading import load_pending
 from dpmethods.call_hooks import CallHooks
-from dpmethods.options import (
-    GATHER_MODES,
-    GatherMode,
-    GatherOption,
-    MethodOptions,
-    check_option_names,
-)
+from dpmethods.options import GatherOption, MethodOptions, check_option_names
 from dpmethods.types.owners import method_owner
 
 __all__ = [
-    "GATHER_MODES",
-    "GatherMode",
-    "GatherOption",
-    "MethodOptions",
     "get_options",
     "parallel_method",
     "parallel_methods",
