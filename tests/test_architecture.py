@@ -148,7 +148,7 @@ def test_modules_and_functions_stay_small() -> None:
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-                if length > 100:
+                if length > 80:
                     long.append(f"{module}.{node.name}: {length} lines")
     assert big == [] and long == []
 

@@ -119,6 +119,22 @@ def _copies(
     return out
 
 
+def _buffer_copies(
+    buffers: list[Tensor], keys: list[object], targets: list[torch.device],
+    src: torch.device, detach: bool,
+) -> dict[object, list[Tensor]]:
+    """Each replica key's buffers, in ``buffers``' order."""
+    result: dict[object, list[Tensor]] = {k: list(buffers) for k in dict.fromkeys(keys)}
+    index = {id(b): i for i, b in enumerate(buffers)}
+    # Buffers that need grad broadcast like parameters; the rest never carry autograd.
+    for wants_grad in (True, False):
+        group = [b for b in buffers if b.requires_grad == wants_grad]
+        for k, copies in _copies(group, keys, targets, src, detach or not wants_grad).items():
+            for b, c in zip(group, copies):
+                result[k][index[id(b)]] = c
+    return result
+
+
 def replicate(
     module: nn.Module,
     devices: Sequence[DeviceLike],
@@ -164,13 +180,7 @@ def replicate(
 
     buffers = list(module.buffers())
     buffer_index = {id(b): i for i, b in enumerate(buffers)}
-    buffer_copies: dict[object, list[Tensor]] = {k: list(buffers) for k in param_copies}
-    # Buffers that need grad broadcast like parameters; the rest never carry autograd.
-    for wants_grad in (True, False):
-        group = [b for b in buffers if b.requires_grad == wants_grad]
-        for k, copies in _copies(group, keys, targets, src, detach or not wants_grad).items():
-            for b, c in zip(group, copies):
-                buffer_copies[k][buffer_index[id(b)]] = c
+    buffer_copies = _buffer_copies(buffers, keys, targets, src, detach)
     training = {
         id(b): m.training for m in modules for b in m._buffers.values() if b is not None
     }

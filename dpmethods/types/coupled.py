@@ -199,23 +199,26 @@ def check_batch_dim(
         ]
         if batch_dims and all(t.shape[d] != s for t, s in zip(column, sizes)):
             found[i] = batch_dims[0]
+    for i, k in found.items():
+        _warn_batch_dim(path(i), columns[i], dims[i] % columns[i][0].dim(), k, sizes)
+    return set(found)
+
+
+def _warn_batch_dim(path: str, column: Sequence[Tensor], d: int, k: int, sizes: Sequence[int]) -> None:
     maybe = (
         " With equal shares this can be a coincidence (a dim that happens to have the share's "
-        "size): if dim {d} is right, name this output in gather={{...}} or gather_dim={{...}}, "
+        f"size): if dim {d} is right, name this output in gather={{...}} or gather_dim={{...}}, "
         "which silences this warning."
         if len(set(sizes)) == 1
         else ""
     )
-    for i, k in found.items():
-        d = dims[i] % columns[i][0].dim()
-        warn_once(
-            f"gather: {path(i)} is joined along dim {d}, where its sizes "
-            f"({[t.shape[d] for t in columns[i]]}) are not the replicas' shares of the batch "
-            f"({list(sizes)}), but its dim {k} has them: if dim {k} is its batch dim, joining "
-            f"along dim {d} puts the replicas' batches side by side. Pass gather_dim={k} (or "
-            f"gather_dim={{key: {k}}} for this output)." + maybe.format(d=d)
-        )
-    return set(found)
+    warn_once(
+        f"gather: {path} is joined along dim {d}, where its sizes "
+        f"({[t.shape[d] for t in column]}) are not the replicas' shares of the batch "
+        f"({list(sizes)}), but its dim {k} has them: if dim {k} is its batch dim, joining "
+        f"along dim {d} puts the replicas' batches side by side. Pass gather_dim={k} (or "
+        f"gather_dim={{key: {k}}} for this output)." + maybe
+    )
 
 
 def check_shares(
