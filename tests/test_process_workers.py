@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _close import transformer_terms
 from _process_helpers import (
     Net,
     Probe,
@@ -39,8 +40,12 @@ from _process_helpers import (
 from _tiny_models import random_sentences, tiny_sentence_transformer
 
 import dpmethods
+from dpmethods.testing import assert_close_to_reference
 
 pytestmark = pytest.mark.timeout(180)
+# The largest model compared here, tiny_gpt2: 2 blocks of width 16 (MLP 64) over up to
+# 16 tokens and 64 logits (Net: Linear(4, 3), a scale and a 3-wide norm, far fewer).
+TERMS = transformer_terms(width=16, ff=64, seq=16, layers=2) + 64
 
 
 def _workers() -> list[multiprocessing.process.BaseProcess]:
@@ -82,9 +87,9 @@ def _same(a: Any, b: Any) -> None:
             _same(x, y)
     elif isinstance(a, torch.Tensor):
         assert a.device == b.device
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        assert_close_to_reference(a, b, terms=TERMS)
     elif isinstance(a, np.ndarray):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+        assert_close_to_reference(a, b, terms=TERMS)
     else:
         assert a == b
 
@@ -337,7 +342,7 @@ def test_changed_weights_and_hooks_are_seen(dp: Any, net: Net) -> None:
             list(dp.map("forward", [x]))
             net.lin.weight.mul_(3)
             [out] = list(dp.map("forward", [x]))
-            torch.testing.assert_close(out, net(x), rtol=0, atol=1e-6)
+            assert_close_to_reference(out, net(x), terms=5)  # Linear(4, 3)
             # Inside a map: the batches sent after the change (all but the first two) see it.
             xs = [torch.randn(3, 4) for _ in range(5)]
             outs, refs = [], []
@@ -348,12 +353,12 @@ def test_changed_weights_and_hooks_are_seen(dp: Any, net: Net) -> None:
                     refs += [net(x) for x in xs[2:]]
                 outs.append(out)
             for out, ref in zip(outs, refs, strict=True):
-                torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+                assert_close_to_reference(out, ref, terms=5)
             handle = net.register_forward_hook(count_calls)
             try:
                 [out] = list(dp.map("forward", [x]))
-                torch.testing.assert_close(out, net(x), rtol=0, atol=1e-6)
-                torch.testing.assert_close(dp(x), net(x), rtol=0, atol=1e-6)
+                assert_close_to_reference(out, net(x), terms=5)
+                assert_close_to_reference(dp(x), net(x), terms=5)
             finally:
                 handle.remove()
     finally:
@@ -554,8 +559,8 @@ def test_generate_without_no_grad_and_a_loss_in_maps_and_calls() -> None:
         with torch.no_grad():
             got, want = dp(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
         assert list(got.keys()) == list(want.keys())
-        torch.testing.assert_close(got[0], want.loss)
-        torch.testing.assert_close(got.logits, want.logits)
+        assert_close_to_reference(got[0], want.loss, terms=TERMS + 5 * 6)  # a mean over the tokens
+        assert_close_to_reference(got.logits, want.logits, terms=TERMS)
     finally:
         dp.close()
 
@@ -566,9 +571,10 @@ def test_sentence_transformers_encode(tmp_path: Path) -> None:
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
     try:
         want = model.encode(sentences)
-        np.testing.assert_allclose(dp.encode(sentences), want, rtol=0, atol=1e-5)
+        terms = transformer_terms(width=32, ff=37, seq=7, layers=2) + 7  # tiny BERT, mean pooling
+        assert_close_to_reference(dp.encode(sentences), want, terms=terms)
         parts = list(dp.map("encode", [sentences[:10], sentences[10:]]))
-        np.testing.assert_allclose(np.concatenate(parts), want, rtol=0, atol=1e-5)
+        assert_close_to_reference(np.concatenate(parts), want, terms=terms)
     finally:
         dp.close()
 
@@ -628,10 +634,11 @@ def test_cuda_workers_match_one_device(output_device: str | None) -> None:
         torch.cuda.synchronize()
         for got, want in zip(outs, ref + ref, strict=True):
             assert got["y"].device == target and got["n"] == want["n"]
-            torch.testing.assert_close(got["y"], want["y"].to(target))
-            torch.testing.assert_close(got["norm"], want["norm"].to(target))
+            # Linear(4, 3), a scale; then a 3-wide norm.
+            assert_close_to_reference(got["y"], want["y"].to(target), terms=6)
+            assert_close_to_reference(got["norm"], want["norm"].to(target), terms=9)
         assert called["y"].device == target
-        torch.testing.assert_close(called["y"], ref[0]["y"].to(target))
+        assert_close_to_reference(called["y"], ref[0]["y"].to(target), terms=6)
         assert not any(p.is_shared() for p in net.parameters())
         assert all(p.device == torch.device("cuda:0") for p in net.parameters())
     finally:
