@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dpmethods import ops
+from dpmethods.core.gather.coupled import joinable
+from dpmethods.core.gather.values import reduce
 from dpmethods.gather_modes import REDUCING, Mode
-from dpmethods.types.coupled import joinable
-from dpmethods.types.values import reduce
 
 __all__ = ["coalesced", "join_tensors", "pad", "join_same"]
 

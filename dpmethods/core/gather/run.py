@@ -17,14 +17,14 @@ import torch
 from torch import Tensor
 
 from dpmethods.core.devices import DeviceLike, as_device
-from dpmethods.core.gather_keys import leaf_dims, leaf_modes, named_leaves
-from dpmethods.core.join import coalesced, join_tensors
+from dpmethods.core.gather.coupled import check_shares, joinable
+from dpmethods.core.gather.join import coalesced, join_tensors
+from dpmethods.core.gather.keys import leaf_dims, leaf_modes, named_leaves
+from dpmethods.core.gather.values import join_values
 from dpmethods.gather_modes import Mode, named_mode
 from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
-from dpmethods.types.coupled import check_shares, joinable
-from dpmethods.types.values import join_values
 
 __all__ = ["gather"]
 
@@ -115,7 +115,7 @@ def gather(
             ``sizes``, else equal).
         sizes: the number of batch items each replica got. With it, per-item lists are
             recognised (see :mod:`dpmethods.types.per_item`) and batch-coupled outputs warned
-            about (see :mod:`dpmethods.types.coupled`).
+            about (see :mod:`dpmethods.core.gather.coupled`).
         gather_dim: the join dim when it is not ``dim``: an int, or a mapping of
             top-level output keys to ints (others use ``dim``).
 

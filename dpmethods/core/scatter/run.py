@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from dpmethods.core.devices import DeviceLike, as_device
-from dpmethods.core.scatter_args import (
+from dpmethods.core.scatter import items as split_args
+from dpmethods.core.scatter.args import (
     Arguments,
     first_split,
     list_arguments,
@@ -32,7 +33,6 @@ from dpmethods.core.scatter_args import (
     warn_ragged_lists,
 )
 from dpmethods.core.signature import argument_names
-from dpmethods.types import per_item_args as split_args
 from dpmethods.types import tree as _tree
 
 __all__ = ["ScatterResult", "chunk_sizes", "scatter", "scatter_call"]
@@ -299,7 +299,7 @@ def scatter_call(
         fn: the function called on each replica; used for argument names.
         split: names of arguments that are Python sequences with one entry per batch
             item; each replica gets the run of items that lines up with its tensor chunk
-            (see :mod:`dpmethods.types.per_item_args`).
+            (see :mod:`dpmethods.core.scatter.items`).
         scatter_dim: argument names mapped to the dim they are split along, where it is
             not ``dim`` (their batch is moved to ``dim`` for the split, and back).
 
