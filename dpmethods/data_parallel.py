@@ -252,10 +252,10 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             if not inputs and not kwargs_tup:
                 inputs, kwargs_tup = ((),), ({},)
             self._warn_small(ctx.sizes, len(inputs))
-            if len(self.device_ids) == 1:
+            if self.workers == "processes" and (len(self.device_ids) > 1 or self._dpm_factory):
+                outputs = call_chunks(self, name, inputs, kwargs_tup)  # factory=: one device too
+            elif len(self.device_ids) == 1:
                 outputs = [call(*inputs[0], **kwargs_tup[0])]
-            elif self.workers == "processes":  # each chunk in its device's worker process
-                outputs = call_chunks(self, name, inputs, kwargs_tup)
             else:
                 replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
                 outputs = self.parallel_apply(replicas, inputs, kwargs_tup)

@@ -12,7 +12,9 @@ the same ones you have for your own library:
 - :class:`CallHooks`, as the ``hooks`` option: adapt a call's arguments, each replica's
   share and the gathered output;
 - :func:`mark_batch_coupled`: a module class whose result couples the batch (an
-  in-batch-negatives loss), warned about when it runs on a replica's share.
+  in-batch-negatives loss), warned about when it runs on a replica's share;
+- :func:`register_process_rule`: what a library keeps per process with
+  ``workers="processes"`` (hooks that are never sent, state registered again in a worker).
 
 and what an integration builds with: :class:`MethodOptions`, :func:`gather` (the stage
 function, for a gather mode that joins parts of an output itself), :func:`warn_once`
@@ -40,6 +42,7 @@ from dpmethods.gather_modes import Mode, known_modes, register_gather_mode
 from dpmethods.options import MethodOptions
 from dpmethods.parallel import gather
 from dpmethods.registry import register_method_finder
+from dpmethods.streaming.process_state import register_process_rule
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
 from dpmethods.types.owners import unwrap_compiled
 from dpmethods.types.rules import register_type
@@ -58,6 +61,7 @@ __all__ = [
     "mark_batch_coupled",
     "register_gather_mode",
     "register_method_finder",
+    "register_process_rule",
     "register_type",
     "unwrap_compiled",
     "warn_once",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import warnings
 
-__all__ = ["reset", "warn_once"]
+__all__ = ["first_time", "reset", "take_given", "warn_once"]
 
 _seen: set[str] = set()
 _lock = threading.Lock()
@@ -35,13 +35,43 @@ def warn_once(message: str, stacklevel: int = 4) -> bool:
         >>> len(seen)
         1
     """
+    if not first_time(message):
+        return False
+    warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    return True
+
+
+def first_time(message: str) -> bool:
+    """Record ``message`` as given; True unless it was given before.
+
+    A worker process's warnings are given again in the caller through it, so the
+    caller keeps the one record.
+
+    Example:
+        >>> reset()
+        >>> first_time("y"), first_time("y")
+        (True, False)
+    """
     with _lock:
         if message in _seen:
             return False
         if len(_seen) < _LIMIT:
             _seen.add(message)
-    warnings.warn(message, UserWarning, stacklevel=stacklevel)
     return True
+
+
+def take_given() -> set[str]:
+    """The messages given so far, forgotten (a worker process hands them to its caller).
+
+    Example:
+        >>> reset(); _ = first_time("z")
+        >>> take_given()
+        {'z'}
+    """
+    with _lock:
+        given = set(_seen)
+        _seen.clear()
+    return given
 
 
 def reset() -> None:

@@ -177,3 +177,82 @@ class Probe:
 def _probe_loaded() -> Probe:
     Probe.seen.append(Probe.watched())
     return Probe()
+
+
+class InBatchLoss(nn.Module):
+    """A loss over in-batch negatives; the contract test marks it batch-coupled."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(a @ b.T, torch.arange(len(a)))
+
+
+class Box:
+    """An output object without a type rule (its tensor is not seen by the tree walk)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class Contract(nn.Module):
+    """One model for the thread/process contract tests: a tiny GPT-2, a conv, options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt2()
+        torch.manual_seed(1)
+        self.lin = nn.Linear(4, 3)
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.loss = InBatchLoss()
+        self.options = {"scale": 1.0}
+
+    @dpmethods.parallel_method(gather="pad", pad_value=1)
+    def generate(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gpt.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=1, do_sample=False)
+
+    @dpmethods.parallel_method
+    def hidden(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.gpt(ids)
+        count = len(out.hidden_states) if out.hidden_states is not None else 0
+        return {"logits": out.logits, "hidden": torch.full((len(ids),), count)}
+
+    @dpmethods.parallel_method
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.options["scale"]
+
+    @dpmethods.parallel_method
+    def boxed(self, x: torch.Tensor) -> Box:
+        return Box(self.lin(x))
+
+    @dpmethods.parallel_method(gather="mean")
+    def coupled(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.loss(a, b)
+
+    @dpmethods.parallel_method
+    def warns(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("contract: a plain warning", UserWarning, stacklevel=1)
+        dpmethods.warn_once.warn_once("contract: a warn-once warning")
+        return self.lin(x)
+
+    @dpmethods.parallel_method
+    def noisy(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand(len(x), 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+_LOCKS: list[Any] = []
+
+
+class SemaphoreNet(Net):
+    """A method that makes a named semaphore in its process (as torch.compile or loky do)."""
+
+    @dpmethods.parallel_method(gather="extend")
+    def semaphore(self, x: torch.Tensor) -> list[str]:
+        import multiprocessing
+
+        lock = multiprocessing.get_context("spawn").Lock()
+        _LOCKS.append(lock)  # alive until the process exits
+        return [str(lock._semlock.name), str(os.getpid())]  # type: ignore[attr-defined]

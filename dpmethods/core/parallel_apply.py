@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dpmethods.core.compiled import takes_turns
+from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.types import tree as _tree
 from dpmethods.types.coupled_modules import split_call
 
@@ -338,6 +339,8 @@ def parallel_apply(
             s.wait_stream(c)
             record_streams((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
     state = _ThreadState.capture()
+    if n > 1:
+        seed_cuda(devices, draw_seed() if cuda_distinct(devices) else None)
     results: list[Any] = [None] * n
     errors: list[BaseException | None] = [None] * n
 

@@ -29,26 +29,57 @@ import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import reduce_tensor
 
+from dpmethods.streaming.process_state import per_call, without_per_call_hooks
+
 __all__: list[str] = []
 
 INLINE_BYTES = 256 << 10  # CPU tensors below this travel in the message itself
 _PLAIN = (Tensor, nn.Parameter)
 
 
-def _rebuild_inline(cls: type, data: bytes, dtype: torch.dtype, shape: torch.Size, grad: bool) -> Tensor:
+def _rebuild_inline(
+    cls: type, data: bytes, dtype: torch.dtype, shape: torch.Size, grad: bool, stride: tuple[int, ...]
+) -> Tensor:
     if data:
-        t = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
+        t = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape, stride)
     else:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty_strided(shape, stride, dtype=dtype)
     if cls is nn.Parameter:
         return nn.Parameter(t, requires_grad=grad)
     return t.requires_grad_(grad) if grad else t
 
 
+def _dense(t: Tensor) -> Tensor:
+    """``t`` (detached) in a storage of its own that holds exactly its elements.
+
+    Its strides are kept where they describe a dense layout (``channels_last``, a
+    transpose), else it is made contiguous: the memory format survives the trip.
+    """
+    t = t.detach()
+    if (
+        t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and t.stride() == _dense_stride(t)
+    ):
+        return t
+    return torch.empty_like(t, memory_format=torch.preserve_format).copy_(t)
+
+
+def _dense_stride(t: Tensor) -> tuple[int, ...]:
+    """The strides ``t``'s copy gets: its own if they are dense, else contiguous ones."""
+    return torch.empty_like(t, memory_format=torch.preserve_format, device="meta").stride()
+
+
 def _inline(t: Tensor) -> tuple[Any, ...]:
-    flat = t.detach().contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return (_rebuild_inline, (type(t), data, t.dtype, t.shape, t.requires_grad and t.is_leaf))
+    dense = _dense(t)
+    data = b""
+    if dense.numel():
+        data = torch.empty(0, dtype=torch.uint8).set_(dense.untyped_storage()).numpy().tobytes()
+    return (
+        _rebuild_inline,
+        (type(t), data, t.dtype, t.shape, t.requires_grad and t.is_leaf, dense.stride()),
+    )
 
 
 def _shared_storage(nbytes: int) -> torch.UntypedStorage:
@@ -56,21 +87,14 @@ def _shared_storage(nbytes: int) -> torch.UntypedStorage:
 
 
 def _in_shared_memory(t: Tensor) -> Tensor:
-    """A copy of ``t`` (its view only) in a fresh shared-memory block."""
+    """A copy of ``t`` (its view only, in its memory format) in a fresh shared-memory block."""
+    stride = _dense_stride(t)
     storage = _shared_storage(t.numel() * t.element_size())
-    copy = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, _contiguous_strides(t.shape))
+    copy = torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, stride)
     copy.copy_(t.detach())
     if type(t) is nn.Parameter:
         return nn.Parameter(copy, requires_grad=t.requires_grad)
     return copy.requires_grad_(True) if t.requires_grad and t.is_leaf else copy
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _plain_cpu(obj: Any) -> bool:
@@ -90,10 +114,27 @@ def _io_reduce(obj: Any) -> Any:
     return reduce_tensor(_in_shared_memory(obj))
 
 
+class OutputRequiresGrad(RuntimeError):
+    """An output holds a tensor that requires grad: its graph cannot cross processes."""
+
+
 class _IOPickler(ForkingPickler):
     """Batches, outputs and messages: small CPU tensors inline, large ones in shared memory."""
 
     def reducer_override(self, obj: Any) -> Any:
+        return _io_reduce(obj)
+
+
+class _OutputPickler(_IOPickler):
+    """An output: as :class:`_IOPickler`, refusing any tensor that requires grad.
+
+    Pickling reaches every tensor, inside any object (no type rule needed), so
+    nothing is detached silently.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor) and obj.requires_grad:
+            raise OutputRequiresGrad(f"a tensor of shape {tuple(obj.shape)} requires grad")
         return _io_reduce(obj)
 
 
@@ -106,7 +147,7 @@ class _ModelPickler(ForkingPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, Tensor):
-            return NotImplemented
+            return without_per_call_hooks(obj) if isinstance(obj, nn.Module) else NotImplemented
         if (
             id(obj) not in self._tensors
             or type(obj) not in _PLAIN
@@ -128,10 +169,13 @@ class _ModelPickler(ForkingPickler):
         return reduce_tensor(copy)
 
 
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled for another process (see the module docstring)."""
+def dumps(obj: Any, *, output: bool = False) -> bytes:
+    """``obj`` pickled for another process (see the module docstring).
+
+    An ``output`` that holds a tensor requiring grad raises :class:`OutputRequiresGrad`.
+    """
     buf = io.BytesIO()
-    _IOPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    (_OutputPickler if output else _IOPickler)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 
@@ -181,7 +225,8 @@ def _attributes(module: nn.Module) -> Iterator[tuple[str, Any]]:
                 continue
             if isinstance(value, dict) and "hook" in name:
                 for key, hook in dict(value).items():
-                    yield f"{path}.{name}[{key!r}]", hook
+                    if not per_call(hook):  # never sent
+                        yield f"{path}.{name}[{key!r}]", hook
             else:
                 yield f"{path}.{name}", value
 

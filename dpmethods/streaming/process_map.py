@@ -27,6 +27,7 @@ from torch import nn
 
 from dpmethods.core.devices import as_device
 from dpmethods.core.parallel_apply import _ThreadState, add_note
+from dpmethods.core.seeding import draw_seed, replica_seed
 from dpmethods.streaming.map import (
     MapIteratorBase,
     _as_call,
@@ -39,6 +40,7 @@ from dpmethods.streaming.map import (
 from dpmethods.streaming.process_io import dumps
 from dpmethods.streaming.process_pool import ProcessPool, pool_for, received, reply_error
 from dpmethods.streaming.process_slot import Client, Slot, WorkerDiedError
+from dpmethods.streaming.process_worker import give
 
 __all__: list[str] = []
 
@@ -79,6 +81,7 @@ class _ProcessMap(MapIteratorBase):
         self._buffer: dict[int, Any] = {}
         self._sizes: dict[int, int] = {}
         self._state = _ThreadState.capture()  # the caller's modes at map(), as the thread map
+        self._seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
         self._t0 = 0.0
         self._lease = _Lease()
         self._finalizer = weakref.finalize(self, self._lease.end)
@@ -90,10 +93,10 @@ class _ProcessMap(MapIteratorBase):
 
     def _open(self) -> None:
         lease = self._lease
-        if self._progress is not None:
-            lease.bar = self._progress()
         lease.opened = True
         startup = self._pool.prepare(self._module)
+        if self._progress is not None:  # after the start-up: a failed one leaves no bar
+            lease.bar = self._progress()
         if startup and lease.bar is not None:  # reported once, by the map that paid it
             lease.bar.set_postfix_str(f"workers started in {startup:.1f} s", refresh=True)
         self._t0 = time.perf_counter()
@@ -117,6 +120,7 @@ class _ProcessMap(MapIteratorBase):
                 if isinstance(failure, StopIteration):  # else taken for the end of the map
                     failure = _stop_iteration_error(failure, index)
                 raise failure
+            give(msg[3])
             out = received(msg[2], self._output_device)
             msg = None  # type: ignore[assignment]
             self._tick(seq)
@@ -154,7 +158,8 @@ class _ProcessMap(MapIteratorBase):
         self._pool.prepare(self._module, start=False)
         seq, index, args, kwargs = self._pending.popleft()
         try:
-            data = dumps(("run", seq, self._method, args, kwargs, self._state))
+            data = dumps(("run", seq, self._method, args, kwargs, self._state,
+                          replica_seed(self._seed, index), False))
         except Exception as exc:
             raise TypeError(
                 f"DataParallel.map(workers='processes'): batch {index} cannot be sent "

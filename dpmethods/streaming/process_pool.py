@@ -23,6 +23,7 @@ join every worker (terminating one that does not exit within a few seconds).
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 import time
 import weakref
@@ -32,12 +33,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dpmethods._loading import load_pending
 from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.core.replicate import fingerprint
+from dpmethods.core.seeding import draw_seed, replica_seed
 from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
 from dpmethods.streaming.process_io import dumps, loads, model_payloads
-from dpmethods.streaming.process_slot import Client, Slot, WorkerDiedError, stop_all
+from dpmethods.streaming.process_slot import (
+    UNGUARDED_MAIN_EXIT,
+    UNGUARDED_MAIN_EXIT_TEXT,
+    Client,
+    Slot,
+    WorkerDiedError,
+    stop_all,
+)
+from dpmethods.streaming.process_state import state_digest
+from dpmethods.streaming.process_worker import give
 from dpmethods.types import tree as _tree
+from dpmethods.types.coupled_modules import marks
 
 __all__: list[str] = []
 
@@ -57,6 +70,23 @@ _START_HINT = (
     "and a program read from stdin cannot be run again; run it from a file with that guard, "
     "or use workers='threads'"
 )
+
+
+def _start_failure(exc: WorkerDiedError, fresh: bool) -> BaseException:
+    """A worker that died while it started: the hint, unless its exit code said why."""
+    return add_note(exc, _START_HINT) if fresh and UNGUARDED_MAIN_EXIT_TEXT not in str(exc) else exc
+
+
+def check_not_in_spawned_main() -> None:
+    """Leave a worker process quietly if it is running an unguarded script's main module.
+
+    ``spawn`` runs the script's main module again in each worker; a script without
+    ``if __name__ == "__main__":`` then reaches its map or call again there, whose own
+    workers multiprocessing would refuse to start (a traceback from each worker). The
+    worker exits instead, with :data:`UNGUARDED_MAIN_EXIT`, and the caller's error says why.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
 
 
 def check_workers(value: Any, name: str = "workers") -> str:
@@ -82,7 +112,8 @@ def reply_error(msg: tuple[Any, ...], slot: Slot, raised: str, running: str) -> 
     if msg[0] == "lost":
         return add_note(WorkerDiedError(msg[1]), f"dpmethods: while running {running}; the next "
                         "map or call starts a fresh worker")
-    _, _, error, text = msg
+    _, _, error, text, warned = msg
+    give(warned)
     try:
         exc = loads(error)
     except Exception as e:  # pragma: no cover - the worker checks it loads
@@ -148,12 +179,18 @@ class ProcessPool:
         with self._setup:
             t0 = time.perf_counter()
             fresh = [s for s in self.slots if not s.usable()] if start else []
-            key = "factory" if self.factory is not None else fingerprint(module)
+            # The fingerprint sees assignments by identity; the digest, attribute objects
+            # edited in place (a config) and requires_grad flags, which a worker's copy
+            # would not share.
+            load_pending()  # the integrations' rules for what stays in this process
+            marked = marks(module)  # the worker marks them too: its replicas warn as threads do
+            state: Any = (fingerprint(module), state_digest(module)) if self.factory is None else "factory"
+            key = (state, tuple(marked.items()))
             stale = [s for s in self.slots if s in fresh or (s.key != key and s.usable())]
             if not stale:
                 return 0.0
             # Pickled before any worker starts: a module that can't be sent fails at once.
-            messages = self._model_messages(module, stale)
+            messages = self._model_messages(module, stale, marked)
             if fresh:
                 ctx = torch.multiprocessing.get_context(START_METHOD)
                 threads = max(1, torch.get_num_threads() // len(self.slots))
@@ -171,11 +208,11 @@ class ProcessPool:
                        len(fresh), START_METHOD, elapsed)
             return elapsed
 
-    def _model_messages(self, module: nn.Module, slots: list[Slot]) -> list[bytes]:
+    def _model_messages(self, module: nn.Module, slots: list[Slot], marked: dict[type, str]) -> list[bytes]:
         if self.factory is not None:
-            return [dumps(("factory", self.factory, s.device)) for s in slots]
+            return [dumps(("factory", self.factory, s.device, marked)) for s in slots]
         payloads = model_payloads(module, len(slots))
-        return [dumps(("model", p, s.device)) for p, s in zip(payloads, slots)]
+        return [dumps(("model", p, s.device, marked)) for p, s in zip(payloads, slots)]
 
     def _send_model(
         self, slots: list[Slot], messages: list[bytes], key: Any, fresh: list[Slot]
@@ -188,22 +225,22 @@ class ProcessPool:
             try:
                 s.send(client, "model", m)
             except WorkerDiedError as exc:
-                raise add_note(exc, _START_HINT) if s in fresh else exc from None
+                raise _start_failure(exc, s in fresh) from None
         messages.clear()
         failure = None
         for _ in slots:
             slot, _, msg = self.reply(client)
             if msg[0] == "ready":
+                give(msg[1])
                 slot.key = key
+            elif failure is None and msg[0] == "lost":  # it died: its exit code says why
+                failure = _start_failure(WorkerDiedError(msg[1]), slot in fresh)
             elif failure is None:
                 failure = reply_error(
-                    msg, slot, f"DataParallel(workers='processes'): raised {_MODEL_HINT}",
-                    "the construction of its model",
+                    msg, slot, f"DataParallel(workers='processes'): raised {_MODEL_HINT}", ""
                 )
-                if msg[0] == "lost" and slot in fresh:
-                    failure = add_note(failure, _START_HINT)
         if failure is not None:
-            raise failure
+            raise failure from None
 
     def submit(self, client: Client, slot: Slot, tag: Any, data: bytes) -> None:
         """Send one request of ``client`` to ``slot``; :meth:`reply` returns its answer."""
@@ -252,6 +289,7 @@ def _identities(module: nn.Module) -> list[Any]:
 
 def pool_for(wrapper: Any) -> ProcessPool:
     """The wrapper's pool, made (not started) on first use."""
+    check_not_in_spawned_main()
     pool = wrapper.__dict__.get("_process_pool")
     if pool is None:
         pool = wrapper.__dict__["_process_pool"] = ProcessPool(
@@ -272,11 +310,11 @@ def call_chunks(wrapper: Any, name: str, inputs: Any, kwargs: Any) -> list[Any]:
     pool, client = pool_for(wrapper), Client()
     try:
         pool.prepare(wrapper.module)
-        state = _ThreadState.capture()
+        state, seed, split = _ThreadState.capture(), draw_seed(), len(inputs) > 1
         slots = pool.slots[: len(inputs)]
         for s, a, k in zip(slots, inputs, kwargs):
             try:
-                data = dumps(("run", s.index, name, tuple(a), dict(k), state))
+                data = dumps(("run", s.index, name, tuple(a), dict(k), state, replica_seed(seed, s.index), split))
             except Exception as exc:
                 raise TypeError(
                     f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
@@ -289,6 +327,7 @@ def call_chunks(wrapper: Any, name: str, inputs: Any, kwargs: Any) -> list[Any]:
             if msg[0] != "done":
                 raise reply_error(msg, slot, f"DataParallel.{name}: raised in chunk {chunk}",
                                   f"chunk {chunk} of DataParallel.{name}")
+            give(msg[3])
             outputs[chunk] = received(msg[2], None)
         return outputs
     finally:

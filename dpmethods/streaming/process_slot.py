@@ -25,6 +25,10 @@ from dpmethods.streaming.process_worker import serve
 __all__: list[str] = []
 
 _STOP_S = 3.0  # how long close() lets idle workers exit before terminating them
+# The exit code of a worker that found itself running an unguarded script's main module
+# (see process_pool.check_not_in_spawned_main), and what its error then says.
+UNGUARDED_MAIN_EXIT = 86
+UNGUARDED_MAIN_EXIT_TEXT = "without `if __name__ == \"__main__\":`"
 
 
 class WorkerDiedError(RuntimeError):
@@ -171,6 +175,14 @@ class Slot:
                 why = f" ({signal.Signals(-code).name})"
             except ValueError:
                 pass
+        if code == UNGUARDED_MAIN_EXIT:
+            return WorkerDiedError(
+                f"DataParallel(workers='processes'): {self.describe()} stopped while starting: "
+                f"spawn runs the script's main module again in each worker, and this script "
+                f"starts its work {UNGUARDED_MAIN_EXIT_TEXT}, so it reached DataParallel again "
+                f"there. Start the script's work under that guard (a program read from stdin "
+                f"cannot use processes), or use workers='threads'"
+            )
         return WorkerDiedError(f"DataParallel(workers='processes'): {self.describe()} died "
                                f"with exit code {code}{why}")
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from dpmethods.core.compiled import one_at_a_time
 from dpmethods.core.parallel_apply import _ThreadState, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
+from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
@@ -65,6 +66,9 @@ class Run:
         self.replicas, self.devices, self.method = replicas, devices, method
         self.output_device, self.depth = output_device, depth
         self.state = _ThreadState.capture()
+        # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on
+        # whichever runs it. CPU replicas share the caller's generator (docs/generate.md).
+        self.seed = draw_seed() if cuda_distinct(devices) else None
         cuda = {d for d in [*devices, output_device] if d is not None and d.type == "cuda"}
         self.cuda = any(d is not None and d.type == "cuda" for d in devices)
         # Current streams are per thread: the workers order their own streams after the
@@ -164,6 +168,8 @@ def _serve(run: Run, r: int) -> None:
             try:
                 if isinstance(args, BaseException):
                     raise args
+                if run.seed is not None:
+                    seed_cuda([device], run.seed, base=index)  # type: ignore[list-item]
                 if streams is None:
                     out = move(fn(*args, **kwargs), run.output_device)
                 else:

@@ -27,7 +27,8 @@ from dpmethods.types.named_classes import check_class_path, take_imported
 from dpmethods.warn_once import warn_once
 
 __all__ = [
-    "in_split_call", "is_batch_coupled", "mark_batch_coupled", "resolve_pending", "split_call",
+    "in_split_call", "is_batch_coupled", "mark_batch_coupled", "marks", "resolve_pending",
+    "split_call",
 ]
 
 _state = threading.local()
@@ -71,6 +72,18 @@ def is_batch_coupled(cls: type) -> bool:
         False
     """
     return any(k in _MARKED for k in cls.__mro__)
+
+
+def marks(module: nn.Module) -> dict[type, str]:
+    """The marked classes among ``module``'s submodules' classes and their bases, with
+    what couples their batch: what a worker process marks again before it runs them.
+
+    Example:
+        >>> marks(nn.Linear(2, 2))
+        {}
+    """
+    classes = {type(m) for m in module.modules()}
+    return {k: _MARKED[k] for cls in classes for k in cls.__mro__ if k in _MARKED}
 
 
 def resolve_pending() -> None:
