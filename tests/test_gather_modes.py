@@ -208,3 +208,13 @@ def test_the_generate_mode_named_before_transformers_is_imported() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, cwd=_ROOT, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_every_builtin_mode_is_one_row_of_the_table() -> None:
+    # A built-in mode is a Mode member and a row of MODES; nothing else dispatches on it.
+    from dpmethods.core.gather.modes import MODES, ModeRow
+    from dpmethods.gather_modes import Mode
+
+    assert set(MODES) == {m.value for m in Mode}
+    assert all(isinstance(row, ModeRow) for row in MODES.values())
+    assert {m for m, row in MODES.items() if row.reduces} == {"mean", "sum"}

@@ -23,29 +23,10 @@ from typing import Any
 
 from torch import Tensor
 
-from dpmethods.gather_modes import REDUCING, Mode
+from dpmethods.core.gather.modes import MODES
 from dpmethods.warn_once import warn_once
 
-__all__ = ["check_batch_dim", "check_coupled", "check_shares", "joinable"]
-
-
-def joinable(column: Sequence[Tensor], dim: int) -> bool:
-    """Whether the tensors agree on every dim but ``dim`` (so ``cat`` can join them).
-
-    Example:
-        >>> import torch
-        >>> joinable([torch.ones(3, 3), torch.ones(2, 2)], 0)
-        False
-    """
-    d = dim % column[0].dim()
-    shape = list(column[0].shape)
-    del shape[d]
-    for t in column[1:]:
-        other = list(t.shape)
-        del other[d]
-        if other != shape:
-            return False
-    return True
+__all__ = ["check_batch_dim", "check_coupled", "check_shares"]
 
 
 def _coupled(column: Sequence[Tensor], sizes: Sequence[int], dim: int) -> bool:
@@ -108,7 +89,7 @@ def check_coupled(
         if count >= 2
         and i not in exempt
         and all(map(isinstance, columns[i], itertools.repeat(Tensor)))
-        and (modes is None or modes[i] not in (Mode.MEAN, Mode.SUM, Mode.LIST, Mode.SAME))
+        and (modes is None or MODES[modes[i]].couples)
         and _coupled(columns[i], sizes, dims[i])
     ]
     if not coupled:
@@ -124,7 +105,7 @@ def check_coupled(
             "gathered batch instead."
         )
     for i, m in enumerate(modes or ()):
-        if m in REDUCING:
+        if MODES[m].reduces:
             warn_once(
                 f"gather: {path(i)} is reduced with {m!r} across replicas alongside the "
                 f"batch-coupled {', '.join(names)}: such a loss is computed per replica on "
@@ -187,7 +168,7 @@ def check_batch_dim(
         exempt = exempt()
     found: dict[int, int] = {}
     for i in candidates:
-        if i in exempt or (modes is not None and modes[i] not in (Mode.CAT, Mode.PAD)):
+        if i in exempt or (modes is not None and not MODES[modes[i]].batch_dim):
             continue
         column = columns[i]
         if not all(map(isinstance, column, itertools.repeat(Tensor))):

@@ -1,26 +1,22 @@
-"""Joining one tensor leaf of every replica's output, by its gather mode.
+"""What the gather modes join tensors with.
 
 The concatenated leaves (``"cat"``, and ``"stack"`` and ``"pad"`` after their per-tensor
-step) go to :func:`dpmethods.ops.gather_coalesced` together, one call per join dim:
-that is where the compiled kernel replaces L x N copies and autograd nodes.
+step) go to :func:`coalesced` together, one call per join dim: that is where the
+compiled kernel (:func:`dpmethods.ops.gather_coalesced`) replaces L x N copies and
+autograd nodes. Which mode uses what is the table in :mod:`dpmethods.core.gather.modes`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dpmethods import ops
-from dpmethods.core.gather.coupled import joinable
-from dpmethods.core.gather.values import reduce
-from dpmethods.gather_modes import REDUCING, Mode
 
-__all__ = ["coalesced", "join_tensors", "pad", "join_same"]
+__all__ = ["coalesced", "join_same", "joinable", "pad"]
 
 
 def pad(parts: Sequence[Tensor], dim: int, value: float, path: str) -> list[Tensor]:
@@ -68,7 +64,7 @@ def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device)
 
 
 def join_same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
-    """The one value every replica computed (``"join_same"``); an error if they differ."""
+    """The one value every replica computed (``"same"``); an error if they differ."""
     first = col[0].to(device)
     for r, t in enumerate(col[1:], 1):
         t = t.to(device)
@@ -80,43 +76,20 @@ def join_same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
     return first
 
 
-def join_tensors(
-    col: Sequence[Tensor], m: str, d: int, coupled: bool, ragged: bool, paths: Any,
-    i: int, plan: Any,
-) -> tuple[Any, Sequence[Tensor] | None]:
-    """One tensor leaf: ``(result, None)`` when joined here, or ``(None, parts)`` for the
-    pieces to concatenate along ``d`` with the other leaves."""
-    device, n = plan.device, plan.n
-    if m == Mode.SAME:
-        return join_same(col, device, paths(i)), None
-    if m == Mode.LIST or (coupled and not joinable(col, d)):
-        # A coupled leaf that cat can't join comes back in pieces: it was warned about.
-        return [t.to(device) for t in col], None
-    if m in REDUCING:
-        if any(t.shape != col[0].shape for t in col):
-            raise ValueError(
-                f"gather: {paths(i)}: {m!r} needs the same shape on every replica, got "
-                f"{[list(t.shape) for t in col]}; use 'cat' or 'pad' for batch outputs"
-            )
-        return reduce(col, plan.weights, device, m == Mode.MEAN), None
-    if n == 1 and m != Mode.STACK:
-        # One replica ran (one device, or nothing to split): its output is the result,
-        # as torch returns it; a 0-dim value stays 0-dim.
-        return col[0].to(device), None
-    # "cat", "extend" (a tensor is a sequence of items), "stack", "pad"
-    if m == Mode.STACK or col[0].dim() == 0:
-        if m != Mode.STACK:
-            warnings.warn(
-                f"gather: {paths(i)} is 0-dim on every replica, so it was stacked into "
-                f"a vector of {n} values; use gather='mean' for a loss (weighted by "
-                "each replica's share of the batch), 'same' for a value every replica "
-                "shares, or 'stack' to silence this",
-                UserWarning,
-                stacklevel=4,
-            )
-        return None, [t.unsqueeze(d) for t in col]
-    if m == Mode.PAD:
-        return None, pad(col, d, plan.pad_value, paths(i))
-    if ragged and not joinable(col, d):
-        return None, pad(col, d, 0, paths(i))  # the rule's lengths say what is padding
-    return None, col
+def joinable(column: Sequence[Tensor], dim: int) -> bool:
+    """Whether the tensors agree on every dim but ``dim`` (so ``cat`` can join them).
+
+    Example:
+        >>> import torch
+        >>> joinable([torch.ones(3, 3), torch.ones(2, 2)], 0)
+        False
+    """
+    d = dim % column[0].dim()
+    shape = list(column[0].shape)
+    del shape[d]
+    for t in column[1:]:
+        other = list(t.shape)
+        del other[d]
+        if other != shape:
+            return False
+    return True

@@ -8,6 +8,7 @@ call, which is where the compiled kernel replaces L x N copies and autograd node
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -17,10 +18,10 @@ import torch
 from torch import Tensor
 
 from dpmethods.core.devices import DeviceLike, as_device
-from dpmethods.core.gather.coupled import check_shares, joinable
-from dpmethods.core.gather.join import coalesced, join_tensors
+from dpmethods.core.gather.coupled import check_shares
+from dpmethods.core.gather.join import coalesced, joinable
 from dpmethods.core.gather.keys import leaf_dims, leaf_modes, named_leaves
-from dpmethods.core.gather.values import join_values
+from dpmethods.core.gather.modes import join_tensor_leaf, join_value_leaf
 from dpmethods.gather_modes import Mode, named_mode
 from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
@@ -287,9 +288,9 @@ def _join(
     ragged = _tree.ragged_leaves(spec) if plan.n > 1 else set()
     for i, (col, m, d) in enumerate(zip(columns, modes, dims)):
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
-            result[i] = join_values(col, m, d, paths(i), plan.device, plan.weights)
+            result[i] = join_value_leaf(col, m, d, paths(i), plan.device, plan.weights)
             continue
-        done, parts = join_tensors(col, m, d, i in coupled, i in ragged, paths, i, plan)
+        done, parts = join_tensor_leaf(col, m, d, i in coupled, i in ragged, functools.partial(paths, i), plan)
         if parts is None:
             result[i] = done
         else:
