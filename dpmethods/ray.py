@@ -161,7 +161,10 @@ _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 def _to_host(value: Any) -> Any:
     """Tensors (anywhere in lists, tuples, dicts) as CPU numpy arrays."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu()
+        if value.requires_grad:  # a parameter returned as it is
+            value = value.detach()
+        if value.device.type != "cpu":
+            value = value.cpu()
         if value.is_floating_point() and value.dtype not in _NUMPY_FLOATS:
             value = value.float()
         return value.numpy()
@@ -244,8 +247,11 @@ class Predictor:
         keep: input columns copied unchanged into the output (an id column).
         output: the column name of a tensor (or list) output, and the stem of a tuple's
             columns ``{output}_0``, ``{output}_1``, ...; default: the method's name.
-        device_ids: the devices to split each batch over. Default: the GPUs Ray gave
-            the actor (all visible GPUs outside Ray), else the CPU.
+        device_ids: the devices to split each batch over, through
+            :class:`dpmethods.DataParallel` with the method's own options (replicas
+            cached between batches); on one device the method runs there as it is.
+            Default: the GPUs Ray gave the actor (every visible GPU outside Ray), else
+            the CPU.
         **method_kwargs: keyword arguments passed to every call (``max_new_tokens=``).
 
     A batch (a dict of numpy arrays, or a pandas DataFrame) gives the output in the same

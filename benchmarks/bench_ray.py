@@ -1,0 +1,297 @@
+"""Throughput of ``dpmethods.ray.Predictor`` against a hand-written Ray Data predictor class.
+
+Both run in the same Ray Data pipeline on the same local cluster (``ray.init(num_cpus=2)``),
+with the same model, batch size and actor pool: a pass is
+``ds.map_batches(cls, batch_size=..., compute=ActorPoolStrategy(size=...)).materialize()``
+over a dataset materialized beforehand, timed from the call to the last block, actor
+start-up included (each pass starts its actors, as every Ray Data execution does).
+
+Workloads:
+
+- ``mlp``: a decorated ``encode`` (4 x Linear(256, 256) with ReLU) returning a dict of
+  two tensors, on a float column, an id column kept;
+- ``text`` (needs sentence-transformers): ``SentenceTransformer.encode`` of a text
+  column with a tiny random BERT (built locally, nothing downloaded).
+
+The hand-written class does what Ray's users write by hand: load the model in
+``__init__``, turn the numpy columns into arguments, call the method under
+``torch.inference_mode()`` and turn the outputs into numpy columns.
+
+Rounds interleave the two paths (the order alternates), so drift of the shared host
+hits both alike; the ratio is paired per round (Predictor's throughput / the hand-written
+class's), reported as its median and p10-p90. Writes ``ray_cpu.json`` and ``.png``.
+
+Run: ``PYTHONPATH=. python benchmarks/bench_ray.py [--quick] [--rounds N] [--out DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
+import _common
+
+import dpmethods
+from dpmethods.ray import Predictor
+
+_HERE = Path(__file__).resolve().parent
+
+__all__ = ["HandWrittenEncode", "HandWrittenText", "main"]
+
+FEATURES, TARGET = 256, 0.95
+
+
+class MLP(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(4):
+            layers += [torch.nn.Linear(FEATURES, FEATURES), torch.nn.ReLU()]
+        self.net = torch.nn.Sequential(*layers)
+
+    @dpmethods.parallel_method
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.net(x)
+        return {"embedding": h, "norm": h.norm(dim=1)}
+
+
+def mlp() -> MLP:
+    torch.manual_seed(0)
+    return MLP().eval()
+
+
+class HandWrittenEncode:
+    """What a user writes for ``mlp`` without dpmethods."""
+
+    def __init__(self, factory: Callable[[], MLP]) -> None:
+        self.model = factory().eval()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = torch.from_numpy(batch["pixels"].copy())  # Ray's arrays are read-only
+        with torch.inference_mode():
+            out = self.model.encode(x)
+        return {"id": batch["id"], "embedding": out["embedding"].numpy(), "norm": out["norm"].numpy()}
+
+
+class HandWrittenText:
+    """What a user writes for ``text`` without dpmethods."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.model = factory().eval()
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        with torch.inference_mode():
+            out = self.model.encode(batch["text"].tolist())
+        return {"id": batch["id"], "embedding": out}
+
+
+def _sentence_model(path: str) -> Any:
+    sys.path.insert(0, str(_HERE.parent / "tests"))
+    from _tiny_models import tiny_sentence_transformer
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tiny_sentence_transformer(Path(path))
+
+
+def _pixels(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(int(batch["id"][0]))
+    return {"id": batch["id"], "pixels": rng.standard_normal((len(batch["id"]), FEATURES), dtype=np.float32)}
+
+
+def _texts(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    words = "the a cat dog sat on mat runs fast slow big small red blue".split()
+    return {"id": batch["id"], "text": [" ".join(words[(i * 7 + k) % len(words)] for k in range(1 + i % 12))
+                                        for i in batch["id"].tolist()]}
+
+
+def _workloads(ray: Any, rows: int, tmp: str) -> dict[str, dict[str, Any]]:
+    blocks = 16
+    found: dict[str, dict[str, Any]] = {
+        "mlp": {
+            "describe": f"MLP.encode (4 x Linear({FEATURES},{FEATURES})), dict output, {rows} rows",
+            "data": ray.data.range(rows, override_num_blocks=blocks).map_batches(_pixels).materialize(),
+            "ours": {"factory": mlp, "method": "encode", "columns": {"x": "pixels"}, "keep": ["id"]},
+            "hand": (HandWrittenEncode, {"factory": mlp}),
+        }
+    }
+    try:
+        import sentence_transformers  # noqa: F401
+    except ImportError:
+        print("no sentence-transformers: the text workload is skipped", file=sys.stderr)
+        return found
+    factory = functools.partial(_sentence_model, tmp)
+    factory()  # writes the model's files once; each actor loads them
+    found["text"] = {
+        "describe": f"SentenceTransformer.encode (tiny random BERT), {rows // 16} sentences",
+        "data": ray.data.range(rows // 16, override_num_blocks=blocks).map_batches(_texts).materialize(),
+        "ours": {"factory": factory, "method": "encode", "columns": {"inputs": "text"},
+                 "keep": ["id"], "output": "embedding"},
+        "hand": (HandWrittenText, {"factory": factory}),
+    }
+    return found
+
+
+def _pass(ray: Any, data: Any, cls: Any, kwargs: dict[str, Any], batch: int, actors: int) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = data.map_batches(cls, fn_constructor_kwargs=kwargs, batch_size=batch,
+                           compute=ray.data.ActorPoolStrategy(size=actors)).materialize()
+    return time.perf_counter() - t0, out
+
+
+def _column(ds: Any, name: str) -> np.ndarray:
+    rows = sorted(ds.take_all(), key=lambda r: r["id"])
+    return np.stack([np.asarray(r[name]) for r in rows])
+
+
+def _calls(w: dict[str, Any], batch: int, rounds: int) -> dict[str, Any]:
+    """Per-batch time of the two classes' ``__call__`` in this process, no Ray between:
+    the same 16 batches as Ray hands them (read-only numpy), in interleaved rounds of
+    three sweeps each, paired per round."""
+    batches = list(w["data"].iter_batches(batch_size=batch, batch_format="numpy"))[:16]
+    cls, kw = w["hand"]
+    callers = {"predictor": Predictor(**w["ours"]), "hand-written": cls(**kw)}
+    for f in callers.values():
+        for b in batches:
+            f(b)
+    times: dict[str, list[float]] = {p: [] for p in callers}
+    for r in range(rounds * 10):
+        for p in (list(callers) if r % 2 == 0 else list(reversed(callers))):
+            t0 = time.perf_counter()
+            for _ in range(3):  # three sweeps: a timing long enough to ride out a preemption
+                for b in batches:
+                    callers[p](b)
+            times[p].append((time.perf_counter() - t0) / (3 * len(batches)))
+    ratios = [h / o for h, o in zip(times["hand-written"], times["predictor"])]
+    return {"per_batch_us": {p: _summary([t * 1e6 for t in ts]) for p, ts in times.items()},
+            "ratio_predictor_over_hand": _summary(ratios)}
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    s = _common.summarize(xs)
+    return {"median": s["median"], "p10": s["p10"], "p90": s["p90"], "n": s["n"]}
+
+
+def run(ray: Any, rounds: int, rows: int, batch: int, actors: int, tmp: str) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for name, w in _workloads(ray, rows, tmp).items():
+        n = w["data"].count()
+        paths = {"predictor": (Predictor, w["ours"]), "hand-written": w["hand"]}
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        ratios: list[float] = []
+        outputs: dict[str, Any] = {}
+        for p, (cls, kw) in paths.items():  # warm-up: the workers import torch and dpmethods
+            _, outputs[p] = _pass(ray, w["data"], cls, kw, batch, actors)
+        diff = float(np.abs(_column(outputs["predictor"], "embedding")
+                            - _column(outputs["hand-written"], "embedding")).max())
+        for r in range(rounds):
+            order = list(paths) if r % 2 == 0 else list(reversed(paths))
+            got = {p: _pass(ray, w["data"], *paths[p], batch, actors)[0] for p in order}
+            for p, t in got.items():
+                times[p].append(t)
+            ratios.append(got["hand-written"] / got["predictor"])  # = throughput ratio
+            print(f"{name} round {r}: " + ", ".join(f"{p} {n / t:.0f} rows/s" for p, t in got.items()),
+                  flush=True)
+        with torch.inference_mode():
+            torch.set_num_threads(1)  # as Ray gives a 1-CPU actor (OMP_NUM_THREADS=1)
+            calls = _calls(w, batch, rounds)
+        results[name] = {
+            "describe": w["describe"], "rows": n, "max_abs_diff_embedding": diff, "calls": calls,
+            "pass_s": {p: _summary(ts) for p, ts in times.items()},
+            "rows_per_s": {p: _summary([n / t for t in ts]) for p, ts in times.items()},
+                "ratio_predictor_over_hand": _summary(ratios), "ratios": ratios, "target": TARGET,
+        }
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    lines = ["| workload | hand-written rows/s (p10-p90) | Predictor rows/s (p10-p90) | "
+             "Predictor / hand-written, paired (p10-p90) | per batch, no Ray: hand-written us | "
+             "Predictor us | ratio (p10-p90) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, r in results.items():
+        h, p, q = r["rows_per_s"]["hand-written"], r["rows_per_s"]["predictor"], r["ratio_predictor_over_hand"]
+        lines.append(f"| {name} | {h['median']:.0f} ({h['p10']:.0f}-{h['p90']:.0f}) | "
+                     f"{p['median']:.0f} ({p['p10']:.0f}-{p['p90']:.0f}) | "
+                     f"{q['median']:.3f} ({q['p10']:.3f}-{q['p90']:.3f}) | "
+                     + _calls_cells(r["calls"]))
+    return "\n".join(lines)
+
+
+def _calls_cells(c: dict[str, Any]) -> str:
+    h, p, q = c["per_batch_us"]["hand-written"], c["per_batch_us"]["predictor"], c["ratio_predictor_over_hand"]
+    return (f"{h['median']:.0f} | {p['median']:.0f} | "
+            f"{q['median']:.3f} ({q['p10']:.3f}-{q['p90']:.3f}) |")
+
+
+def plot(results: dict[str, Any], path: Path, title: str) -> None:
+    names = list(results)
+    q = [results[n]["ratio_predictor_over_hand"] for n in names]
+    _common.plot_ratios(path, names, [x["median"] for x in q], lows=[x["p10"] for x in q],
+                        highs=[x["p90"] for x in q], title=title,
+                        ylabel="throughput: Predictor / hand-written")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6, help="timed rounds per workload (default: 6)")
+    parser.add_argument("--rows", type=int, default=8192, help="rows of the mlp workload; text has a sixteenth (default: 8192)")
+    parser.add_argument("--batch", type=int, default=64, help="map_batches batch_size (default: 64)")
+    parser.add_argument("--actors", type=int, default=1, help="actors in the pool, 1 CPU each (default: 1)")
+    parser.add_argument("--quick", action="store_true", help="2 rounds of 4096 rows (default: off)")
+    parser.add_argument("--out", type=Path, default=_HERE / "results", help="where the JSON and PNG go (default: benchmarks/results)")
+    parser.add_argument("--from-json", type=Path, help="redraw the table and plot of a saved run (default: none)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        print(table(saved["workloads"]))
+        plot(saved["workloads"], args.from_json.with_suffix(".png"), saved["title"])
+        return 0
+    import ray
+
+    if args.quick:
+        args.rounds, args.rows = 2, 4096
+    path = os.pathsep.join(filter(None, [str(_HERE), str(_HERE.parent), os.environ.get("PYTHONPATH")]))
+    t0, load_before = time.perf_counter(), os.getloadavg()
+    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results = run(ray, args.rounds, args.rows, args.batch, args.actors, tmp)
+    finally:
+        ray.shutdown()
+    title = f"dpmethods.ray.Predictor vs hand-written (Ray {ray.__version__}, CPU, {args.actors} actor)"
+    data = {
+        "title": title, "started": started, "machine": _common.machine_info(),
+        "ray": ray.__version__, "dpmethods": dpmethods.__version__,
+        "settings": {"rounds": args.rounds, "rows": args.rows, "batch": args.batch, "actors": args.actors,
+                     "num_cpus": 2},
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+        "wall_s": time.perf_counter() - t0, "workloads": results,
+        "median_ratio_at_least_target": all(
+            r["ratio_predictor_over_hand"]["median"] >= TARGET for r in results.values()),
+    }
+    out = _common.write_json(args.out / "ray_cpu.json", data)
+    plot(results, out.with_suffix(".png"), title)
+    print(table(results))
+    print(f"wrote {out} ({data['wall_s']:.0f} s; load {load_before[0]:.1f} -> {data['loadavg_after'][0]:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
