@@ -204,12 +204,13 @@ def _rows(value: Any, name: str, n: int) -> Any:
     elif isinstance(value, list):
         what, got = "a list", len(value)
     else:
-        what, got = type(value).__name__, None
+        what, got = f"a {type(value).__name__}", None
     rows = "no rows" if got is None else f"{got} rows"
     raise ValueError(
         f"output {name!r} is {what} with {rows}; expected one row per input row ({n} "
-        "rows). A column needs one entry per row: return per-row values, or pass "
-        "method kwargs that keep one output per input (e.g. num_return_sequences=1)"
+        "rows). A column is a tensor, array or list with one entry per row: return "
+        "per-row values, or pass method kwargs that do (num_return_sequences=1 for "
+        "generate; use_cache=False leaves a cache out)"
     )
 
 

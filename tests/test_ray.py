@@ -8,6 +8,7 @@ workers import by name (this directory is on their PYTHONPATH).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -76,6 +77,44 @@ def test_tuple_outputs_are_numbered_and_strings_become_lists() -> None:
     assert out["tag_0"].tolist() == [0.0, 2.0, 4.0] and out["tag_1"] == ["A", "B", "C"]
 
 
+@dataclasses.dataclass
+class _Posterior:
+    mu: torch.Tensor
+    hidden: tuple[torch.Tensor, torch.Tensor]
+    logvar: torch.Tensor | None = None
+    items: list[dict[str, torch.Tensor]] | None = None
+
+
+def test_dataclass_fields_nested_tuples_and_per_row_lists_become_columns() -> None:
+    class Vae(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> _Posterior:
+            h = x.to(torch.bfloat16)
+            return _Posterior(mu=x + 1, hidden=(h, x * 3), items=[{"row": r} for r in x])
+
+    x = torch.randn(5, 3)
+    out = Predictor(Vae, device_ids=["cpu"] * 2)({"x": x.numpy()})
+    assert sorted(out) == ["hidden_0", "hidden_1", "items", "mu"]  # logvar is None: left out
+    np.testing.assert_array_equal(out["mu"], (x + 1).numpy())
+    assert out["hidden_0"].dtype == np.float32  # bfloat16, widened exactly
+    np.testing.assert_array_equal(out["hidden_0"], x.to(torch.bfloat16).float().numpy())
+    assert isinstance(out["items"], list) and len(out["items"]) == 5
+    np.testing.assert_array_equal(out["items"][4]["row"], x[4].numpy())
+
+
+def test_a_model_output_is_one_column_per_field() -> None:
+    pytest.importorskip("transformers")
+    ids = torch.randint(4, 48, (5, 6), generator=torch.Generator().manual_seed(2))
+    out = Predictor(gpt2, columns=["input_ids"], device_ids=["cpu"] * 2, use_cache=False)(
+        {"input_ids": ids.numpy()})
+    with torch.no_grad():
+        want = gpt2()(input_ids=ids, use_cache=False).logits
+    assert list(out) == ["logits"]
+    # fp32, as tests/test_generate.py: the big random weights give logits of tens, whose
+    # last bits differ with the batch size (BLAS blocking); 1e-5 relative to their scale.
+    scale = float(want.abs().max())
+    np.testing.assert_allclose(out["logits"], want.numpy(), rtol=1e-5, atol=1e-5 * max(1.0, scale))
+
+
 def test_a_missing_column_is_named_with_the_columns_that_exist() -> None:
     predict = Predictor(encoder, "encode", columns={"x": "pixel"}, device_ids=["cpu"])
     with pytest.raises(ValueError, match=(
@@ -106,6 +145,21 @@ def test_an_output_without_one_row_per_input_row_is_named() -> None:
     with pytest.raises(ValueError, match=r"output 'forward' is a \(8, 2\) Tensor with 8 rows; "
                                          r"expected one row per input row \(4 rows\)"):
         Predictor(Doubled, device_ids=["cpu"])({"x": np.ones((4, 2))})
+
+
+def test_an_output_that_is_not_a_column_is_named() -> None:
+    class Cache:  # a state for the next step, as a transformers cache
+        pass
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            return {"logits": x, "cache": Cache()}
+
+    with pytest.raises(ValueError, match=(
+        r"output 'cache' is a Cache with no rows; expected one row per input row \(3 rows\)\. "
+        r".*use_cache=False leaves a cache out"
+    )):
+        Predictor(Step, device_ids=["cpu"])({"x": np.ones((3, 4))})
 
 
 def test_arguments_are_checked_when_the_predictor_is_built() -> None:
