@@ -7,27 +7,22 @@ also runs on CPU devices (``device_ids=["cpu"] * 4``) and on repeated GPU ids.
 
 from __future__ import annotations
 
-import warnings
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import accumulate
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from dpmethods._wrapping import _MethodWrapper, check_module
-from dpmethods.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.checkpoints import _load_fitted
-from dpmethods.core.call import _Call, _current, _entered
+from dpmethods.core.call import _current, gather_outputs, run_method, scatter_shares
 from dpmethods.core.devices import DeviceLike, _resolve_devices, _resolve_output, as_device
-from dpmethods.core.gather import gather as _gather
 from dpmethods.core.parallel_apply import WorkerPool
 from dpmethods.core.parallel_apply import parallel_apply as _parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.core.replicate import replicate as _replicate
-from dpmethods.core.scatter import scatter_call
-from dpmethods.gather_modes import named_mode
 from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.process_map import process_map
@@ -131,7 +126,6 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self._init_methods(module, methods)
         check_argument_names(self.module, self._dpm_methods)
         self._replica_cache: CachedReplicas | None = None
-        self._warned_small: set[tuple[int, int]] = set()
         # As torch: CUDA devices as indices; CPU devices (ours only) as torch.device.
         self.device_ids: list[int | torch.device] = [  # type: ignore[assignment]
             d.index if d.type == "cuda" else d for d in self._devices
@@ -233,47 +227,16 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
 
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         fn = getattr(self.module, name)
-        call = self.module if name == "forward" else fn  # forward through __call__, so hooks run
         if not self.device_ids:
-            return call(*args, **kwargs)
+            return (self.module if name == "forward" else fn)(*args, **kwargs)
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:
             check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
-        opts = self._options(name)
-        finish = None
-        if opts.hooks is not None and opts.hooks.prepare is not None:
-            args, kwargs, finish = check_prepared(opts.hooks.prepare(
-                args, kwargs, Call(self.module, name, args, kwargs, (), opts)
-            ), opts.hooks.prepare)
-        with _entered(_Call(self, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
-            # torch's seams, with torch's signatures; the rest of the call is in ctx.
-            inputs, kwargs_tup = self.scatter(args, kwargs, self.device_ids)
-            if not inputs and not kwargs_tup:
-                inputs, kwargs_tup = ((),), ({},)
-            self._warn_small(ctx.sizes, len(inputs))
-            if self.workers == "processes" and (len(self.device_ids) > 1 or self._dpm_factory):
-                outputs = call_chunks(self, name, inputs, kwargs_tup)  # factory=: one device too
-            elif len(self.device_ids) == 1:
-                outputs = [call(*inputs[0], **kwargs_tup[0])]
-            else:
-                replicas = self.replicate(self.module, self.device_ids[: len(inputs)])
-                outputs = self.parallel_apply(replicas, inputs, kwargs_tup)
-            out = self.gather(outputs, self.output_device)
-        return out if finish is None else finish(out)
-
-    def _warn_small(self, sizes: list[int], n: int) -> None:
-        if n >= len(self.device_ids) or sum(sizes) == 0:
-            return
-        small = (sum(sizes), len(self.device_ids))
-        if small not in self._warned_small:
-            self._warned_small.add(small)
-            warnings.warn(
-                f"DataParallel: a batch of {small[0]} items on {small[1]} devices: only "
-                f"{n} replicas run, the other devices stay idle",
-                UserWarning,
-                stacklevel=4,
-            )
+        remote = None
+        if self.workers == "processes" and (len(self.device_ids) > 1 or self._dpm_factory):
+            remote = functools.partial(call_chunks, self, name)  # factory=: one device too
+        return run_method(self, name, fn, args, kwargs, self._options(name), key, remote)
 
     # --- torch's seams, torch's signatures, method-aware through the current call ----
 
@@ -290,19 +253,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         """
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        result = scatter_call(
-            tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast,
-            ctx.fn if ctx is not None else None, split=opts.split, scatter_dim=opts.scatter_dim,
-        )
-        if ctx is not None:
-            ctx.sizes = result.sizes
-        adapt = opts.hooks.per_replica if opts.hooks is not None else None
-        if adapt is not None and ctx is not None and len(result.sizes) > 1:
-            call = Call(self.module, ctx.name, ctx.args, ctx.kwargs, result.sizes, opts)
-            starts = accumulate(result.sizes[:-1], initial=0)
-            pairs = [check_per_replica(adapt(a, k, s, call), adapt) for a, k, s in zip(result[0], result[1], starts)]
-            return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
-        return result[0], result[1]
+        return scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
 
     def _caching(self) -> bool:
         return self.cache_replicas and not torch.is_grad_enabled()
@@ -372,19 +323,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.parallel.gather`."""
         ctx = _current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        weights = ctx.weights(len(outputs)) if ctx is not None else None
-        sizes = ctx.sizes if ctx is not None else None
-        named = named_mode(opts.gather, "gather") if isinstance(opts.gather, str) else None
-        if named is not None:  # a library's mode: it joins the whole output, seeing the call
-            call = None
-            if ctx is not None:
-                call = Call(self.module, ctx.name, ctx.args, ctx.kwargs, list(ctx.sizes), opts)
-            return named(list(outputs), as_device(output_device), call)
-        return _gather(
-            outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
-            weights=weights, gather_dim=opts.gather_dim,
-            sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
-        )
+        return gather_outputs(self.module, ctx, opts, outputs, output_device)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

@@ -1,4 +1,4 @@
-"""The per-call context of a wrapper: what its torch seams need beyond torch's arguments.
+"""One method call through a wrapper: its context, and the flow between the seams.
 
 ``DataParallel`` calls ``self.scatter(inputs, kwargs, device_ids)``,
 ``self.replicate(module, device_ids)``, ``self.parallel_apply(replicas, inputs, kwargs)``
@@ -8,20 +8,32 @@ working. What a method call adds (the method's name and options, the replica-cac
 key, the batch share of each replica) travels in a :class:`_Call` held by a
 ``ContextVar``: each thread sees only its own calls, and a call made from inside
 another (re-entrant) stacks on top of it and is popped when it returns.
+
+:func:`run_method` is the flow of one call (prepare hook, scatter, replicate and apply,
+gather, finish), each stage through the wrapper's seam; :func:`scatter_shares` and
+:func:`gather_outputs` are what the scatter and gather seams do for a method. The public
+:class:`~dpmethods.extending.Call` that hooks and named gather modes see is built once
+the shares are known, once per call (and, with its empty shares, for ``prepare``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
+from dpmethods.call_hooks import Call, check_per_replica, check_prepared
+from dpmethods.core.devices import DeviceLike, as_device
+from dpmethods.core.gather import gather
+from dpmethods.core.scatter import scatter_call
 from dpmethods.gather_modes import named_mode
 from dpmethods.options import MethodOptions
 
-__all__: list[str] = []
+__all__ = ["gather_outputs", "run_method", "scatter_shares"]
 
 
 @dataclass
@@ -36,12 +48,19 @@ class _Call:
     sizes: list[int] = field(default_factory=list)  # batch items per replica, set by scatter
     args: tuple[Any, ...] = ()  # the call's own arguments (hooks and named gather modes read
     kwargs: dict[str, Any] = field(default_factory=dict)  # them: generate's pad/eos ids)
+    public: Call | None = None  # what hooks and named modes see, built once the shares are
 
     def __post_init__(self) -> None:
         # A mode named when the method was decorated may be a library's, registered once
         # the library is imported: resolved now, before any replica runs (unknown: refused).
         if isinstance(self.options.gather, str):
             named_mode(self.options.gather, "gather")
+
+    def seen(self, module: Any) -> Call:
+        """The public :class:`Call`, with the shares as the scatter set them."""
+        if self.public is None or list(self.public.sizes) != self.sizes:
+            self.public = Call(module, self.name, self.args, self.kwargs, list(self.sizes), self.options)
+        return self.public
 
     def weights(self, n: int) -> list[float] | None:
         """Each replica's share of the batch, or None (equal) if unknown."""
@@ -69,3 +88,107 @@ def _current(owner: Any) -> _Call | None:
     """The call in progress in this thread through ``owner``, or None (a direct seam call)."""
     call = _CURRENT.get()
     return call if call is not None and call.owner is owner else None
+
+
+def run_method(
+    wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
+    kwargs: dict[str, Any], opts: MethodOptions, key: Any,
+    remote: Callable[[Sequence[Any], Sequence[Any]], list[Any]] | None,
+) -> Any:
+    """Run method ``name`` of ``wrapper.module`` through the wrapper's torch seams.
+
+    Args:
+        wrapper: the wrapper (``scatter``, ``replicate``, ``parallel_apply``, ``gather``,
+            ``module``, ``device_ids``, ``output_device``).
+        fn: the bound method (``forward`` runs through the module's ``__call__``).
+        key: the replica-cache fingerprint, or None.
+        remote: runs the shares in worker processes instead of replicas, or None.
+    """
+    finish = None
+    if opts.hooks is not None and opts.hooks.prepare is not None:
+        args, kwargs, finish = check_prepared(opts.hooks.prepare(
+            args, kwargs, Call(wrapper.module, name, args, kwargs, (), opts)
+        ), opts.hooks.prepare)
+    with _entered(_Call(wrapper, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
+        # torch's seams, with torch's signatures; the rest of the call is in ctx.
+        inputs, kwargs_tup = wrapper.scatter(args, kwargs, wrapper.device_ids)
+        if not inputs and not kwargs_tup:
+            inputs, kwargs_tup = ((),), ({},)
+        _warn_small(wrapper, ctx.sizes, len(inputs))
+        if remote is not None:
+            outputs = remote(inputs, kwargs_tup)
+        elif len(wrapper.device_ids) == 1:
+            call = wrapper.module if name == "forward" else fn  # forward: hooks run
+            outputs = [call(*inputs[0], **kwargs_tup[0])]
+        else:
+            replicas = wrapper.replicate(wrapper.module, wrapper.device_ids[: len(inputs)])
+            outputs = wrapper.parallel_apply(replicas, inputs, kwargs_tup)
+        out = wrapper.gather(outputs, wrapper.output_device)
+    return out if finish is None else finish(out)
+
+
+def _warn_small(wrapper: Any, sizes: list[int], n: int) -> None:
+    if n >= len(wrapper.device_ids) or sum(sizes) == 0:
+        return
+    small = (sum(sizes), len(wrapper.device_ids))
+    warned: set[tuple[int, int]] = wrapper.__dict__.setdefault("_warned_small", set())
+    if small not in warned:
+        warned.add(small)
+        warnings.warn(
+            f"DataParallel: a batch of {small[0]} items on {small[1]} devices: only "
+            f"{n} replicas run, the other devices stay idle",
+            UserWarning,
+            stacklevel=5,
+        )
+
+
+def scatter_shares(
+    module: Any, ctx: _Call | None, opts: MethodOptions, inputs: tuple[Any, ...],
+    kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike],
+) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    """Each device's share of a call's arguments by the method's options, adapted by its
+    ``per_replica`` hook; records the shares in ``ctx``.
+
+    Example:
+        >>> import torch
+        >>> ins, kws = scatter_shares(None, None, MethodOptions(), (torch.ones(3, 2),), {}, ["cpu"] * 2)
+        >>> [x[0].shape[0] for x in ins]
+        [2, 1]
+    """
+    result = scatter_call(
+        tuple(inputs), dict(kwargs or {}), device_ids, opts.dim, opts.broadcast,
+        ctx.fn if ctx is not None else None, split=opts.split, scatter_dim=opts.scatter_dim,
+    )
+    if ctx is not None:
+        ctx.sizes = result.sizes
+    adapt = opts.hooks.per_replica if opts.hooks is not None else None
+    if adapt is not None and ctx is not None and len(result.sizes) > 1:
+        call = ctx.seen(module)
+        starts = accumulate(result.sizes[:-1], initial=0)
+        pairs = [check_per_replica(adapt(a, k, s, call), adapt) for a, k, s in zip(result[0], result[1], starts)]
+        return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
+    return result[0], result[1]
+
+
+def gather_outputs(
+    module: Any, ctx: _Call | None, opts: MethodOptions, outputs: Sequence[Any],
+    output_device: DeviceLike,
+) -> Any:
+    """The replicas' outputs joined by the method's ``gather`` option (a named mode sees
+    the call).
+
+    Example:
+        >>> import torch
+        >>> gather_outputs(None, None, MethodOptions(), [torch.ones(2), torch.zeros(1)], "cpu")
+        tensor([1., 1., 0.])
+    """
+    named = named_mode(opts.gather, "gather") if isinstance(opts.gather, str) else None
+    if named is not None:  # a library's mode: it joins the whole output, seeing the call
+        call = ctx.seen(module) if ctx is not None else None
+        return named(list(outputs), as_device(output_device), call)
+    sizes = ctx.sizes if ctx is not None else None
+    return gather(
+        outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
+        weights=ctx.weights(len(outputs)) if ctx is not None else None, gather_dim=opts.gather_dim,
+        sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
+    )
