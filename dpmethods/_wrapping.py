@@ -188,3 +188,38 @@ class _MethodWrapper(nn.Module):
         if module is not None:
             names.update(dir(module))
         return sorted(names)
+
+
+def check_argument_names(module: nn.Module, methods: dict[str, MethodOptions]) -> None:
+    """Refuse ``broadcast``/``split`` names that are not arguments of their method.
+
+    Example:
+        >>> check_argument_names(nn.Linear(2, 2), {"forward": MethodOptions(broadcast="input")})
+    """
+    for name, opts in methods.items():
+        if not opts.broadcast and not opts.split:
+            continue
+        params = inspect.signature(getattr(method_owner(module), name)).parameters
+        if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+            continue
+        for option, names in (("broadcast", opts.broadcast), ("split", opts.split)):
+            unknown = [b for b in names if b not in params]
+            if unknown:
+                raise ValueError(
+                    f"{option}: {unknown} are not arguments of "
+                    f"{type(module).__name__}.{name}; its arguments are "
+                    f"{[p for p in params if p != 'self']}"
+                )
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Refuse a wrapper option that must be True or False.
+
+    Example:
+        >>> check_flag("cache_replicas", 1)
+        Traceback (most recent call last):
+        ...
+        TypeError: cache_replicas: expected a bool, got int 1
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")

@@ -14,20 +14,17 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from dpmethods._wrapping import _MethodWrapper, check_module
+from dpmethods._wrapping import _MethodWrapper, check_argument_names, check_flag, check_module
 from dpmethods.checkpoints import _load_fitted
-from dpmethods.core.call import _current, gather_outputs, run_method, scatter_shares
-from dpmethods.core.devices import DeviceLike, _resolve_devices, _resolve_output, as_device
-from dpmethods.core.parallel_apply import WorkerPool
-from dpmethods.core.parallel_apply import parallel_apply as _parallel_apply
+from dpmethods.core import call as _flow
+from dpmethods.core import devices as _placement
+from dpmethods.core.devices import DeviceLike
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
-from dpmethods.core.replicate import replicate as _replicate
 from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.process_map import process_map
 from dpmethods.streaming.process_pool import call_chunks, check_factory, check_workers, close_pool
-from dpmethods.wrapper_checks import check_argument_names, check_source_device
 
 __all__ = ["DataParallel"]
 
@@ -112,17 +109,13 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         torch._C._log_api_usage_once("dpmethods.DataParallel")
         self.module = module
         MethodOptions(dim=dim)  # checks dim
-        if not isinstance(cache_replicas, bool):
-            raise TypeError(
-                f"cache_replicas: expected a bool, got {type(cache_replicas).__name__} "
-                f"{cache_replicas!r}"
-            )
+        check_flag("cache_replicas", cache_replicas)
         self.dim = dim
         self.cache_replicas = cache_replicas
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self.workers = check_workers(workers)
         self.__dict__["_dpm_factory"] = check_factory(factory)
-        self._devices = _resolve_devices(device_ids)
+        self._devices = _placement._resolve_devices(device_ids)
         self._init_methods(module, methods)
         check_argument_names(self.module, self._dpm_methods)
         self._replica_cache: CachedReplicas | None = None
@@ -132,25 +125,21 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         ]
         if not self._devices:
             return
-        out = _resolve_output(output_device, self._devices)
+        out = _placement._resolve_output(output_device, self._devices)
         self.output_device: int | torch.device = out.index if out.type == "cuda" else out  # type: ignore[assignment]
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
             self.module.to(self.src_device_obj)
 
     def _undecorated_warning(self, name: str) -> str | None:
-        if len(self._devices) < 2:
-            return None
-        return (
+        return None if len(self._devices) < 2 else (
             f"DataParallel: {type(self.module).__name__}.{name} is not a parallel method, so it "
             f"runs on {self.src_device_obj} only. Mark it with @dpmethods.parallel_method or "
             f"pass methods=[{name!r}] to run it on every device."
         )
 
     def _submodule_warning(self, name: str) -> str | None:
-        if len(self._devices) < 2:
-            return None
-        return (
+        return None if len(self._devices) < 2 else (
             f"DataParallel: {name} is a submodule of the wrapped {type(self.module).__name__}, "
             f"returned as it is, so calling it runs on {self.src_device_obj} only. Pass "
             f"methods=[{name!r}] to run dp.{name}(...) on every device, or read "
@@ -232,11 +221,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:
-            check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
+            _placement.check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
         remote = None
         if self.workers == "processes" and (len(self.device_ids) > 1 or self._dpm_factory):
             remote = functools.partial(call_chunks, self, name)  # factory=: one device too
-        return run_method(self, name, fn, args, kwargs, self._options(name), key, remote)
+        return _flow.run_method(self, name, fn, args, kwargs, self._options(name), key, remote)
 
     # --- torch's seams, torch's signatures, method-aware through the current call ----
 
@@ -251,29 +240,16 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         Returns ``(inputs, kwargs)``: per replica, a tuple of positional arguments and
         a dict of keyword arguments, as torch's ``DataParallel.scatter``.
         """
-        ctx = _current(self)
+        ctx = _flow._current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        return scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
+        return _flow.scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
 
     def _caching(self) -> bool:
         return self.cache_replicas and not torch.is_grad_enabled()
 
     def replicate(self, module: nn.Module, device_ids: Sequence[DeviceLike]) -> list[nn.Module]:  # type: ignore[override]
         """Replicas of ``module`` on ``device_ids``; cached under no_grad if ``cache_replicas``."""
-        devices = [as_device(d) for d in device_ids]
-        prefix = devices == self._devices[: len(devices)]
-        if not (self._caching() and module is self.module and prefix):
-            return _replicate(
-                module, devices, not torch.is_grad_enabled(), cpu_replicas=self.cpu_replicas
-            )
-        ctx = _current(self)
-        key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
-        cached, loan = CachedReplicas.lend_or_build(
-            self._replica_cache, key, module, self._devices, len(devices),
-            lambda devs: _replicate(module, devs, True, cpu_replicas=self.cpu_replicas),
-        )
-        self._replica_cache = cached
-        return loan
+        return _flow.replicas_for(self, module, device_ids)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -302,28 +278,13 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         As torch: ``kwargs`` may be None, and an input that is not a tuple or list is
         the replica's only argument. With ``cache_replicas`` the worker threads are kept.
         """
-        n = len(replicas)
-        inputs = [x if isinstance(x, (tuple, list)) else (x,) for x in inputs]
-        kwargs = [{}] * n if kwargs is None else kwargs
-        ctx = _current(self)
-        workers = None
-        if self.cache_replicas and len(self._devices) > 1:
-            workers = self.__dict__.get("_workers")
-            if workers is None:
-                workers = self.__dict__["_workers"] = WorkerPool(len(self._devices) - 1)
-        try:
-            return _parallel_apply(
-                replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
-                self._devices[:n], workers,
-            )
-        finally:
-            CachedReplicas.give_back(replicas)
+        return _flow.apply_on(self, replicas, inputs, kwargs)
 
     def gather(self, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.parallel.gather`."""
-        ctx = _current(self)
+        ctx = _flow._current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        return gather_outputs(self.module, ctx, opts, outputs, output_device)
+        return _flow.gather_outputs(self.module, ctx, opts, outputs, output_device)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

@@ -26,14 +26,19 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
+import torch
+
 from dpmethods.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather import gather
+from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
+from dpmethods.core.replica_cache import CachedReplicas
+from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
 from dpmethods.gather_modes import named_mode
 from dpmethods.options import MethodOptions
 
-__all__ = ["gather_outputs", "run_method", "scatter_shares"]
+__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares"]
 
 
 @dataclass
@@ -192,3 +197,43 @@ def gather_outputs(
         weights=ctx.weights(len(outputs)) if ctx is not None else None, gather_dim=opts.gather_dim,
         sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
     )
+
+
+def replicas_for(wrapper: Any, module: Any, device_ids: Sequence[DeviceLike]) -> list[Any]:
+    """What the replicate seam does: fresh replicas, or (``cache_replicas`` under
+    ``no_grad``, of the wrapped module on a prefix of its devices) a loan of cached ones."""
+    devices = [as_device(d) for d in device_ids]
+    grad = torch.is_grad_enabled()
+    own = wrapper._devices
+    if not (wrapper.cache_replicas and not grad and module is wrapper.module and devices == own[: len(devices)]):
+        return replicate(module, devices, not grad, cpu_replicas=wrapper.cpu_replicas)
+    ctx = _current(wrapper)
+    key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
+    cached, loan = CachedReplicas.lend_or_build(
+        wrapper._replica_cache, key, module, own, len(devices),
+        lambda devs: replicate(module, devs, True, cpu_replicas=wrapper.cpu_replicas),
+    )
+    wrapper._replica_cache = cached
+    return loan
+
+
+def apply_on(wrapper: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
+    """What the parallel_apply seam does: the current method on every replica, as
+    torch's seam takes its arguments (``kwargs`` None, bare inputs); with
+    ``cache_replicas`` the worker threads are kept between calls."""
+    n = len(replicas)
+    inputs = [x if isinstance(x, (tuple, list)) else (x,) for x in inputs]
+    kwargs = [{}] * n if kwargs is None else kwargs
+    ctx = _current(wrapper)
+    workers = None
+    if wrapper.cache_replicas and len(wrapper._devices) > 1:
+        workers = wrapper.__dict__.get("_workers")
+        if workers is None:
+            workers = wrapper.__dict__["_workers"] = WorkerPool(len(wrapper._devices) - 1)
+    try:
+        return parallel_apply(
+            replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
+            wrapper._devices[:n], workers,
+        )
+    finally:
+        CachedReplicas.give_back(replicas)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from itertools import chain
+from typing import Any
 
 import torch
 
-__all__ = ["DeviceLike", "as_device"]
+__all__ = ["DeviceLike", "as_device", "check_source_device"]
 
 # A device as the user gives it: an index (CUDA; negative for the CPU), a string or a device.
 DeviceLike = int | str | torch.device
@@ -108,3 +110,20 @@ def _resolve_output(output_device: DeviceLike | None, devices: list[torch.device
     except RuntimeError as exc:
         raise ValueError(f"output_device: expected a device, got {output_device!r} ({exc})") from None
     return _check_device(dev, "output_device", output_device)
+
+
+def check_source_device(module: torch.nn.Module, src: torch.device) -> None:
+    """Refuse a module with a parameter or buffer off ``device_ids[0]``, naming it.
+
+    Example:
+        >>> check_source_device(torch.nn.Linear(2, 2), torch.device("cpu"))
+    """
+    tensors: Any = chain(module.parameters(), module.buffers())
+    for t in tensors:
+        if t.device != src:
+            named = chain(module.named_parameters(), module.named_buffers())
+            where = next(n for n, v in named if v.device != src)
+            raise RuntimeError(
+                f"DataParallel: module must have its parameters and buffers on device "
+                f"{src} (device_ids[0]), but {where!r} is on {t.device}"
+            )

@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.devices import as_device
+from dpmethods.core.devices import as_device, check_source_device
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.streaming.threads import END, Run, pin, produced, shutdown
 from dpmethods.types import tree as _tree
-from dpmethods.wrapper_checks import check_source_device
 
 __all__ = ["map_batches"]
 
