@@ -1,4 +1,5 @@
-"""Tiny real third-party models shared by several test files (random weights, no download)."""
+"""Tiny real third-party models shared by several test files (random weights, no download),
+and the probes the tests put on them."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
+import dpmethods
 
 _WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
 
@@ -41,3 +45,25 @@ def random_sentences(n: int) -> list[str]:
         " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (1 + k % 5,), generator=g))
         for k in range(n)
     ]
+
+
+def batch_sizes_seen(module: nn.Module) -> list[int]:
+    """Batch sizes seen by ``module``'s forward, one per call (replicas share the hooks).
+
+    A forward given a dict of features (sentence-transformers') counts its input_ids.
+    """
+    seen: list[int] = []
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first = args[0] if args else next(iter(kwargs.values()))
+        if not isinstance(first, torch.Tensor):
+            first = first["input_ids"]
+        seen.append(int(first.shape[0]))
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def shares(n: int, devices: int) -> list[int]:
+    """The replicas' shares of ``n`` items on ``devices`` devices, sorted."""
+    return sorted(dpmethods.parallel.chunk_sizes(n, devices))

@@ -15,10 +15,8 @@ from typing import Any
 import pytest
 import torch
 from _close import transformer_terms
-from _tiny_models import random_sentences, tiny_sentence_transformer
-from torch import nn
+from _tiny_models import batch_sizes_seen, random_sentences, shares, tiny_sentence_transformer
 
-import dpmethods
 from dpmethods import DataParallel, parallel_methods
 from dpmethods.integrations import INTEGRATIONS
 from dpmethods.testing import assert_close_to_reference
@@ -29,24 +27,6 @@ SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 def _close(got: Any, want: Any, terms: int) -> None:
     # terms: the sums on the path to one output (see assert_close_to_reference).
     assert_close_to_reference(got, want, terms=terms)
-
-
-def _counting(module: nn.Module) -> list[int]:
-    """Batch sizes seen by ``module``'s forward, one per call (replicas share the hooks)."""
-    seen: list[int] = []
-
-    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        first = args[0] if args else next(iter(kwargs.values()))
-        if not isinstance(first, torch.Tensor):  # sentence-transformers' features dict
-            first = first["input_ids"]
-        seen.append(int(first.shape[0]))
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
-    return seen
-
-
-def _shares(n: int, devices: int) -> list[int]:
-    return sorted(dpmethods.chunk_sizes(n, devices))
 
 
 # --- sentence-transformers -------------------------------------------------------
@@ -64,11 +44,11 @@ def test_sentence_transformers_encode_without_configuration(
     first = list(inspect.signature(type(sentence_model).encode).parameters)[1]
     assert parallel_methods(type(sentence_model))["encode"].split == (first,)
     sentences = random_sentences(n)
-    seen = _counting(sentence_model[0])
+    seen = batch_sizes_seen(sentence_model[0])
     want = sentence_model.encode(sentences)
     seen.clear()
     got = DataParallel(sentence_model, device_ids=["cpu"] * devices).encode(sentences)
-    assert sorted(seen) == _shares(n, devices)
+    assert sorted(seen) == shares(n, devices)
     assert isinstance(got, np.ndarray) and got.shape == want.shape
     _close(got, want, transformer_terms(width=32, ff=37, seq=7, layers=2) + 7)  # tiny BERT, mean pooling
 
@@ -88,13 +68,13 @@ def test_diffusers_autoencoder_encode_decode_without_configuration(n: int, devic
         layers_per_block=1, sample_size=16,
     ).eval()
     x = torch.randn(n, 3, 16, 16)
-    seen = _counting(vae.encoder)
+    seen = batch_sizes_seen(vae.encoder)
     dp = DataParallel(vae, device_ids=["cpu"] * devices)
     with torch.no_grad():
         want = vae.encode(x).latent_dist
         seen.clear()
         got = dp.encode(x).latent_dist
-        assert sorted(seen) == _shares(n, devices)
+        assert sorted(seen) == shares(n, devices)
         # About 15 3x3 convs of up to 16 channels, 6 GroupNorms over 2 x 16 x 16 values.
         terms = 15 * 144 + 6 * 512
         _close(got.mode(), want.mode(), terms)
@@ -112,13 +92,13 @@ def test_timm_forward_features_and_head_without_configuration(n: int, devices: i
     ).eval()
     assert set(parallel_methods(type(model))) >= {"forward_features", "forward_head"}
     x = torch.randn(n, 3, 32, 32)
-    seen = _counting(model.patch_embed)
+    seen = batch_sizes_seen(model.patch_embed)
     dp = DataParallel(model, device_ids=["cpu"] * devices)
     with torch.no_grad():
         want = model.forward_features(x)
         seen.clear()
         got = dp.forward_features(x)
-        assert sorted(seen) == _shares(n, devices)
+        assert sorted(seen) == shares(n, devices)
         # The 3x8x8 patch embedding, 2 blocks of width 192 over 17 tokens; the head: 192.
         _close(got, want, 192 + transformer_terms(width=192, ff=768, seq=17, layers=2))
         _close(dp.forward_head(want), model.forward_head(want), 192 + 1)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _close import transformer_terms
+from _tiny_models import batch_sizes_seen, shares
 from torch import nn
 
 import dpmethods
@@ -39,22 +40,6 @@ GRAD_TERMS = 2 * TERMS + 8 * 16
 
 def _close(got: Any, want: Any, terms: int = TERMS) -> None:
     assert_close_to_reference(got, want, terms=terms)
-
-
-def _counting(module: nn.Module) -> list[int]:
-    """Batch sizes seen by ``module``'s forward, one per call (replicas share the hooks)."""
-    seen: list[int] = []
-
-    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        first = args[0] if args else next(iter(kwargs.values()))
-        seen.append(int(first.shape[0]))
-
-    module.register_forward_pre_hook(hook, with_kwargs=True)
-    return seen
-
-
-def _shares(n: int, devices: int) -> list[int]:
-    return sorted(dpmethods.chunk_sizes(n, devices))
 
 
 # --- which methods are parallel ----------------------------------------------------------
@@ -85,13 +70,13 @@ def test_clip_get_features_without_configuration(n: int, devices: int) -> None:
     model = _clip()
     ids = torch.randint(3, 99, (n, 7))
     pixels = torch.randn(n, 3, 16, 16)
-    seen = _counting(model.vision_model)
+    seen = batch_sizes_seen(model.vision_model)
     dp = DataParallel(model, device_ids=["cpu"] * devices)
     with torch.no_grad():
         want_t, want_i = model.get_text_features(input_ids=ids), model.get_image_features(pixels)
         seen.clear()
         got_t, got_i = dp.get_text_features(input_ids=ids), dp.get_image_features(pixels)
-    assert sorted(seen) == _shares(n, devices)  # every replica ran its share
+    assert sorted(seen) == shares(n, devices)  # every replica ran its share
     for got, want in ((got_t, want_t), (got_i, want_i)):
         if not isinstance(want, torch.Tensor):  # transformers 5 returns a ModelOutput
             got, want = got.pooler_output, want.pooler_output
