@@ -19,6 +19,7 @@ from dpmethods.checkpoints import _load_fitted
 from dpmethods.core import call as _flow
 from dpmethods.core import devices as _placement
 from dpmethods.core.devices import DeviceLike
+from dpmethods.core.oom import check_on_oom
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.registry import MethodOptions, MethodsArg
@@ -62,19 +63,16 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             ``map(workers=)`` overrides it per map. See docs/map.md; ``close()`` stops them.
         factory: with processes, a picklable zero-argument callable that builds the
             module in each worker, instead of sending it (changes to it are then not seen).
+        on_oom: ``"raise"`` (default) or ``"split"``: a replica whose share raises
+            ``torch.OutOfMemoryError`` runs it in halves, cut and joined by the method's
+            own rules (threads only; see docs/map.md).
 
     Tensors are split along the method's ``dim``; other arguments go whole to every
-    replica, and an iterator or generator argument is read once, lazily, with every
-    replica getting its own iterator over all of its items. Without GPUs, CUDA
-    ``device_ids`` are ignored (with one warning) and the wrapper is a plain call, as
-    in torch; ``dim`` may be changed after construction, as in torch.
-
-    Every call goes through ``scatter(inputs, kwargs, device_ids)``,
-    ``replicate(module, device_ids)``, ``parallel_apply(replicas, inputs, kwargs)`` and
-    ``gather(outputs, output_device)`` with torch's signatures, so a subclass may
-    override any of them as for ``torch.nn.DataParallel`` and call ``super()``; which
-    method runs, and with what options, is carried by the call itself (a context
-    variable), so concurrent and nested calls keep theirs.
+    replica (an iterator is read once, each replica getting its own). Without GPUs,
+    CUDA ``device_ids`` are ignored (with one warning) and the wrapper is a plain call,
+    as in torch. Every call goes through ``scatter``, ``replicate``, ``parallel_apply``
+    and ``gather`` with torch's signatures, so a subclass may override them as for
+    ``torch.nn.DataParallel``; the method and its options travel with the call.
 
     Example:
         >>> import torch, dpmethods
@@ -102,6 +100,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         cpu_replicas: str | None = None,
         workers: str = "threads",
         factory: Callable[[], nn.Module] | None = None,
+        on_oom: str = "raise",
     ) -> None:
         # torch's __init__ turns into a passthrough without GPUs, so it can't take CPU devices.
         check_module(module)
@@ -114,6 +113,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.cache_replicas = cache_replicas
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self.workers = check_workers(workers)
+        self.on_oom = check_on_oom(on_oom, self.workers)
         self.__dict__["_dpm_factory"] = check_factory(factory)
         self._devices = _placement._resolve_devices(device_ids)
         self._init_methods(module, methods)

@@ -31,6 +31,7 @@ import torch
 from dpmethods.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather import gather
+from dpmethods.core.oom import Fit, run_splitting
 from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
@@ -38,7 +39,7 @@ from dpmethods.core.scatter import scatter_call
 from dpmethods.gather_modes import named_mode
 from dpmethods.options import MethodOptions
 
-__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares"]
+__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares", "share_runner"]
 
 
 @dataclass
@@ -124,7 +125,8 @@ def run_method(
             outputs = remote(inputs, kwargs_tup)
         elif len(wrapper.device_ids) == 1:
             call = wrapper.module if name == "forward" else fn  # forward: hooks run
-            outputs = [call(*inputs[0], **kwargs_tup[0])]
+            run = share_runner(wrapper, ctx)
+            outputs = [call(*inputs[0], **kwargs_tup[0]) if run is None else run(0, call, inputs[0], kwargs_tup[0])]
         else:
             replicas = wrapper.replicate(wrapper.module, wrapper.device_ids[: len(inputs)])
             outputs = wrapper.parallel_apply(replicas, inputs, kwargs_tup)
@@ -233,7 +235,36 @@ def apply_on(wrapper: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwarg
     try:
         return parallel_apply(
             replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
-            wrapper._devices[:n], workers,
+            wrapper._devices[:n], workers, call_share=share_runner(wrapper, ctx),
         )
     finally:
         CachedReplicas.give_back(replicas)
+
+
+def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[..., Any], Any, Any], Any] | None:
+    """With ``on_oom="split"``, how replica ``i`` runs its share: halved by the method's
+    scatter rules when it runs out of memory, the halves joined by its gather rule
+    (see :mod:`dpmethods.core.oom`); None otherwise."""
+    if ctx is None or getattr(wrapper, "on_oom", "raise") != "split":
+        return None
+    opts, fits = ctx.options, wrapper.__dict__.setdefault("_oom_fits", {})
+    shares = list(ctx.sizes)
+
+    def run_share(i: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+        device = wrapper._devices[i]
+
+        def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+            cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, ctx.fn,
+                               split=opts.split, scatter_dim=opts.scatter_dim)
+            return list(zip(cut[0], cut[1])), cut.sizes
+
+        def join(outs: list[Any], sizes: list[int], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+            part = _Call(None, ctx.name, opts, ctx.fn, args=a, kwargs=k, sizes=sizes)
+            return gather_outputs(wrapper.module, part, opts, outs, device)
+
+        n = shares[i] if i < len(shares) else 1
+        fit = fits.setdefault(i, Fit())
+        return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), n,
+                             halve=halve, join=join, fit=fit, device=device)
+
+    return run_share

@@ -302,6 +302,19 @@ def _annotate(exc: BaseException, index: int, device: torch.device) -> BaseExcep
     return add_note(exc, f"{prefix}{index} on device {device}", replace=prefix)
 
 
+def _ordered_streams(
+    devices: Sequence[torch.device], inputs: Sequence[Any], kwargs: Sequence[Any],
+) -> tuple[list[Any], list[Any]]:
+    """Each replica's side stream, ordered after the caller's current stream (None on CPU)."""
+    streams = _streams(devices)
+    callers = [torch.cuda.current_stream(d) if s is not None else None for d, s in zip(devices, streams)]
+    for i, (s, c) in enumerate(zip(streams, callers)):
+        if s is not None and c is not None and s != c:
+            s.wait_stream(c)
+            record_streams((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
+    return streams, callers
+
+
 def parallel_apply(
     replicas: Sequence[nn.Module],
     method: str,
@@ -309,6 +322,8 @@ def parallel_apply(
     kwargs: Sequence[dict[str, Any]],
     devices: Sequence[torch.device],
     workers: WorkerPool | None = None,
+    *,
+    call_share: Callable[[int, Callable[..., Any], Any, Any], Any] | None = None,
 ) -> list[Any]:
     """Call ``getattr(replica, method)(*inputs[i], **kwargs[i])`` on every replica in parallel.
 
@@ -319,6 +334,8 @@ def parallel_apply(
         kwargs: keyword arguments per replica.
         devices: the device of each replica.
         workers: threads to reuse; by default threads are started for this call.
+        call_share: ``call_share(i, fn, inputs[i], kwargs[i])`` runs replica ``i``'s
+            method ``fn`` instead (out-of-memory splitting).
 
     Example:
         >>> import torch
@@ -332,12 +349,7 @@ def parallel_apply(
             f"parallel_apply: expected as many inputs, kwargs and devices as replicas ({n}), "
             f"got {len(inputs)} inputs, {len(kwargs)} kwargs and {len(devices)} devices"
         )
-    streams = _streams(devices)
-    callers = [torch.cuda.current_stream(d) if s is not None else None for d, s in zip(devices, streams)]
-    for i, (s, c) in enumerate(zip(streams, callers)):
-        if s is not None and c is not None and s != c:
-            s.wait_stream(c)
-            record_streams((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
+    streams, callers = _ordered_streams(devices, inputs, kwargs)
     state = _ThreadState.capture()
     if n > 1:
         seed_cuda(devices, draw_seed() if cuda_distinct(devices) else None)
@@ -350,7 +362,7 @@ def parallel_apply(
                     split_call(n > 1):
                 replica = replicas[i]
                 fn = replica if method == "forward" else getattr(replica, method)
-                results[i] = fn(*inputs[i], **kwargs[i])
+                results[i] = fn(*inputs[i], **kwargs[i]) if call_share is None else call_share(i, fn, inputs[i], kwargs[i])
         except BaseException as exc:
             errors[i] = exc
 
