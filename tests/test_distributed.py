@@ -452,6 +452,34 @@ def test_two_ranks_match_single_process(features: list[dict[str, Any]]) -> None:
         assert r["forward_restored"]
 
 
+# Each run of the two-rank suite that must equal one process training on the whole
+# batch: the key its results are saved under, and how the reference trains.
+_MATCHING = [
+    pytest.param("static", lambda: _reference("training_step"), id="static_graph"),
+    pytest.param("route_torch_ddp", lambda: _reference("training_step"), id="route_through_torch_ddp"),
+    pytest.param("unused", lambda: _reference("partial_step"), id="find_unused_parameters"),
+    pytest.param("join", lambda: _join_reference(2), id="join_with_uneven_inputs"),
+]
+
+
+@pytest.mark.distributed
+@needs_gloo
+@pytest.mark.parametrize(("key", "reference"), _MATCHING)
+def test_two_rank_runs_match_single_process(
+    features: list[dict[str, Any]], key: str, reference: Callable[[], dict[str, torch.Tensor]],
+) -> None:
+    ref = reference()
+    for r in features:
+        _assert_same(r[key], ref)
+
+
+@pytest.mark.distributed
+@needs_gloo
+def test_an_unused_parameter_is_never_updated(features: list[dict[str, Any]]) -> None:
+    for r in features:
+        close(r["unused"]["aux.weight"], _params(_make_net())["aux.weight"], terms=0)
+
+
 @pytest.mark.distributed
 @needs_gloo
 def test_module_method_bypasses_ddp_and_ranks_diverge(features: list[dict[str, Any]]) -> None:
@@ -467,23 +495,6 @@ def test_no_sync_accumulates_then_all_reduces(features: list[dict[str, Any]]) ->
     ref = _reference("training_step")
     for r in features:
         _assert_same(r["no_sync"], ref)
-
-
-@pytest.mark.distributed
-@needs_gloo
-def test_find_unused_parameters(features: list[dict[str, Any]]) -> None:
-    ref = _reference("partial_step")
-    for r in features:
-        _assert_same(r["unused"], ref)
-        close(r["unused"]["aux.weight"], _params(_make_net())["aux.weight"], terms=0)  # never updated
-
-
-@pytest.mark.distributed
-@needs_gloo
-def test_static_graph(features: list[dict[str, Any]]) -> None:
-    ref = _reference("training_step")
-    for r in features:
-        _assert_same(r["static"], ref)
 
 
 @pytest.mark.distributed
@@ -504,22 +515,6 @@ def _join_reference(world: int) -> dict[str, torch.Tensor]:
         (torch.stack(losses).sum() / world).backward()
         opt.step()
     return _params(net)
-
-
-@pytest.mark.distributed
-@needs_gloo
-def test_join_with_uneven_inputs(features: list[dict[str, Any]]) -> None:
-    ref = _join_reference(2)
-    for r in features:
-        _assert_same(r["join"], ref)
-
-
-@pytest.mark.distributed
-@needs_gloo
-def test_route_through_torch_ddp(features: list[dict[str, Any]]) -> None:
-    ref = _reference("training_step")
-    for r in features:
-        _assert_same(r["route_torch_ddp"], ref)
 
 
 @pytest.mark.distributed
