@@ -24,8 +24,8 @@ from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
-from dpmethods.streaming.process_map import process_map
-from dpmethods.streaming.process_pool import call_chunks, check_factory, check_workers, close_pool
+from dpmethods.streaming.process_map import call_chunks
+from dpmethods.streaming.process_pool import ProcessPool, check_factory, check_workers
 
 __all__ = ["DataParallel"]
 
@@ -114,8 +114,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self.workers = check_workers(workers)
         self.on_oom = check_on_oom(on_oom, self.workers)
-        self.__dict__["_dpm_factory"] = check_factory(factory)
         self._devices = _placement._resolve_devices(device_ids)
+        self.__dict__["_process_pool"] = ProcessPool(self._devices, check_factory(factory))
         self._init_methods(module, methods)
         check_argument_names(self.module, self._dpm_methods)
         self._replica_cache: CachedReplicas | None = None
@@ -194,13 +194,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             >>> len(outs), outs[0].shape
             (5, torch.Size([3, 2]))
         """
-        if check_workers(self.workers if workers is None else workers) == "processes" and self._devices:
-            return process_map(
-                self, method, batches, kwargs,
-                ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
-            )
+        processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
-            self, method, batches, kwargs,
+            self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
+            devices=self._devices, output_device=getattr(self, "output_device", None),
+            replicate=self.replicate, pool=self._process_pool if processes and self._devices else None,
             ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
         )
 
@@ -223,8 +221,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         if key is None or cached is None or cached.key != key:
             _placement.check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
         remote = None
-        if self.workers == "processes" and (len(self.device_ids) > 1 or self._dpm_factory):
-            remote = functools.partial(call_chunks, self, name)  # factory=: one device too
+        if self.workers == "processes" and (len(self.device_ids) > 1 or self._process_pool.factory):
+            remote = functools.partial(call_chunks, self._process_pool, self.module, name)
         return _flow.run_method(self, name, fn, args, kwargs, self._options(name), key, remote)
 
     # --- torch's seams, torch's signatures, method-aware through the current call ----
@@ -254,8 +252,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_replica_cache"] = None  # rebuilt on demand; threads can't be copied
-        state.pop("_workers", None)
-        state.pop("_process_pool", None)  # processes can't be copied either
+        state.pop("_workers", None)  # a copy's ProcessPool is a fresh one, not started
         return state
 
     def close(self) -> None:
@@ -268,7 +265,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             >>> dp = dpmethods.DataParallel(torch.nn.Linear(2, 2), ["cpu"] * 2, workers="processes")
             >>> dp.close()
         """
-        close_pool(self)
+        if "_process_pool" in self.__dict__:  # a wrapper pickled by an earlier release has none
+            self._process_pool.close()
 
     def parallel_apply(  # type: ignore[override]
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any = None

@@ -51,6 +51,10 @@ class Net(nn.Module):
             raise TimeoutError("wait_for: the other batches never came back")
         return self.lin(x)
 
+    @dpmethods.parallel_method
+    def noisy(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand(len(x), 3, device=x.device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.lin(x))
 
@@ -287,7 +291,7 @@ def test_progress_bar_output(net: Net, capsys: pytest.CaptureFixture[str]) -> No
 def test_invalid_arguments(net: Net) -> None:
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
     with pytest.raises(ValueError, match=r"method: expected 'forward' or the name of a parallel "
-                       r"method of Net \['encode', 'wait_for'\], got str 'decode'"):
+                       r"method of Net \['encode', 'noisy', 'wait_for'\], got str 'decode'"):
         dp.map("decode", [])
     with pytest.raises(ValueError, match=r"prefetch: expected an int >= 1 .*got int 0"):
         dp.map("encode", [], prefetch=0)
@@ -511,3 +515,34 @@ def test_a_finished_map_iterator_gives_the_cached_replicas_back(net: Net, end: s
         dp.encode(x)  # a call meanwhile reuses the cache instead of building replicas
         assert dp._replica_cache is cache and not cache.lent()
         del it
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+def test_sampling_on_distinct_gpus_is_seeded_from_the_caller() -> None:
+    # Each GPU has its own generator: a call seeds replica i, a map batch i, from one draw
+    # of the caller's generator (docs/generate.md#sampling-and-seeds).
+    net = Net().cuda().eval()
+    dp = dpmethods.DataParallel(net, device_ids=[0, 1])
+    x = torch.randn(6, 4, device="cuda:0")
+    batches = [x[:2], x[2:5], x[5:], x]
+
+    def run(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            return [dp.noisy(x), *dp.map("noisy", batches)]
+
+    first, again, other = run(0), run(0), run(1)
+    for a, b in zip(first, again, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not any(torch.equal(a, b) for a, b in zip(first, other))
+    # A batch's samples do not depend on which GPU ran it: a one-GPU map gives the same.
+    one = dpmethods.DataParallel(net, device_ids=[0])
+    torch.manual_seed(1)
+    with torch.no_grad():
+        dp.noisy(x)  # the same draws as run(1) before its map
+        alone = list(one.map("noisy", batches))
+    for a, b in zip(alone, other[1:], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

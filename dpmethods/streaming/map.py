@@ -1,42 +1,41 @@
 """Streaming inference over many batches: the machinery behind ``DataParallel.map``.
 
-Each batch runs whole on one replica, taken by whichever replica is free: one worker
-thread per replica pulls from a shared queue, so a replica that finished a short
-batch starts the next one instead of waiting for the others (dynamic load
-balancing). The caller's thread pulls batches from the iterable as the iterator is
-consumed, never more than ``prefetch`` per replica ahead of the finished ones, so
-an endless iterable uses bounded memory. On CUDA, the caller pins each batch and a
-worker copies its next batches to its device on a copy stream of its own while it
-computes on another (``prefetch`` batches held per replica). Outputs are moved to
-``output_device`` by the worker; in order, they pass through a reorder buffer that
-is bounded too.
+Each batch runs whole on one replica, taken by whichever replica is free, so a replica
+that finished a short batch starts the next one instead of waiting for the others
+(dynamic load balancing). One iterator does the ordering, the prefetch bound, the
+progress bar, sharding and closing, over one of two backends that differ only in
+"submit a batch" and "take the next finished one": worker threads over a shared queue
+(:class:`~dpmethods.streaming.threads.Run`) or worker processes
+(:class:`~dpmethods.streaming.process_pool.ProcessRun`). The caller's thread pulls
+batches from the iterable as the iterator is consumed, never more than ``prefetch``
+per replica ahead of the finished ones, so an endless iterable uses bounded memory; in
+order, outputs pass through a reorder buffer that is bounded too.
 
-Closing the iterator (``close()``, ``break``, garbage collection, an exception)
-stops the workers: pending batches are dropped, each worker finishes at most the
-batch it is running, and every thread is joined before ``close()`` returns.
+Closing the iterator (``close()``, ``break``, garbage collection, an exception) stops
+the backend: pending batches are dropped, and each worker finishes at most the batch it
+is running (threads are joined; a process's output is dropped when it arrives).
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from dpmethods.core.devices import as_device, check_source_device
-from dpmethods.core.parallel_apply import add_note
-from dpmethods.streaming.threads import END, Run, pin, produced, shutdown
+from dpmethods.streaming.process_map import ProcessRun
+from dpmethods.streaming.process_pool import ProcessPool
+from dpmethods.streaming.threads import Run
 from dpmethods.types import tree as _tree
 
 __all__ = ["map_batches"]
 
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
-_POLL_S = 0.5  # how often a waiting caller checks that the workers are still alive
 
 
 def _as_call(batch: Any, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -71,37 +70,32 @@ def _items(args: tuple[Any, ...], kwargs: dict[str, Any], dim: int) -> int:
     return 1
 
 
-def _annotate(exc: BaseException, index: int | None, replica: int, device: Any) -> BaseException:
-    where = "while starting" if index is None else f"in batch {index}"
-    return add_note(exc, f"dpmethods: DataParallel.map: raised {where} on replica {replica} (device {device})")
+class _MapIterator(Iterator[Any]):
+    """The iterator ``DataParallel.map`` returns; also a context manager that closes it.
 
-
-def _stop_iteration_error(exc: StopIteration, index: int | None) -> RuntimeError:
-    where = "while starting" if index is None else f"in batch {index}"
-    err = RuntimeError(
-        f"DataParallel.map: the method raised StopIteration {where}; it is re-raised as a "
-        "RuntimeError so it is not taken for the end of the map"
-    )
-    err.__cause__ = exc
-    return err
-
-
-class MapIteratorBase(Iterator[Any]):
-    """What the thread map's and the process map's iterators share: closing.
-
-    A subclass sets ``_closed``, ``_finalizer`` (stops its workers) and ``_buffer`` in its
-    ``__init__`` and defines ``_next()``. Any exception out of ``_next`` (the end, a failed
-    batch, KeyboardInterrupt...) closes the map before it propagates.
+    Any exception out of ``__next__`` (the end, a failed batch, KeyboardInterrupt...)
+    closes the map before it propagates.
     """
 
-    _closed: bool
-    _finalizer: Any
-    _buffer: dict[int, Any]
+    def __init__(
+        self, run: Any, source: Iterator[tuple[int, Any]], kwargs: dict[str, Any], *,
+        ordered: bool, prefetch: int, dim: int, progress: Any,
+    ) -> None:
+        self._run, self._source, self._kwargs = run, source, kwargs
+        self._ordered, self._dim, self._progress = ordered, dim, progress
+        self._max_inflight = prefetch * run.width
+        self._window = _REORDER * self._max_inflight
+        self._seq = self._yielded = self._inflight = self._items = 0
+        self._exhausted = self._closed = self._started = False
+        self._buffer: dict[int, Any] = {}
+        self._sizes: dict[int, int] = {}
+        self._t0 = 0.0
+        self._finalizer = weakref.finalize(self, run.stop)  # never refers to the iterator
 
-    def __iter__(self) -> MapIteratorBase:
+    def __iter__(self) -> _MapIterator:
         return self
 
-    def __enter__(self) -> MapIteratorBase:
+    def __enter__(self) -> _MapIterator:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -122,42 +116,18 @@ class MapIteratorBase(Iterator[Any]):
             self.close()
             raise
 
-    def _next(self) -> Any:
-        raise NotImplementedError
-
-
-class _MapIterator(MapIteratorBase):
-    """The iterator ``DataParallel.map`` returns; also a context manager that closes it."""
-
-    def __init__(
-        self,
-        run: Run,
-        source: Iterator[tuple[int, Any]],
-        kwargs: dict[str, Any],
-        *,
-        ordered: bool,
-        prefetch: int,
-        dim: int,
-        progress: Any,
-    ) -> None:
-        self._run, self._source, self._kwargs = run, source, kwargs
-        self._ordered, self._dim, self._progress = ordered, dim, progress
-        self._max_inflight = prefetch * len(run.replicas)
-        self._window = _REORDER * self._max_inflight
-        self._seq = self._yielded = self._inflight = self._items = 0
-        self._exhausted = self._closed = False
-        self._buffer: dict[int, Any] = {}
-        self._sizes: dict[int, int] = {}
-        self._t0 = 0.0
-        self._finalizer = weakref.finalize(self, shutdown, run)
+    def _start(self) -> None:
+        self._started = True
+        startup = self._run.start()
+        if self._progress is not None:  # after the start-up: a failed one leaves no bar
+            self._run.bar = self._progress()
+            if startup:  # reported once, by the map that paid it
+                self._run.bar.set_postfix_str(f"workers started in {startup:.1f} s", refresh=True)
+        self._t0 = time.perf_counter()
 
     def _next(self) -> Any:
-        run = self._run
-        if not run.threads:
-            if self._progress is not None:
-                run.bar = self._progress()
-            self._t0 = time.perf_counter()
-            run.start()
+        if not self._started:
+            self._start()
         while True:
             if self._ordered and self._yielded in self._buffer:
                 self._yielded += 1
@@ -165,17 +135,8 @@ class _MapIterator(MapIteratorBase):
             self._fill()
             if self._inflight == 0:
                 raise StopIteration
-            seq, index, out, exc, r = self._receive()
+            seq, index, out = self._run.take()
             self._inflight -= 1
-            if exc is not None:
-                if isinstance(exc, StopIteration):
-                    # Raised out of __next__ it would end the map, silently short (PEP 479
-                    # turns it into a RuntimeError in generators for the same reason).
-                    exc = _stop_iteration_error(exc, index)
-                try:
-                    raise _annotate(exc, index, r, run.devices[r])
-                finally:
-                    exc = None  # the traceback holds this frame: don't hold the exception too
             self._tick(seq)
             if not self._ordered:
                 self._yielded += 1
@@ -184,7 +145,6 @@ class _MapIterator(MapIteratorBase):
 
     def _fill(self) -> None:
         """Pull batches while the in-flight and reorder bounds allow."""
-        run = self._run
         while (
             not self._exhausted
             and self._inflight < self._max_inflight
@@ -194,31 +154,14 @@ class _MapIterator(MapIteratorBase):
                 index, batch = next(self._source)
             except StopIteration:
                 self._exhausted = True
-                for _ in run.threads:
-                    run.work.put(END)
+                self._run.end()
                 return
             args, kwargs = _as_call(batch, self._kwargs)
-            if run.bar is not None:
+            if self._run.bar is not None:
                 self._sizes[self._seq] = _items(args, kwargs, self._dim)
-            events: list[Any] = []
-            if run.cuda:  # pinned, for asynchronous uploads; ordered after their making
-                args, kwargs = pin((args, kwargs))
-                events = produced((args, kwargs))
-            run.work.put((self._seq, index, args, kwargs, events))
+            self._run.submit(self._seq, index, args, kwargs)
             self._seq += 1
             self._inflight += 1
-
-    def _receive(self) -> Any:
-        run = self._run
-        while True:
-            try:
-                return run.results.get(timeout=_POLL_S)
-            except queue.Empty:
-                if not any(t.is_alive() for t in run.threads):
-                    raise RuntimeError(
-                        f"DataParallel.map: every worker thread has stopped with "
-                        f"{self._inflight} batches still pending"
-                    ) from None
 
     def _tick(self, seq: int) -> None:
         bar = self._run.bar
@@ -271,39 +214,49 @@ def _check_options(ordered: Any, progress: Any, prefetch: Any, shard: Any) -> No
 
 
 def map_batches(
-    wrapper: Any,
+    module: nn.Module,
     method: str,
     batches: Iterable[Any],
     kwargs: Mapping[str, Any] | None = None,
     *,
+    methods: Iterable[str] = (),
+    options: Callable[[str], Any] | None = None,
+    devices: Sequence[torch.device] = (),
+    output_device: Any = None,
+    replicate: Callable[[nn.Module, list[torch.device]], list[nn.Module]] | None = None,
+    pool: ProcessPool | None = None,
     ordered: bool = True,
     progress: bool | str = False,
     prefetch: int = 2,
     shard: bool = False,
 ) -> Iterator[Any]:
-    """Run ``method`` of a :class:`dpmethods.DataParallel` over ``batches``; see ``DataParallel.map``.
+    """Run ``method`` of ``module`` over ``batches``; see ``DataParallel.map``.
 
     Args:
-        wrapper: the DataParallel whose replicas run the batches.
+        module: the module whose replicas (or worker processes) run the batches.
         method: a parallel method's name, or ``"forward"``.
         batches: any iterable; a Mapping batch is passed as keyword arguments, a tuple
             as positional arguments, anything else as the one positional argument.
         kwargs: keyword arguments passed to every call.
+        methods: the names of the parallel methods (``method`` must be one, or ``"forward"``).
+        options: ``options(method)`` gives the method's options (its ``dim``).
+        devices: one replica per device; none: the module runs itself in one thread.
+        output_device: where outputs go (default: the first device).
+        replicate: ``replicate(module, devices)`` builds the replicas (threads).
+        pool: worker processes to run the batches in, instead of threads.
         ordered: yield outputs in input order; else ``(index, output)`` as they finish.
         progress: show a tqdm bar; a str is its description.
         prefetch: batches in flight per replica.
         shard: under torch.distributed, take batch i on rank ``i % world_size`` only.
 
     Example:
-        >>> import torch, dpmethods
-        >>> dp = dpmethods.DataParallel(torch.nn.Linear(4, 2), device_ids=["cpu", "cpu"])
-        >>> outs = map_batches(dp, "forward", [torch.ones(3, 4), torch.ones(1, 4)])
+        >>> import torch
+        >>> outs = map_batches(torch.nn.Linear(4, 2), "forward", [torch.ones(3, 4), torch.ones(1, 4)])
         >>> [tuple(o.shape) for o in outs]
         [(3, 2), (1, 2)]
     """
     _check_options(ordered, progress, prefetch, shard)
-    module: nn.Module = wrapper.module
-    methods: dict[str, Any] = wrapper._dpm_methods
+    methods = list(methods)
     if not isinstance(method, str) or (method != "forward" and method not in methods):
         hint = ""
         if callable(getattr(type(module), "map", None)):
@@ -321,22 +274,19 @@ def map_batches(
         total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset
         total = None
-    opts = wrapper._options(method)
-    devices: list[torch.device] = list(wrapper._devices)
+    devices = list(devices)
     # As a call: outputs on output_device; without devices (no GPU) a plain call.
-    output_device = as_device(wrapper.output_device) if devices else None
-    replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
-    if len(devices) > 1:
-        check_source_device(module, devices[0])
-        # Built once for the whole map; under no_grad from the replica cache.
-        replicas = wrapper.replicate(module, devices)
-    run = Run(replicas, [*devices] or [None], method, output_device, prefetch)
-    return _MapIterator(
-        run,
-        source,
-        dict(kwargs or {}),
-        ordered=ordered,
-        prefetch=prefetch,
-        dim=opts.dim,
-        progress=_progress_factory(progress, total),
-    )
+    out_dev = as_device(output_device if output_device is not None else devices[0]) if devices else None
+    run: Any
+    if pool is not None:
+        run = ProcessRun(pool, module, method, out_dev)
+    else:
+        replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
+        if len(devices) > 1:
+            check_source_device(module, devices[0])
+            # Built once for the whole map; under no_grad from the replica cache.
+            replicas = replicate(module, devices) if replicate is not None else replicas
+        run = Run(replicas, [*devices] or [None], method, out_dev, prefetch)
+    dim = options(method).dim if options is not None else 0
+    return _MapIterator(run, source, dict(kwargs or {}), ordered=ordered, prefetch=prefetch,
+                        dim=dim, progress=_progress_factory(progress, total))

@@ -1,63 +1,56 @@
 """The worker processes of ``workers="processes"``: one per device entry, kept with the wrapper.
 
-The first map or call that needs them starts them (``spawn``: never ``fork``, which
-breaks CUDA and threads); later ones reuse them. Each worker gets the module once, as
-one shared-memory copy of its tensors (see :mod:`dpmethods.streaming.process_io`), or builds it
-with the wrapper's ``factory``; when the module's
-:func:`~dpmethods.core.replicate.fingerprint` changes (parameters, buffers, attributes,
-hooks), the next map or call sends it again.
+Each device entry gets a single-worker ``concurrent.futures.ProcessPoolExecutor``
+(``spawn``: never ``fork``, which breaks CUDA and threads). One worker runs its jobs in
+the order they were submitted, so the model sent (:func:`~.process_worker.load`) is the
+one the batches after it run on (:func:`~.process_worker.run`), and maps and calls
+share the workers as they share a thread wrapper's replicas: each job has its own
+``Future``. The first map or call that needs them starts them; the module goes once,
+as one shared-memory copy of its tensors (or each worker builds it with ``factory``),
+and again when its fingerprint or state digest changed
+(:mod:`~dpmethods.streaming.process_state`).
 
-Maps and calls share the workers, as they share a thread wrapper's replicas: a call
-inside a loop over a map, or two maps zipped together, each get their own
-:class:`~dpmethods.streaming.process_slot.Client`. Each worker answers its requests in
-the order they were sent, so every reply is delivered to the client whose request it
-answers, whoever reads it. One caller thread reads at a time; it waits on every busy
-worker's pipe and on its process sentinel together, so a worker that dies is seen at
-once, and every request it held is answered with an error naming it and its exit code;
-the next use starts a fresh one. A map stopped early (``break``, ``close()``, an error)
-leaves its running batches to finish: their replies are read and dropped, so stopping
-never waits. ``close()``, garbage collection of the pool and interpreter exit stop and
-join every worker (terminating one that does not exit within a few seconds).
+A worker that dies (killed, a segfault, out of memory) breaks its executor: every job
+it held fails, with an error naming the worker, its device and its exit code, and the
+next map or call starts a fresh one. ``close()``, garbage collection of the pool and
+interpreter exit shut the executors down: the workers exit through the normal path
+(terminated after a few seconds if a job still runs).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import multiprocessing
+import signal
 import threading
 import time
 import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from dpmethods._loading import load_pending
-from dpmethods.core.parallel_apply import _ThreadState, add_note
+from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
-from dpmethods.core.seeding import draw_seed, replica_seed
+from dpmethods.streaming import process_worker
 from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
 from dpmethods.streaming.process_io import dumps, loads, model_payloads
-from dpmethods.streaming.process_slot import (
-    UNGUARDED_MAIN_EXIT,
-    UNGUARDED_MAIN_EXIT_TEXT,
-    Client,
-    Slot,
-    WorkerDiedError,
-    stop_all,
-)
 from dpmethods.streaming.process_state import state_digest
 from dpmethods.streaming.process_worker import give
-from dpmethods.types import tree as _tree
 from dpmethods.types.coupled_modules import marks
 
 __all__: list[str] = []
 
 WORKERS = ("threads", "processes")
-START_METHOD = "spawn"
 _LOG = logging.getLogger("dpmethods")
-_POLL_S = 1.0  # a waiting caller wakes this often (Ctrl-C lands promptly)
+_STOP_S = 3.0  # how long close() lets busy workers finish before terminating them
+UNGUARDED_MAIN_EXIT = 86  # a worker that found itself running an unguarded main module
+_UNGUARDED = "without `if __name__ == \"__main__\":`"
 _MODEL_HINT = (
     "while building its model (a class defined in __main__ of an interactive session, or "
     "inside `if __name__ == \"__main__\":`, cannot be imported by a spawned process: define "
@@ -72,21 +65,8 @@ _START_HINT = (
 )
 
 
-def _start_failure(exc: WorkerDiedError, fresh: bool) -> BaseException:
-    """A worker that died while it started: the hint, unless its exit code said why."""
-    return add_note(exc, _START_HINT) if fresh and UNGUARDED_MAIN_EXIT_TEXT not in str(exc) else exc
-
-
-def check_not_in_spawned_main() -> None:
-    """Leave a worker process quietly if it is running an unguarded script's main module.
-
-    ``spawn`` runs the script's main module again in each worker; a script without
-    ``if __name__ == "__main__":`` then reaches its map or call again there, whose own
-    workers multiprocessing would refuse to start (a traceback from each worker). The
-    worker exits instead, with :data:`UNGUARDED_MAIN_EXIT`, and the caller's error says why.
-    """
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SystemExit(UNGUARDED_MAIN_EXIT)
+class WorkerDiedError(RuntimeError):
+    """A worker process died (killed, a segfault, out of memory) while the caller waited."""
 
 
 def check_workers(value: Any, name: str = "workers") -> str:
@@ -103,37 +83,124 @@ def check_workers(value: Any, name: str = "workers") -> str:
     return value
 
 
-def reply_error(msg: tuple[Any, ...], slot: Slot, raised: str, running: str) -> BaseException:
-    """The exception of a ``("failed", seq, error, traceback)`` or ``("lost", text)`` reply.
+def check_not_in_spawned_main() -> None:
+    """Leave a worker process quietly if it is running an unguarded script's main module.
 
-    ``raised`` and ``running`` name the request in the note of each: ``"DataParallel.map:
-    raised in batch 3"`` and ``"batch 3 of DataParallel.map"``.
+    ``spawn`` runs the script's main module again in each worker; a script without the
+    main guard then reaches its map or call again there, whose own workers
+    multiprocessing would refuse to start (a traceback from each worker). The worker
+    exits instead, and the caller's error says why.
     """
-    if msg[0] == "lost":
-        return add_note(WorkerDiedError(msg[1]), f"dpmethods: while running {running}; the next "
-                        "map or call starts a fresh worker")
-    _, _, error, text, warned = msg
-    give(warned)
-    try:
-        exc = loads(error)
-    except Exception as e:  # pragma: no cover - the worker checks it loads
-        exc = RuntimeError(f"(the worker's exception could not be rebuilt: {e!r})")
-    return add_note(exc, f"dpmethods: {raised} on {slot.describe()}; the worker's traceback:\n{text}")
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
 
 
-def received(obj: Any, device: torch.device | None) -> Any:
-    """An output as the caller keeps it: on ``device``, and owning its CUDA memory."""
-    spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) for t in leaves):
-        return obj
-    out = []
-    for t in leaves:
-        if isinstance(t, Tensor):
-            moved = t.to(device) if device is not None else t
-            # A CUDA tensor from a worker holds the worker's memory (CUDA IPC): copy it.
-            t = moved.clone() if moved is t and t.is_cuda else moved
-        out.append(t)
-    return _tree.unflatten(spec, out)
+class Worker:
+    """One device entry's worker: its executor and process, and the model it holds."""
+
+    def __init__(self, index: int, device: torch.device) -> None:
+        self.index, self.device = index, device
+        self.executor: cf.ProcessPoolExecutor | None = None
+        self.process: Any = None
+        self.key: Any = None  # what model it holds; None until it answered the load
+
+    def describe(self) -> str:
+        pid = self.process.pid if self.process is not None else None
+        return f"worker {self.index} (pid {pid}, device {self.device})"
+
+    def usable(self) -> bool:
+        return self.executor is not None and self.process is not None and self.process.is_alive()
+
+    def start(self, threads: int) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.executor = cf.ProcessPoolExecutor(
+            1, mp_context=ctx, initializer=process_worker.init, initargs=(str(self.device), threads)
+        )
+        self.process = None
+        self.key = None
+
+    def submit(self, fn: Callable[[bytes], bytes], data: bytes) -> cf.Future[bytes]:
+        if self.executor is None:
+            raise self.died()
+        try:
+            future = self.executor.submit(fn, data)
+        except (BrokenProcessPool, RuntimeError):  # broken, or shut down by close()
+            raise self.died() from None
+        if self.process is None:  # started by the first submit
+            self.process = next(iter(self.executor._processes.values()), None)
+            if self.process is not None:
+                self.process.name = f"dpmethods-worker-{self.index}"
+        return future
+
+    def died(self) -> WorkerDiedError:
+        """The error for this worker being gone, with its exit code."""
+        self.key = None
+        if self.process is None:
+            return WorkerDiedError("DataParallel(workers='processes'): the worker processes were "
+                                   "closed (dp.close()) while a map or call was using them")
+        code = _reaped(self.process, 5)
+        if code == UNGUARDED_MAIN_EXIT:
+            return WorkerDiedError(
+                f"DataParallel(workers='processes'): {self.describe()} stopped while starting: "
+                f"spawn runs the script's main module again in each worker, and this script "
+                f"starts its work {_UNGUARDED}, so it reached DataParallel again there. Start "
+                f"the script's work under that guard (a program read from stdin cannot use "
+                f"processes), or use workers='threads'"
+            )
+        why = ""
+        if code is not None and code < 0:
+            try:
+                why = f" ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return WorkerDiedError(f"DataParallel(workers='processes'): {self.describe()} died "
+                               f"with exit code {code}{why}")
+
+    def reply(self, future: cf.Future[bytes], raised: str, running: str) -> Any:
+        """The output of a finished job; a failure raised with ``raised`` (the job's
+        exception) or ``running`` (the worker died) in its note."""
+        try:
+            data = future.result()
+        except (BrokenProcessPool, cf.CancelledError):
+            raise add_note(self.died(), f"dpmethods: while running {running}; the next map or "
+                           "call starts a fresh worker") from None
+        msg = loads(data)
+        give(msg[-1])
+        if msg[0] == "done":
+            return msg[1]
+        exc = loads(msg[1])
+        note = f"dpmethods: {raised} on {self.describe()}; the worker's traceback:\n{msg[2]}"
+        raise add_note(exc, note)
+
+
+def stop_all(workers: Sequence[Worker]) -> None:
+    """Shut every executor down; a worker still busy after a few seconds is terminated."""
+    procs: list[Any] = []
+    for w in workers:
+        if w.executor is not None:
+            procs += {id(p): p for p in [w.process, *(w.executor._processes or {}).values()] if p}.values()
+            w.executor.shutdown(wait=False, cancel_futures=True)
+        w.executor = w.process = w.key = None
+    deadline = time.monotonic() + _STOP_S
+    for p in procs:
+        if _reaped(p, max(0.0, deadline - time.monotonic())) is None:
+            p.terminate()  # SIGTERM: the worker's normal exit path
+            if _reaped(p, 2) is None:
+                p.kill()
+                _reaped(p, None)
+
+
+def _reaped(process: Any, timeout: float | None) -> int | None:
+    """``process``'s exit code once it exited within ``timeout``, else None.
+
+    The executor's own thread joins its worker too, and only one of two ``waitpid`` gets
+    the status: the other sees the process as running until the first has stored it.
+    """
+    process.join(timeout)
+    end = time.monotonic() + 1.0
+    while process.exitcode is None and time.monotonic() < end and mp_connection.wait([process.sentinel], 0):
+        time.sleep(0.005)  # it exited (its sentinel is ready); the other thread stores its status
+    return process.exitcode  # type: ignore[no-any-return]
 
 
 class ProcessPool:
@@ -145,190 +212,83 @@ class ProcessPool:
             then never sent (and changes to it are not seen).
 
     Example:
-        >>> import torch
         >>> pool = ProcessPool([torch.device("cpu")] * 2)
-        >>> len(pool.slots), pool.started()
+        >>> len(pool.workers), pool.started()
         (2, False)
         >>> pool.close()
     """
 
-    def __init__(self, devices: list[torch.device], factory: Any = None) -> None:
-        self.slots = [Slot(i, d) for i, d in enumerate(devices)]
+    def __init__(self, devices: Sequence[torch.device], factory: Any = None) -> None:
+        self.workers = [Worker(i, d) for i, d in enumerate(devices)]
         self.factory = factory
         self._setup = threading.RLock()  # one start-up or model update at a time
-        self._cond = threading.Condition()
-        self._reading = False  # a caller thread is waiting on the pipes
         self._seen: list[Any] = []  # what the workers' model was built from (see prepare)
-        self._finalizer = weakref.finalize(self, stop_all, self.slots)
+        self._finalizer = weakref.finalize(self, stop_all, self.workers)
+
+    def __reduce__(self) -> Any:  # a copy (of a wrapper) gets a fresh pool, not started
+        return (ProcessPool, ([w.device for w in self.workers], self.factory))
 
     def started(self) -> bool:
-        return any(s.process is not None for s in self.slots)
+        return any(w.executor is not None for w in self.workers)
 
     def close(self) -> None:
-        """Stop and join every worker; the next :meth:`prepare` starts fresh ones."""
+        """Stop every worker; the next :meth:`prepare` starts fresh ones."""
         with self._setup:
-            stop_all(self.slots)
+            stop_all(self.workers)
 
     def prepare(self, module: nn.Module, *, start: bool = True) -> float:
         """Bring every worker to ``module``'s state, starting missing ones if ``start``.
 
-        Returns the seconds spent starting workers (0 if none had to start). With
-        ``start=False`` (before each batch of a running map) only live workers whose
-        model is stale are sent the module again: a dead one is its map's error.
+        Returns the seconds spent starting workers. With ``start=False`` (before each
+        batch of a running map) only live workers whose model is stale get it again.
         """
         with self._setup:
             t0 = time.perf_counter()
-            fresh = [s for s in self.slots if not s.usable()] if start else []
-            # The fingerprint sees assignments by identity; the digest, attribute objects
-            # edited in place (a config) and requires_grad flags, which a worker's copy
-            # would not share.
+            check_not_in_spawned_main()
+            fresh = [w for w in self.workers if not w.usable()] if start else []
             load_pending()  # the integrations' rules for what stays in this process
             marked = marks(module)  # the worker marks them too: its replicas warn as threads do
             state: Any = (fingerprint(module), state_digest(module)) if self.factory is None else "factory"
             key = (state, tuple(marked.items()))
-            stale = [s for s in self.slots if s in fresh or (s.key != key and s.usable())]
+            stale = [w for w in self.workers if w in fresh or (w.key != key and w.executor is not None)]
             if not stale:
                 return 0.0
             # Pickled before any worker starts: a module that can't be sent fails at once.
-            messages = self._model_messages(module, stale, marked)
-            if fresh:
-                ctx = torch.multiprocessing.get_context(START_METHOD)
-                threads = max(1, torch.get_num_threads() // len(self.slots))
-                for s in fresh:
-                    s.stop()
-                    s.start(ctx, threads)
-            self._send_model(stale, messages, key, fresh)
+            messages = self._model_messages(module, len(stale), marked)
+            threads = max(1, torch.get_num_threads() // len(self.workers))
+            for w in fresh:
+                stop_all([w])
+                w.start(threads)
+            futures = [(w, w.submit(process_worker.load, m)) for w, m in zip(stale, messages)]
+            messages.clear()
+            self._wait_loaded(futures, key, fresh)
             # The fingerprint holds identities: keep what it saw alive, so no new object
             # can take an old one's id (and its place in the fingerprint) unnoticed.
-            self._seen = _identities(module)
+            self._seen = [v for m in module.modules() for d in (m.__dict__, m._parameters, m._buffers)
+                          for v in d.values()]
             if not fresh:
                 return 0.0
             elapsed = time.perf_counter() - t0
-            _LOG.debug("dpmethods: started %d worker processes (%s) in %.2f s",
-                       len(fresh), START_METHOD, elapsed)
+            _LOG.debug("dpmethods: started %d worker processes (spawn) in %.2f s", len(fresh), elapsed)
             return elapsed
 
-    def _model_messages(self, module: nn.Module, slots: list[Slot], marked: dict[type, str]) -> list[bytes]:
+    def _model_messages(self, module: nn.Module, n: int, marked: dict[type, str]) -> list[bytes]:
         if self.factory is not None:
-            return [dumps(("factory", self.factory, s.device, marked)) for s in slots]
-        payloads = model_payloads(module, len(slots))
-        return [dumps(("model", p, s.device, marked)) for p, s in zip(payloads, slots)]
+            return [dumps(("factory", self.factory, marked))] * n
+        return [dumps(("model", p, marked)) for p in model_payloads(module, n)]
 
-    def _send_model(
-        self, slots: list[Slot], messages: list[bytes], key: Any, fresh: list[Slot]
-    ) -> None:
-        # A client of its own: the replies of the caller's batches are not mixed in. A
-        # worker still running earlier requests builds the new model after them.
-        client = Client()
-        for s, m in zip(slots, messages):
-            s.key = None  # until it answers "ready"
+    def _wait_loaded(self, futures: list[tuple[Worker, cf.Future[bytes]]], key: Any, fresh: list[Worker]) -> None:
+        failure: BaseException | None = None
+        for w, future in futures:
             try:
-                s.send(client, "model", m)
+                w.reply(future, f"DataParallel(workers='processes'): raised {_MODEL_HINT}", "")
+                w.key = key
             except WorkerDiedError as exc:
-                raise _start_failure(exc, s in fresh) from None
-        messages.clear()
-        failure = None
-        for _ in slots:
-            slot, _, msg = self.reply(client)
-            if msg[0] == "ready":
-                give(msg[1])
-                slot.key = key
-            elif failure is None and msg[0] == "lost":  # it died: its exit code says why
-                failure = _start_failure(WorkerDiedError(msg[1]), slot in fresh)
-            elif failure is None:
-                failure = reply_error(
-                    msg, slot, f"DataParallel(workers='processes'): raised {_MODEL_HINT}", ""
-                )
+                exc.__notes__ = []  # its exit code says it all
+                if w in fresh and _UNGUARDED not in str(exc):
+                    add_note(exc, _START_HINT)
+                failure = failure or exc
+            except Exception as exc:
+                failure = failure or exc
         if failure is not None:
             raise failure from None
-
-    def submit(self, client: Client, slot: Slot, tag: Any, data: bytes) -> None:
-        """Send one request of ``client`` to ``slot``; :meth:`reply` returns its answer."""
-        slot.send(client, tag, data)
-
-    def reply(self, client: Client) -> tuple[Slot, Any, tuple[Any, ...]]:
-        """The next ``(slot, tag, reply)`` for ``client``, reading for others meanwhile."""
-        while True:
-            with self._cond:
-                while not client.inbox and self._reading:
-                    self._cond.wait(_POLL_S)
-                if client.inbox:
-                    return client.inbox.popleft()
-                if client.finished():
-                    raise RuntimeError("DataParallel(workers='processes'): waiting for a reply "
-                                       "with no request in flight")
-                self._reading = True
-            try:
-                self._read_one()
-            finally:
-                with self._cond:
-                    self._reading = False
-                    self._cond.notify_all()
-
-    def _read_one(self) -> None:
-        busy = [s for s in self.slots if s.tickets]
-        closed = [s for s in busy if s.conn is None]
-        for s in closed:
-            s.abandon(str(s.died()))
-        if closed:
-            return
-        # Every live pipe, not only the busy ones: another thread may send a request
-        # meanwhile, and its reply must wake this wait, not the next poll.
-        conns = {s.conn: s for s in self.slots if s.conn is not None and (s.tickets or not s.broken)}
-        sentinels = {s.process.sentinel: s for s in busy}
-        for ready in mp_connection.wait([*conns, *sentinels], timeout=_POLL_S):
-            slot = conns.get(ready) or sentinels.get(ready)  # type: ignore[call-overload]
-            if slot is not None:
-                slot.read()
-                return
-
-
-def _identities(module: nn.Module) -> list[Any]:
-    return [v for m in module.modules() for d in (m.__dict__, m._parameters, m._buffers) for v in d.values()]
-
-
-def pool_for(wrapper: Any) -> ProcessPool:
-    """The wrapper's pool, made (not started) on first use."""
-    check_not_in_spawned_main()
-    pool = wrapper.__dict__.get("_process_pool")
-    if pool is None:
-        pool = wrapper.__dict__["_process_pool"] = ProcessPool(
-            list(wrapper._devices), wrapper.__dict__.get("_dpm_factory")
-        )
-    return pool  # type: ignore[no-any-return]
-
-
-def close_pool(wrapper: Any) -> None:
-    """Stop and join the wrapper's workers, if it has any."""
-    pool = wrapper.__dict__.pop("_process_pool", None)
-    if pool is not None:
-        pool.close()
-
-
-def call_chunks(wrapper: Any, name: str, inputs: Any, kwargs: Any) -> list[Any]:
-    """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather)."""
-    pool, client = pool_for(wrapper), Client()
-    try:
-        pool.prepare(wrapper.module)
-        state, seed, split = _ThreadState.capture(), draw_seed(), len(inputs) > 1
-        slots = pool.slots[: len(inputs)]
-        for s, a, k in zip(slots, inputs, kwargs):
-            try:
-                data = dumps(("run", s.index, name, tuple(a), dict(k), state, replica_seed(seed, s.index), split))
-            except Exception as exc:
-                raise TypeError(
-                    f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
-                    f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
-                ) from exc
-            pool.submit(client, s, s.index, data)
-        outputs: list[Any] = [None] * len(slots)
-        for _ in slots:
-            slot, chunk, msg = pool.reply(client)
-            if msg[0] != "done":
-                raise reply_error(msg, slot, f"DataParallel.{name}: raised in chunk {chunk}",
-                                  f"chunk {chunk} of DataParallel.{name}")
-            give(msg[3])
-            outputs[chunk] = received(msg[2], None)
-        return outputs
-    finally:
-        client.close()

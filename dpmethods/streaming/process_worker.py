@@ -1,37 +1,26 @@
-"""The loop of one worker process of ``workers="processes"`` (started with ``spawn``).
+"""What runs inside a worker process of ``workers="processes"``.
 
-A worker owns one device. It receives its model once (or builds it with the
-wrapper's ``factory``), then answers one request at a time on its pipe:
+Each worker is the one process of a single-worker ``ProcessPoolExecutor`` (``spawn``),
+so it runs its jobs in the order they were submitted: "load the model" before the
+batches that need it. :func:`init` sets the process up; :func:`load` (re)builds the
+model from the caller's module (one shared-memory copy of its tensors) or from the
+wrapper's ``factory``; :func:`run` runs one batch or chunk. Both take and return
+bytes pickled by :mod:`~dpmethods.streaming.process_io` (small tensors inline, large ones
+in shared memory), and answer ``("done", output, warnings)`` or
+``("failed", error, traceback, warnings)``: a failure is a reply, never an exception of
+the executor, so any exception comes back with its type, notes and traceback text.
 
-- ``("model", payload, device, marks)`` / ``("factory", factory, device, marks)``:
-  (re)build the model, and mark the batch-coupled classes the caller marked (``marks``);
-  answer ``("ready", [])`` or ``("failed", None, error, traceback, [])``;
-- ``("run", seq, method, args, kwargs, state, seed, split)``: run ``method`` on the model
-  under the caller's grad, inference and autocast modes (``state``), the torch RNG seeded
-  with ``seed`` (if not None), as one replica of a split call if ``split``; answer
-  ``("done", seq, output, warnings)`` or ``("failed", seq, error, traceback, warnings)``,
-  ``warnings`` being what the method warned, for the caller to give (:func:`give`);
-- ``("stop",)``: exit now, dropping the requests not run yet; the caller's end of
-  the pipe closing: exit after them. Either way the worker leaves through the normal
-  exit path (multiprocessing's finalizers run: no named semaphore or shared-memory
-  file of its own is left behind); so does SIGTERM.
-
-A thread of the worker receives the requests as they come (and fetches their shared
-memory at once), so the caller's sends never wait for the batch running: the caller
-may send the next batch, or another map's, while this one runs, and the replies still
-go back in the order of the requests.
-
+The warnings a method raises are recorded and given again in the caller (:func:`give`).
 An output holding a tensor that requires grad, inside any object, is an error (autograd
-cannot cross processes): it is never detached silently. The caller's Ctrl-C is the caller's to handle: workers ignore SIGINT
-(it reaches the whole process group), so the pool outlives an interrupted map.
+cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
+Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
+shutdown and on SIGTERM alike, so what their methods made (named semaphores) is freed.
 """
 
 from __future__ import annotations
 
-import queue
 import signal
 import sys
-import threading
 import traceback
 import warnings
 from typing import Any
@@ -46,10 +35,41 @@ from dpmethods.streaming.process_state import rebuilt
 from dpmethods.streaming.threads import move
 from dpmethods.types.coupled_modules import mark_batch_coupled, split_call
 
-__all__: list[str] = []
+__all__ = ["give", "init", "load", "run"]
+
+_model: nn.Module | None = None
+_device = torch.device("cpu")
+_MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
 
 
-def _own_buffers(model: nn.Module) -> None:
+def _on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(0)  # the normal exit path: finalizers run
+
+
+def init(device: str, threads: int) -> None:
+    """Set up this worker process for ``device`` (the executor's initializer)."""
+    global _device
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    torch.set_num_threads(max(1, threads))
+    _device = torch.device(device)
+    if _device.type == "cuda":
+        torch.cuda.set_device(_device)
+
+
+def _build(kind: str, what: Any, marked: dict[type, str]) -> nn.Module:
+    for cls, text in marked.items():
+        mark_batch_coupled(cls, what=text)
+    model = loads(what) if kind == "model" else what()
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"factory: expected a callable that returns an nn.Module, got "
+            f"{type(model).__name__} from {what!r}"
+        )
+    load_pending()  # the integrations of the libraries the model imported: their rules
+    rebuilt(model)
+    if _device.type == "cuda" or kind == "factory":
+        model.to(_device)
     # Workers map the same shared parameters; a module in training mode updates its
     # buffers in place (BatchNorm's running stats), so each worker gets its own copies.
     for m in model.modules():
@@ -57,23 +77,6 @@ def _own_buffers(model: nn.Module) -> None:
             for name, b in m._buffers.items():
                 if b is not None:
                     m._buffers[name] = b.clone()
-
-
-def _build(msg: tuple[Any, ...]) -> nn.Module:
-    kind, what, device, marked = msg
-    for cls, text in marked.items():
-        mark_batch_coupled(cls, what=text)
-    model = loads(what) if kind == "model" else what()
-    load_pending()  # the integrations of the libraries the model imported: their rules
-    rebuilt(model)
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"factory: expected a callable that returns an nn.Module, got "
-            f"{type(model).__name__} from {what!r}"
-        )
-    if device.type == "cuda" or kind == "factory":
-        model.to(device)
-    _own_buffers(model)
     return model
 
 
@@ -87,32 +90,17 @@ def grad_error(method: str) -> str:
     )
 
 
-def _run(model: nn.Module, msg: tuple[Any, ...], device: torch.device) -> Any:
-    _, _, method, args, kwargs, state, seed, split = msg
-    if device.type == "cuda":
-        args, kwargs = move((args, kwargs), device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    fn = model if method == "forward" else getattr(model, method)
-    with state.applied(), split_call(split):
-        return fn(*args, **kwargs)
-
-
-_MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
-
-
 def _module_of(filename: str) -> str | None:
     if filename not in _MODULES:
         _MODULES[filename] = next(
-            (name for name, m in list(sys.modules.items()) if getattr(m, "__file__", None) == filename),
-            None,
+            (n for n, m in list(sys.modules.items()) if getattr(m, "__file__", None) == filename), None
         )
     return _MODULES[filename]
 
 
 def _warned(seen: list[warnings.WarningMessage]) -> list[tuple[Any, ...]]:
-    """What the method warned, for the caller: text, category, place, and whether it was
-    a dpmethods warn-once (the caller keeps that record, so it is forgotten here)."""
+    """What a job warned, for the caller: text, category, place, and whether it was a
+    dpmethods warn-once (the caller keeps that record, so it is forgotten here)."""
     once = warn_once.take_given()
     return [
         (str(w.message), w.category, w.filename, w.lineno, _module_of(w.filename), str(w.message) in once)
@@ -121,7 +109,7 @@ def _warned(seen: list[warnings.WarningMessage]) -> list[tuple[Any, ...]]:
 
 
 def give(warned: list[tuple[Any, ...]]) -> None:
-    """Give, in the caller, the warnings a worker's method raised: through the caller's
+    """Give, in the caller, the warnings a worker's job raised: through the caller's
     filters and the registry of the module that warned, as a replica thread's would be;
     dpmethods' warn-once warnings once per caller process.
 
@@ -136,111 +124,71 @@ def give(warned: list[tuple[Any, ...]]) -> None:
         warnings.warn_explicit(text, category, filename, lineno, module=module, registry=registry)
 
 
-def _failure(seq: Any, exc: BaseException, warned: list[tuple[Any, ...]]) -> bytes:
+def _failure(exc: BaseException, warned: list[tuple[Any, ...]]) -> bytes:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         error = dumps(exc)
         loads(error)  # some exceptions pickle but can't be rebuilt (their __init__ args)
     except Exception:
         error = dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return dumps(("failed", seq, error, text, warned))
+    return dumps(("failed", error, text, warned))
 
 
-def _receive(conn: Any, requests: queue.SimpleQueue[Any]) -> None:
-    """Put each request on ``requests`` as it arrives; ``None`` once there are no more."""
-    while True:
-        try:
-            data = conn.recv_bytes()
-        except (EOFError, OSError):
-            break  # the caller is gone
-        try:
-            msg = loads(data)
-        except BaseException as exc:  # a class this process can't import: that request fails
-            msg = ("unreadable", exc)
-        del data
-        if msg[0] == "stop":
-            # Every earlier request was received (its shared memory fetched), so nothing of
-            # the caller's is half-taken: exit now, without running the requests queued.
-            requests.put(None)
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # type: ignore[arg-type]
-            return
-        requests.put(msg)
-        del msg
-    requests.put(None)
-
-
-def _answer(model: nn.Module | None, msg: tuple[Any, ...], dev: torch.device) -> tuple[nn.Module | None, bytes]:
-    """The model after ``msg``, and the reply to send for it."""
-    seq = msg[1] if msg[0] == "run" else None
+def _job(data: bytes, body: Any) -> bytes:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # the caller's filters decide (see give)
         try:
-            if msg[0] == "unreadable":
+            try:
+                msg = loads(data)
+            except Exception as exc:  # a class this process can't import: this job fails
                 raise RuntimeError(
                     f"DataParallel(workers='processes'): a worker process could not unpickle a "
-                    f"request: {type(msg[1]).__name__}: {msg[1]}. Classes defined in __main__ of "
-                    f"an interactive session, or in modules the worker cannot import, can't cross "
+                    f"request: {type(exc).__name__}: {exc}. Classes defined in __main__ of an "
+                    f"interactive session, or in modules the worker cannot import, can't cross "
                     f"processes: define them in an importable module, or use workers='threads'"
-                ) from msg[1]
-            if msg[0] == "run":
-                if model is None:
-                    raise RuntimeError("DataParallel: worker process got a batch before its model")
-                out = _run(model, msg, dev)
-                return model, _done(seq, msg[2], out, _warned(seen))
-            model = None  # the old one's memory goes first
-            return _build(msg), dumps(("ready", _warned(seen)))
-        except SystemExit:
-            raise
-        except BaseException as exc:
-            return model, _failure(seq, exc, _warned(seen))
+                ) from exc
+            del data
+            return body(msg, seen)
+        except Exception as exc:
+            return _failure(exc, _warned(seen))
 
 
-def _done(seq: Any, method: str, out: Any, warned: list[tuple[Any, ...]]) -> bytes:
-    try:
-        return dumps(("done", seq, out, warned), output=True)
-    except OutputRequiresGrad as exc:
-        raise RuntimeError(grad_error(method) + f" ({exc})") from None
-    except Exception as exc:
-        raise TypeError(
-            f"DataParallel(workers='processes'): the output of {method} cannot be sent back "
-            f"from the worker process: {type(exc).__name__}: {exc}; return picklable values "
-            f"(tensors, numbers, strings, ModelOutput...), or use workers='threads'"
-        ) from exc
+def load(data: bytes) -> bytes:
+    """Build the model from ``("model", payload, marks)`` or ``("factory", fn, marks)``."""
+    global _model
+
+    def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
+        global _model
+        _model = _build(*msg)
+        return dumps(("done", None, _warned(seen)))
+
+    _model = None  # the old one's memory goes first
+    return _job(data, body)
 
 
-_exiting = False
+def run(data: bytes) -> bytes:
+    """Run ``(method, args, kwargs, state, seed, split)`` on the model."""
 
+    def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
+        method, args, kwargs, state, seed, split = msg
+        if _model is None:
+            raise RuntimeError("DataParallel: worker process got a batch before its model")
+        if _device.type == "cuda":
+            args, kwargs = move((args, kwargs), _device)
+        if seed is not None:
+            torch.manual_seed(seed)
+        fn = _model if method == "forward" else getattr(_model, method)
+        with state.applied(), split_call(split):
+            out = fn(*args, **kwargs)
+        try:
+            return dumps(("done", out, _warned(seen)), output=True)
+        except OutputRequiresGrad as exc:
+            raise RuntimeError(grad_error(method) + f" ({exc})") from None
+        except Exception as exc:
+            raise TypeError(
+                f"DataParallel(workers='processes'): the output of {method} cannot be sent "
+                f"back from the worker process: {type(exc).__name__}: {exc}; return picklable "
+                f"values (tensors, numbers, strings, ModelOutput...), or use workers='threads'"
+            ) from exc
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    # Leave through the normal exit path (finalizers run), unless already on it.
-    if not _exiting:
-        raise SystemExit(0)
-
-
-def serve(conn: Any, index: int, device: str, threads: int) -> None:
-    """Worker ``index``'s loop on ``device``: build the model, then run requests."""
-    global _exiting
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    if threads > 0:
-        torch.set_num_threads(threads)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    threading.Thread(target=_receive, args=(conn, requests), name="dpmethods-receive", daemon=True).start()
-    model: nn.Module | None = None
-    try:
-        while True:
-            msg = requests.get()
-            if msg is None:
-                return
-            model, reply = _answer(model, msg, dev)
-            msg = None  # drop this request's inputs before waiting
-            try:
-                conn.send_bytes(reply)
-            except (BrokenPipeError, OSError):
-                return
-            del reply
-    finally:
-        _exiting = True
+    return _job(data, body)

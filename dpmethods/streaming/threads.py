@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from dpmethods.core.compiled import one_at_a_time
-from dpmethods.core.parallel_apply import _ThreadState, record_streams
+from dpmethods.core.parallel_apply import _ThreadState, add_note, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.types import tree as _tree
@@ -26,6 +26,7 @@ from dpmethods.types import tree as _tree
 __all__: list[str] = []
 
 END = object()  # the iterable is exhausted, or the map stopped: a worker takes no more
+_POLL_S = 0.5  # how often a waiting caller checks that the workers are still alive
 
 
 def move(obj: Any, device: torch.device | None, non_blocking: bool = False) -> Any:
@@ -64,6 +65,7 @@ class Run:
         depth: int,
     ) -> None:
         self.replicas, self.devices, self.method = replicas, devices, method
+        self.width = len(replicas)
         self.output_device, self.depth = output_device, depth
         self.state = _ThreadState.capture()
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on
@@ -76,15 +78,67 @@ class Run:
         self.caller_streams = {d: torch.cuda.current_stream(d) for d in cuda}
         self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.stop = threading.Event()
+        self.stopped = threading.Event()
         self.threads: list[threading.Thread] = []
         self.bar: Any = None
 
-    def start(self) -> None:
+    def start(self) -> float:
         for r in range(len(self.replicas)):
             t = threading.Thread(target=_serve, args=(self, r), name=f"dpmethods-map-{r}", daemon=True)
             self.threads.append(t)
             t.start()
+        return 0.0
+
+    def end(self) -> None:
+        """The iterable is exhausted: each worker takes no more once the queue is empty."""
+        for _ in self.threads:
+            self.work.put(END)
+
+    def submit(self, seq: int, index: int, args: Any, kwargs: Any) -> None:
+        events: list[Any] = []
+        if self.cuda:  # pinned, for asynchronous uploads; ordered after their making
+            args, kwargs = pin((args, kwargs))
+            events = produced((args, kwargs))
+        self.work.put((seq, index, args, kwargs, events))
+
+    def take(self) -> tuple[int, int, Any]:
+        """The next finished batch: ``(seq, index, output)``, or its error raised."""
+        while True:
+            try:
+                seq, index, out, exc, r = self.results.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not any(t.is_alive() for t in self.threads):
+                    raise RuntimeError(
+                        "DataParallel.map: every worker thread has stopped with batches still pending"
+                    ) from None
+        if exc is None:
+            return seq, index, out
+        try:
+            raise batch_error(exc, index, f"replica {r} (device {self.devices[r]})")
+        finally:
+            exc = None  # the traceback holds this frame: don't hold the exception too
+
+    def stop(self) -> None:
+        shutdown(self)
+
+
+def batch_error(exc: BaseException, index: int | None, where: str) -> BaseException:
+    """``exc`` of batch ``index`` (None: while starting), with a note naming ``where`` it ran.
+
+    A StopIteration raised out of ``__next__`` would end the map, silently short (PEP 479
+    turns it into a RuntimeError in generators for the same reason): it is re-raised as
+    a RuntimeError.
+    """
+    at = "while starting" if index is None else f"in batch {index}"
+    if isinstance(exc, StopIteration):
+        err = RuntimeError(
+            f"DataParallel.map: the method raised StopIteration {at}; it is re-raised as a "
+            "RuntimeError so it is not taken for the end of the map"
+        )
+        err.__cause__ = exc
+        exc = err
+    return add_note(exc, f"dpmethods: DataParallel.map: raised {at} on {where}")
 
 
 def produced(obj: Any) -> list[Any]:
@@ -140,7 +194,7 @@ def _serve(run: Run, r: int) -> None:
             for s in streams:
                 s.wait_stream(run.caller_streams[device])
     except BaseException as exc:  # the caller re-raises it, naming no batch
-        run.stop.set()
+        run.stopped.set()
         run.results.put((None, None, None, exc, r))
         return
     # Only CUDA gains from holding batches ahead (their copies overlap the compute);
@@ -149,7 +203,7 @@ def _serve(run: Run, r: int) -> None:
     held: collections.deque[Any] = collections.deque()
     ended = False
     with run.state.applied():
-        while not run.stop.is_set():
+        while not run.stopped.is_set():
             while not ended and len(held) < depth:
                 try:
                     item = run.work.get(block=not held)
@@ -162,7 +216,7 @@ def _serve(run: Run, r: int) -> None:
                     held.append(_stage(item, device, streams))
                 except BaseException as exc:
                     held.append((item[0], item[1], exc, None, None))
-            if not held or run.stop.is_set():
+            if not held or run.stopped.is_set():
                 return
             seq, index, args, kwargs, ready = held.popleft()
             try:
@@ -176,14 +230,14 @@ def _serve(run: Run, r: int) -> None:
                     out = _run_cuda(run, fn, device, streams[1], (args, kwargs, ready))  # type: ignore[arg-type]
                 run.results.put((seq, index, out, None, r))
             except BaseException as exc:
-                run.stop.set()  # the other workers take nothing more
+                run.stopped.set()  # the other workers take nothing more
                 run.results.put((seq, index, None, exc, r))
             out = args = kwargs = None  # drop this batch before waiting for the next
 
 
 def shutdown(run: Run) -> None:
     """Stop the workers, drop pending batches and join every thread (idempotent)."""
-    run.stop.set()
+    run.stopped.set()
     while True:
         try:
             run.work.get_nowait()
