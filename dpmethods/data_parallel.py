@@ -8,6 +8,7 @@ also runs on CPU devices (``device_ids=["cpu"] * 4``) and on repeated GPU ids.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.process_map import call_chunks
 from dpmethods.streaming.process_pool import ProcessPool, check_factory, check_workers
+from dpmethods.streaming.resume import checkpointed
 
 __all__ = ["DataParallel"]
 
@@ -160,9 +162,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         prefetch: int = 2,
         shard: bool = False,
         workers: str | None = None,
+        checkpoint: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> Iterator[Any]:
-        """Run ``method`` over many batches, each whole on whichever replica is free.
+        """Run ``method`` over many batches, each whole on whichever replica is free: an
+        iterator of the outputs on ``output_device`` (``close()`` it to stop early).
 
         Unlike a loop of calls, no batch is split and no replica waits for the others,
         so ragged work (``generate``) keeps every device busy. See docs/map.md.
@@ -180,11 +184,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
                 ``i % world_size == rank`` and yield only those outputs.
             workers: ``"threads"`` or ``"processes"`` (each batch in a worker process,
                 past the GIL); default: the wrapper's ``workers``.
+            checkpoint: a file recording which outputs were taken; the same map run
+                again with it skips them (docs/map.md, "Long runs").
             **kwargs: keyword arguments passed to every call.
-
-        Returns:
-            An iterator over the outputs, on ``output_device``; ``close()`` it (or use
-            it in a ``with`` block) to stop early.
 
         Example:
             >>> import torch, dpmethods
@@ -194,6 +196,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             >>> len(outs), outs[0].shape
             (5, torch.Size([3, 2]))
         """
+        if checkpoint is not None:
+            return checkpointed(self.map, method, batches, checkpoint, ordered=ordered, shard=shard,
+                                progress=progress, prefetch=prefetch, workers=workers, **kwargs)
         processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
             self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
@@ -287,11 +292,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load a state dict saved from this wrapper, the bare module or ``torch.compile``.
-
-        See :func:`dpmethods.load_state_dict`: wrapper prefixes are fitted to this
-        wrapper's own keys, once each.
-        """
+        """Load a state dict saved from this wrapper, the bare module or ``torch.compile``
+        (see :func:`dpmethods.load_state_dict`): wrapper prefixes fitted once each."""
         return _load_fitted(
             super().load_state_dict, self.state_dict(keep_vars=True).keys(), state_dict,
             strict, assign=assign,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +99,7 @@ def resumable(
     run: Callable[[Iterable[Any]], Iterator[Any]], batches: Iterable[Any], *,
     path: str | os.PathLike[str], method: str, ordered: bool,
     shard: tuple[int, int] | None = None,
-) -> Iterator[Any]:
+) -> Generator[Any, None, None]:
     """The outputs of ``run(pending batches)``, skipping and recording taken batches.
 
     Args:
@@ -184,7 +184,27 @@ def checkpointed(
                 "(under torchrun, after init_process_group)"
             )
         rank = (dist.get_rank(), dist.get_world_size())
-    return resumable(
+    return _Closing(resumable(
         lambda pending: run_map(method, pending, ordered=ordered, shard=False, **options),
         batches, path=checkpoint, method=method, ordered=ordered, shard=rank,
-    )
+    ))
+
+
+class _Closing(Iterator[Any]):
+    """An iterator that is also a context manager, as the map's own iterator is."""
+
+    def __init__(self, outputs: Generator[Any, None, None]) -> None:
+        self._outputs = outputs
+
+    def __next__(self) -> Any:
+        return next(self._outputs)
+
+    def close(self) -> None:
+        """Stop the map and write the record."""
+        self._outputs.close()
+
+    def __enter__(self) -> _Closing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
