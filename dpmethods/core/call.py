@@ -36,7 +36,7 @@ from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
-from dpmethods.gather_modes import named_mode
+from dpmethods.gather_modes import BUILTIN_MODES, named_mode
 from dpmethods.options import MethodOptions
 
 __all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares", "share_runner"]
@@ -189,15 +189,14 @@ def gather_outputs(
         >>> gather_outputs(None, None, MethodOptions(), [torch.ones(2), torch.zeros(1)], "cpu")
         tensor([1., 1., 0.])
     """
-    named = named_mode(opts.gather, "gather") if isinstance(opts.gather, str) else None
-    if named is not None:  # a library's mode: it joins the whole output, seeing the call
-        call = ctx.seen(module) if ctx is not None else None
-        return named(list(outputs), as_device(output_device), call)
+    call = None
+    if ctx is not None and isinstance(opts.gather, str) and opts.gather not in BUILTIN_MODES:
+        call = ctx.seen(module)  # a library's named mode sees the call
     sizes = ctx.sizes if ctx is not None else None
     return gather(
         outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
         weights=ctx.weights(len(outputs)) if ctx is not None else None, gather_dim=opts.gather_dim,
-        sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None,
+        sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None, call=call,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from dpmethods.call_hooks import Call
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather.coupled import check_shares
 from dpmethods.core.gather.join import coalesced, joinable
@@ -93,6 +94,7 @@ def gather(
     weights: Sequence[float] | None = None,
     sizes: Sequence[int] | None = None,
     gather_dim: int | Mapping[str | int, int] | None = None,
+    call: Call | None = None,
 ) -> Any:
     """Gather the outputs of several replicas into one output on ``target_device``.
 
@@ -119,6 +121,8 @@ def gather(
             about (see :mod:`dpmethods.core.gather.coupled`).
         gather_dim: the join dim when it is not ``dim``: an int, or a mapping of
             top-level output keys to ints (others use ``dim``).
+        call: the :class:`~dpmethods.extending.Call` a named mode sees (None outside a
+            wrapper's call).
 
     Example:
         >>> import torch
@@ -139,9 +143,10 @@ def gather(
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
     if isinstance(mode, str) and mode not in GATHER_MODES:
-        # A library's mode, outside a wrapper call; an unknown name raises, listing the modes.
+        # A library's mode joins the whole output (the one place named modes are looked
+        # up); an unknown name raises, listing the modes.
         named = named_mode(mode, "gather: mode")
-        return named(outputs, device, None)  # type: ignore[misc]
+        return named(outputs, device, call)  # type: ignore[misc]
     plan = _plan(outputs, device, dim, mode, pad_value, weights, sizes, gather_dim)
     if _all_batch_tensors(outputs, plan):
         return _gather_tensors(outputs, plan)
