@@ -22,7 +22,7 @@ _LIBRARIES = (
 _ENGINES = {"ray": "ray"}
 # Bottom to top; a module may import its own layer's modules and the layers below.
 _LAYERS: list[tuple[str, ...]] = [
-    ("_loading", "options", "call_hooks", "gather_modes", "warn_once"),
+    ("_loading", "options", "call_hooks", "gather_modes", "_warn_once"),
     ("types", "ops"),
     ("registry",),
     ("core",),

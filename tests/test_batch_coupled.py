@@ -16,7 +16,8 @@ from _close import transformer_terms
 from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
-from dpmethods import DataParallel, parallel_method, warn_once
+from dpmethods import DataParallel, parallel_method
+from dpmethods import _warn_once as warn_once
 from dpmethods.extending import is_batch_coupled, mark_batch_coupled
 from dpmethods.testing import assert_close_to_reference as close
 

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from dpmethods import warn_once
+from dpmethods import _warn_once as warn_once
 from dpmethods.parallel import gather
 from dpmethods.testing import assert_close_to_reference
 

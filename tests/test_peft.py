@@ -10,7 +10,8 @@ import pytest
 import torch
 from _close import transformer_terms
 
-from dpmethods import DataParallel, warn_once
+from dpmethods import DataParallel
+from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]

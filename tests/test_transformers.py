@@ -17,7 +17,8 @@ from _tiny_models import batch_sizes_seen, shares
 from torch import nn
 
 import dpmethods
-from dpmethods import DataParallel, parallel_methods, warn_once
+from dpmethods import DataParallel, parallel_methods
+from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
 
 transformers = pytest.importorskip("transformers")
@@ -115,7 +116,7 @@ def test_decorations_and_registrations_win_over_builtins() -> None:
 
 def _loss_call(model: nn.Module, kwargs: dict[str, Any], devices: int) -> tuple[Any, Any, list[str]]:
 
-    dpmethods.warn_once.reset()
+    dpmethods._warn_once.reset()
     model.eval()
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -14,7 +14,8 @@ from _close import mlp_terms, transformer_terms
 from torch import nn
 
 import dpmethods
-from dpmethods import DataParallel, parallel_method, warn_once
+from dpmethods import DataParallel, parallel_method
+from dpmethods import _warn_once as warn_once
 from dpmethods.core.gather import gather
 from dpmethods.testing import assert_close_to_reference
 

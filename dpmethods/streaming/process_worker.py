@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods import warn_once
+from dpmethods import _warn_once as warn_once
 from dpmethods._loading import load_pending
 from dpmethods.streaming.process_io import OutputRequiresGrad, dumps, loads
 from dpmethods.streaming.process_state import rebuilt

@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import Size, Tensor
 
+from dpmethods._warn_once import warn_once
 from dpmethods.core.gather.join import join_same, joinable, pad
 from dpmethods.core.gather.values import all_equal, join_shapes, numpy_arrays, reduce
 from dpmethods.gather_modes import Mode
 from dpmethods.types.per_item import Items, Whole, extend, to_device
-from dpmethods.warn_once import warn_once
 
 __all__ = ["MODES", "UNJOINED", "ModeRow", "join_tensor_leaf", "join_value_leaf"]
 

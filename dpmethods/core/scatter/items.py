@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from dpmethods._warn_once import warn_once
 from dpmethods.types import tree as _tree
 from dpmethods.types.per_item import to_device as _to
-from dpmethods.warn_once import warn_once
 
 __all__: list[str] = []
 
