@@ -163,13 +163,13 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         shard: bool = False,
         workers: str | None = None,
         checkpoint: str | os.PathLike[str] | None = None,
+        errors: str = "raise",
         **kwargs: Any,
     ) -> Iterator[Any]:
         """Run ``method`` over many batches, each whole on whichever replica is free: an
         iterator of the outputs on ``output_device`` (``close()`` it to stop early).
 
-        Unlike a loop of calls, no batch is split and no replica waits for the others,
-        so ragged work (``generate``) keeps every device busy. See docs/map.md.
+        No batch is split and no replica waits for the others (docs/map.md).
 
         Args:
             method: a parallel method's name, or ``"forward"``.
@@ -184,8 +184,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
                 ``i % world_size == rank`` and yield only those outputs.
             workers: ``"threads"`` or ``"processes"`` (each batch in a worker process,
                 past the GIL); default: the wrapper's ``workers``.
-            checkpoint: a file recording which outputs were taken; the same map run
-                again with it skips them (docs/map.md, "Long runs").
+            checkpoint: a file recording the outputs taken: a rerun skips them (docs/map.md).
+            errors: ``"raise"``, or ``"yield"``: a failed batch's exception in its place.
             **kwargs: keyword arguments passed to every call.
 
         Example:
@@ -198,13 +198,13 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         """
         if checkpoint is not None:
             return checkpointed(self.map, method, batches, checkpoint, ordered=ordered, shard=shard,
-                                progress=progress, prefetch=prefetch, workers=workers, **kwargs)
+                                progress=progress, prefetch=prefetch, workers=workers, errors=errors, **kwargs)
         processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
             self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
             devices=self._devices, output_device=getattr(self, "output_device", None),
             replicate=self.replicate, pool=self._process_pool if processes and self._devices else None,
-            ordered=ordered, progress=progress, prefetch=prefetch, shard=shard,
+            ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, errors=errors,
         )
 
     def _options(self, name: str) -> MethodOptions:

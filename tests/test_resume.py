@@ -168,3 +168,69 @@ def test_a_resumable_map_is_closed_by_a_with_block(setup: Any) -> None:
             if k == 2:
                 break
     assert json.loads(ckpt.read_text())["done"] == [[0, 2]]  # written when the block closed it
+
+
+class Flaky(Counted):
+    """Counted, but batches whose index is in ``bad`` raise."""
+
+    def __init__(self, log: str, bad: tuple[int, ...]) -> None:
+        super().__init__(log)
+        self.bad = bad
+
+    @dpmethods.parallel_method
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        i = int(x[0, 0].item())
+        if i in self.bad:
+            raise ValueError(f"batch {i} is bad")
+        return self.lin(x)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("ordered", [True, False])
+def test_errors_yield_puts_each_exception_in_its_place(tmp_path: Path, workers: str, ordered: bool) -> None:
+    torch.manual_seed(0)
+    model = Flaky(str(tmp_path / "ran.txt"), bad=(3, 8))
+    batches = _batches()
+    dp = _dp(model, workers)
+    with torch.no_grad():
+        outs = list(dp.map("encode", batches, ordered=ordered, errors="yield"))
+        ref = [model.lin(b) for b in batches]
+    dp.close()
+    got = dict(enumerate(outs)) if ordered else dict(outs)
+    assert sorted(got) == list(range(N))
+    for i in (3, 8):
+        assert isinstance(got[i], ValueError) and str(got[i]) == f"batch {i} is bad"
+        assert any(f"batch {i}" in n and "DataParallel.map" in n for n in got[i].__notes__)
+    fine = [i for i in range(N) if i not in (3, 8)]
+    assert_close_to_reference([got[i] for i in fine], [ref[i] for i in fine], terms=mlp_terms(5))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_errors_raise_stops_the_map_and_names_the_batch(tmp_path: Path, workers: str) -> None:
+    model = Flaky(str(tmp_path / "ran.txt"), bad=(2,))
+    dp = _dp(model, workers)
+    with pytest.raises(ValueError, match="batch 2 is bad") as info, torch.no_grad():
+        list(dp.map("encode", _batches()))
+    dp.close()
+    assert any("batch 2" in n for n in info.value.__notes__)
+
+
+def test_errors_is_checked() -> None:
+    dp = _dp(Counted("unused"), "threads")
+    with pytest.raises(ValueError, match=r"map: errors: expected one of \['raise', 'yield'\], got 'yeld': did you mean 'yield'\?"):
+        dp.map("encode", _batches(), errors="yeld")
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_batch_runs_again_on_a_resumed_map(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    log, ckpt = tmp_path / "ran.txt", tmp_path / "map.json"
+    model = Flaky(str(log), bad=(5,))
+    dp = _dp(model, "threads")
+    with torch.no_grad():
+        first = list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))
+        assert isinstance(first[5], ValueError)
+        model.bad = ()
+        again = list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))
+    assert len(again) == 1 and not isinstance(again[0], BaseException)

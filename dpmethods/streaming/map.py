@@ -18,6 +18,7 @@ is running (threads are joined; a process's output is dropped when it arrives).
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import time
 import weakref
@@ -35,6 +36,7 @@ from dpmethods.types import tree as _tree
 
 __all__ = ["map_batches"]
 
+_ERRORS = ("raise", "yield")
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
 
 
@@ -197,7 +199,23 @@ def _shard() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def _check_options(ordered: Any, progress: Any, prefetch: Any, shard: Any) -> None:
+def _check_method(module: nn.Module, method: Any, methods: list[str]) -> None:
+    if not isinstance(method, str) or (method != "forward" and method not in methods):
+        hint = ""
+        if callable(getattr(type(module), "map", None)):
+            hint = f"; to call {type(module).__name__}.map itself, use .module.map(...)"
+        raise ValueError(
+            f"map: method: expected 'forward' or the name of a parallel method of "
+            f"{type(module).__name__} {sorted(m for m in methods if m != 'forward')}, "
+            f"got {type(method).__name__} {method!r}{hint}"
+        )
+
+
+def _check_options(ordered: Any, progress: Any, prefetch: Any, shard: Any, errors: Any) -> None:
+    if errors not in _ERRORS:
+        close = difflib.get_close_matches(str(errors), _ERRORS, n=1)
+        raise ValueError(f"map: errors: expected one of {list(_ERRORS)}, got {errors!r}"
+                         + (f": did you mean {close[0]!r}?" if close else ""))
     for name, value in (("ordered", ordered), ("shard", shard)):
         if not isinstance(value, bool):
             raise TypeError(f"map: {name}: expected a bool, got {type(value).__name__} {value!r}")
@@ -229,6 +247,7 @@ def map_batches(
     progress: bool | str = False,
     prefetch: int = 2,
     shard: bool = False,
+    errors: str = "raise",
 ) -> Iterator[Any]:
     """Run ``method`` of ``module`` over ``batches``; see ``DataParallel.map``.
 
@@ -248,6 +267,8 @@ def map_batches(
         progress: show a tqdm bar; a str is its description.
         prefetch: batches in flight per replica.
         shard: under torch.distributed, take batch i on rank ``i % world_size`` only.
+        errors: ``"raise"`` (a failed batch stops the map) or ``"yield"`` (its exception
+            is yielded in its place, and the map goes on).
 
     Example:
         >>> import torch
@@ -255,17 +276,8 @@ def map_batches(
         >>> [tuple(o.shape) for o in outs]
         [(3, 2), (1, 2)]
     """
-    _check_options(ordered, progress, prefetch, shard)
-    methods = list(methods)
-    if not isinstance(method, str) or (method != "forward" and method not in methods):
-        hint = ""
-        if callable(getattr(type(module), "map", None)):
-            hint = f"; to call {type(module).__name__}.map itself, use .module.map(...)"
-        raise ValueError(
-            f"map: method: expected 'forward' or the name of a parallel method of "
-            f"{type(module).__name__} {sorted(m for m in methods if m != 'forward')}, "
-            f"got {type(method).__name__} {method!r}{hint}"
-        )
+    _check_options(ordered, progress, prefetch, shard, errors)
+    _check_method(module, method, list(methods))
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
     rank, world = _shard() if shard else (0, 1)
@@ -287,6 +299,7 @@ def map_batches(
             # Built once for the whole map; under no_grad from the replica cache.
             replicas = replicate(module, devices) if replicate is not None else replicas
         run = Run(replicas, [*devices] or [None], method, out_dev, prefetch)
+    run.keep_errors = errors == "yield"
     dim = options(method).dim if options is not None else 0
     return _MapIterator(run, source, dict(kwargs or {}), ordered=ordered, prefetch=prefetch,
                         dim=dim, progress=_progress_factory(progress, total))

@@ -92,6 +92,7 @@ class ProcessRun:
         self.pending: collections.deque[tuple[int, int, Any, Any]] = collections.deque()
         self.futures: dict[cf.Future[bytes], tuple[Worker, int, int]] = {}
         self.running = {w: 0 for w in pool.workers}
+        self.keep_errors = False  # errors='yield': a batch's exception is its output
         self.bar: Any = None
 
     def start(self) -> float:
@@ -134,9 +135,17 @@ class ProcessRun:
         try:
             out = w.reply(done, f"DataParallel.map: raised in batch {index}", f"batch {index} of DataParallel.map")
         except StopIteration as exc:  # else taken for the end of the map
-            raise batch_error(exc, index, w.describe())  # noqa: B904 - its cause is set
+            out = batch_error(exc, index, w.describe())
+            if not self.keep_errors:
+                raise out  # noqa: B904 - batch_error set its cause
+        except WorkerDiedError:
+            raise
+        except Exception as exc:
+            if not self.keep_errors:
+                raise
+            out = exc  # its note names the batch and the worker
         self.submit_pending()
-        return seq, index, received(out, self.output_device)
+        return seq, index, out if isinstance(out, BaseException) else received(out, self.output_device)
 
     def submit_pending(self) -> None:
         """Send pending batches to the least busy workers while one has room."""

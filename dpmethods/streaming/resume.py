@@ -153,7 +153,8 @@ def resumable(
             else:
                 index = original[item[0]]
                 yield (index, item[1])
-            progress.taken(index)  # the consumer asked for the next one
+            if not isinstance(item if ordered else item[1], BaseException):
+                progress.taken(index)  # asked past; a failed batch (errors="yield") runs again
         finished = True
         progress.finished = True
     finally:

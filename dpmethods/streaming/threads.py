@@ -79,6 +79,7 @@ class Run:
         self.work: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.stopped = threading.Event()
+        self.keep_errors = False  # errors='yield': a batch's exception is its output
         self.threads: list[threading.Thread] = []
         self.bar: Any = None
 
@@ -114,8 +115,11 @@ class Run:
                     ) from None
         if exc is None:
             return seq, index, out
+        where = f"replica {r} (device {self.devices[r]})"
+        if self.keep_errors and isinstance(exc, Exception) and seq is not None:
+            return seq, index, batch_error(exc, index, where)
         try:
-            raise batch_error(exc, index, f"replica {r} (device {self.devices[r]})")
+            raise batch_error(exc, index, where)
         finally:
             exc = None  # the traceback holds this frame: don't hold the exception too
 
@@ -230,7 +234,8 @@ def _serve(run: Run, r: int) -> None:
                     out = _run_cuda(run, fn, device, streams[1], (args, kwargs, ready))  # type: ignore[arg-type]
                 run.results.put((seq, index, out, None, r))
             except BaseException as exc:
-                run.stopped.set()  # the other workers take nothing more
+                if not (run.keep_errors and isinstance(exc, Exception)):
+                    run.stopped.set()  # the other workers take nothing more
                 run.results.put((seq, index, None, exc, r))
             out = args = kwargs = None  # drop this batch before waiting for the next
 
