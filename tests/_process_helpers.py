@@ -124,33 +124,75 @@ def count_calls(module: nn.Module, args: Any, output: Any) -> Any:
     return output * 2
 
 
-def shard_rank(rank: int, world: int, port: int, outdir: str) -> None:
-    """One gloo rank of the shard test: a process map with shard=True, results saved."""
+def spawn_gloo(target: Any, world: int, outdir: Any, *args: Any, timeout_s: float = 150) -> list[Any]:
+    """Run ``target(rank, world, *args)`` on ``world`` gloo ranks on 127.0.0.1 (spawned
+    processes); each rank's return value, saved by the rank. Fails the test past ``timeout_s``."""
+    import socket
+    import time
+    from pathlib import Path
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(
+        _gloo_rank, args=(world, port, str(outdir), target, args), nprocs=world, join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"the {world}-rank gloo run did not finish in {timeout_s} s")
+    return [torch.load(Path(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _gloo_rank(rank: int, world: int, port: int, outdir: str, target: Any, args: tuple[Any, ...]) -> None:
     import traceback
     from datetime import timedelta
     from pathlib import Path
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers="processes")
-        batches = [torch.full((2, 4), float(i)) for i in range(7)]
-        with torch.no_grad():
-            ordered = list(dp.map("encode", batches, shard=True))
-            pairs = list(dp.map("encode", iter(batches), shard=True, ordered=False))
-        dp.close()
-        torch.save(
-            {"ordered": ordered, "indices": [i for i, _ in pairs], "pairs": pairs},
-            os.path.join(outdir, f"rank{rank}.pt"),
-        )
+        torch.save(target(rank, world, *args), os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:
         Path(outdir, f"error{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
         torch.distributed.destroy_process_group()
+
+
+SHARD_BATCHES = 7
+
+
+def shard_batches() -> list[torch.Tensor]:
+    return [torch.full((2, 4), float(i)) for i in range(SHARD_BATCHES)]
+
+
+def shard_maps(rank: int, world: int, workers: str) -> dict[str, Any]:
+    """One rank of the shard test: ordered and unordered maps with shard=True."""
+    dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers=workers)
+    with torch.no_grad():
+        ordered = list(dp.map("encode", shard_batches(), shard=True))
+        pairs = list(dp.map("encode", iter(shard_batches()), shard=True, ordered=False))
+    dp.close()
+    return {"ordered": ordered, "indices": [i for i, _ in pairs], "pairs": pairs}
+
+
+def shard_checkpointed(rank: int, world: int, workers: str, path: str) -> dict[str, Any]:
+    """One rank of a resumable sharded map: stopped after one output, then run again."""
+    dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers=workers)
+    with torch.no_grad():
+        with dp.map("encode", shard_batches(), shard=True, ordered=False, checkpoint=path) as first:
+            taken = [next(first), next(first)]  # the second is not asked past: it comes again
+        rest = list(dp.map("encode", shard_batches(), shard=True, ordered=False, checkpoint=path))
+    dp.close()
+    return {"taken": taken, "rest": rest}
 
 
 class Unloadable:

@@ -10,16 +10,22 @@ from __future__ import annotations
 import gc
 import os
 import threading
-import time
 import traceback
 import warnings
 from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _process_helpers import (
+    SHARD_BATCHES,
+    build_net,
+    shard_batches,
+    shard_checkpointed,
+    shard_maps,
+    spawn_gloo,
+)
 from torch import nn
 
 import dpmethods
@@ -349,72 +355,51 @@ def test_generate_of_a_real_gpt2() -> None:
 # ------------------------------------------------------------ shard=True, 2 gloo ranks
 
 
-def _shard_worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30)
-    )
-    try:
-        torch.manual_seed(0)
-        net = Net().eval()
-        dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
-        batches = [torch.full((2, 4), float(i)) for i in range(7)]
-        with torch.no_grad():
-            ordered = list(dp.map("encode", batches, shard=True))
-            pairs = list(dp.map("encode", iter(batches), shard=True, ordered=False))
-        gathered: list[Any] = [None] * world
-        torch.distributed.all_gather_object(gathered, sorted(pairs, key=lambda p: p[0]))
-        torch.save(
-            {"ordered": ordered, "indices": [i for i, _ in pairs], "gathered": gathered},
-            os.path.join(outdir, f"rank{rank}.pt"),
-        )
-    except BaseException:
-        Path(outdir, f"error{rank}.txt").write_text(traceback.format_exc())
-        raise
-    finally:
-        torch.distributed.destroy_process_group()
+_GLOO = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available in this build",
+)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available in this build",
-)
-def test_shard_under_two_gloo_ranks(tmp_path: Path) -> None:
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(
-        _shard_worker, args=(2, port, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 150
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the 2-rank shard run did not finish in 150 s")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    torch.manual_seed(0)
-    net = Net().eval()
-    batches = [torch.full((2, 4), float(i)) for i in range(7)]
+@_GLOO
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_shard_under_two_gloo_ranks(tmp_path: Path, workers: str) -> None:
+    ranks = spawn_gloo(shard_maps, 2, tmp_path, workers)
+    net = build_net()
     with torch.no_grad():
-        ref = [net.encode(b) for b in batches]
+        ref = [net.encode(b) for b in shard_batches()]
+    merged = []
     for rank, res in enumerate(ranks):
-        mine = list(range(rank, 7, 2))
+        mine = list(range(rank, SHARD_BATCHES, 2))
         assert sorted(res["indices"]) == mine
         assert len(res["ordered"]) == len(mine)
         for out, i in zip(res["ordered"], mine):
             _same(out, ref[i])
-        # all_gather_object gives every rank every rank's (index, output) pairs.
-        merged = sorted(p for part in res["gathered"] for p in part)
-        assert [i for i, _ in merged] == list(range(7))
-        for i, out in merged:
+        merged += res["pairs"]
+    assert sorted(i for i, _ in merged) == list(range(SHARD_BATCHES))
+    for i, out in merged:
+        _same(out, ref[i])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@_GLOO
+def test_a_sharded_map_resumes_per_rank(tmp_path: Path) -> None:
+    path = tmp_path / "run.json"
+    ranks = spawn_gloo(shard_checkpointed, 2, tmp_path, "threads", str(path))
+    net = build_net()
+    with torch.no_grad():
+        ref = [net.encode(b) for b in shard_batches()]
+    for rank, res in enumerate(ranks):
+        assert Path(f"{path}.rank{rank}-of-2").exists()
+        first, second = (i for i, _ in res["taken"])
+        rest = [i for i, _ in res["rest"]]
+        # The first output taken is not run again; the second was not asked past.
+        assert sorted(rest) == sorted(set(range(rank, SHARD_BATCHES, 2)) - {first})
+        assert second in rest
+        for i, out in res["taken"] + res["rest"]:
             _same(out, ref[i])
 
 

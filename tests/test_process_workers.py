@@ -14,10 +14,8 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +33,6 @@ from _process_helpers import (
     build_net,
     build_net_doubled,
     count_calls,
-    shard_rank,
     tiny_gpt2,
 )
 from _tiny_models import random_sentences, tiny_sentence_transformer
@@ -573,40 +570,6 @@ def test_sentence_transformers_encode(tmp_path: Path) -> None:
         assert_close_to_reference(np.concatenate(parts), want, terms=terms)
     finally:
         dp.close()
-
-
-@pytest.mark.distributed
-@pytest.mark.skipif(
-    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
-    reason="torch.distributed with gloo is not available in this build",
-)
-def test_shard_under_two_gloo_ranks(tmp_path: Path) -> None:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(
-        shard_rank, args=(2, port, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 160
-    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the 2-rank shard run did not finish in 160 s")
-    net = build_net()
-    batches = [torch.full((2, 4), float(i)) for i in range(7)]
-    with torch.no_grad():
-        ref = [net.encode(b) for b in batches]
-    for rank in range(2):
-        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
-        mine = list(range(rank, 7, 2))
-        assert sorted(res["indices"]) == mine
-        for out, i in zip(res["ordered"], mine):
-            _same(out, ref[i])
-        for i, out in res["pairs"]:
-            _same(out, ref[i])
 
 
 @pytest.mark.cuda
