@@ -33,12 +33,8 @@ def encoder() -> Encoder:
 
 
 def gpt2() -> Any:
-    """A tiny random GPT-2 (as tests/test_generate.py builds it)."""
-    import transformers
+    """The tests' tiny random GPT-2, seeded, in eval mode."""
+    from _tiny_models import tiny_gpt2
 
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(
-        vocab_size=48, n_positions=64, n_embd=16, n_layer=2, n_head=2,
-        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
-    )
-    return transformers.GPT2LMHeadModel(cfg).eval()
+    return tiny_gpt2().eval()

@@ -67,3 +67,15 @@ def batch_sizes_seen(module: nn.Module) -> list[int]:
 def shares(n: int, devices: int) -> list[int]:
     """The replicas' shares of ``n`` items on ``devices`` devices, sorted."""
     return sorted(dpmethods.parallel.chunk_sizes(n, devices))
+
+
+def tiny_gpt2(**config: Any) -> Any:
+    """A random GPT-2 (2 layers of width 16, 48 tokens; ``config`` overrides fields of
+    ``GPT2Config``), as built here (no seed is set, no mode)."""
+    import transformers
+
+    base: dict[str, Any] = dict(
+        vocab_size=48, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
+    )
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**base, **config}))

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from _close import transformer_terms
+from _tiny_models import tiny_gpt2
 
 import dpmethods
 from dpmethods import DataParallel
@@ -30,11 +31,7 @@ NEW = 10
 
 
 def _gpt2() -> Any:
-    cfg = transformers.GPT2Config(
-        vocab_size=48, n_positions=64, n_embd=16, n_layer=2, n_head=2,
-        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
+    return tiny_gpt2()
 
 
 def _llama() -> Any:

@@ -27,12 +27,15 @@ def _close(got: Any, ref: Any) -> None:
     assert_close_to_reference(got, ref, terms=transformer_terms(width=32, ff=128 + 4, seq=5, layers=2))
 
 
+# The tiny GPT-2 every test here adapts (the token ids differ per test).
+_PEFT_GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+
+
 @pytest.mark.parametrize("batch,devices", SPLITS)
 def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=0)
     base = transformers.GPT2LMHeadModel(config)
     lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
     model = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="one")
@@ -57,8 +60,7 @@ def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
 def test_peft_generate_is_parallel_with_no_configuration(batch: int, devices: int) -> None:
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                     bos_token_id=0, eos_token_id=5, pad_token_id=0)
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=5, pad_token_id=0)
     lora = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
     model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora).eval()
     ids = torch.randint(6, 64, (batch, 5))
@@ -86,8 +88,7 @@ def test_peft_generate_is_parallel_with_no_configuration(batch: int, devices: in
 def test_peft_generate_splits_adapter_names_with_no_configuration(batch: int, devices: int) -> None:
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32,
-                                     bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
     lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
     torch.manual_seed(0)
     model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
