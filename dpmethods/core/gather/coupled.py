@@ -24,7 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from dpmethods._warn_once import warn_once
-from dpmethods.core.gather.modes import MODES
+from dpmethods.core.gather.modes import row
 
 __all__ = ["check_batch_dim", "check_coupled", "check_shares"]
 
@@ -89,7 +89,7 @@ def check_coupled(
         if count >= 2
         and i not in exempt
         and all(map(isinstance, columns[i], itertools.repeat(Tensor)))
-        and (modes is None or MODES[modes[i]].couples)
+        and (modes is None or row(modes[i]).couples)
         and _coupled(columns[i], sizes, dims[i])
     ]
     if not coupled:
@@ -105,7 +105,7 @@ def check_coupled(
             "gathered batch instead."
         )
     for i, m in enumerate(modes or ()):
-        if MODES[m].reduces:
+        if row(m).reduces:
             warn_once(
                 f"gather: {path(i)} is reduced with {m!r} across replicas alongside the "
                 f"batch-coupled {', '.join(names)}: such a loss is computed per replica on "
@@ -168,7 +168,7 @@ def check_batch_dim(
         exempt = exempt()
     found: dict[int, int] = {}
     for i in candidates:
-        if i in exempt or (modes is not None and not MODES[modes[i]].batch_dim):
+        if i in exempt or (modes is not None and not row(modes[i]).batch_dim):
             continue
         column = columns[i]
         if not all(map(isinstance, column, itertools.repeat(Tensor))):

@@ -27,7 +27,7 @@ from dpmethods.core.gather.values import all_equal, join_shapes, numpy_arrays, r
 from dpmethods.gather_modes import Mode
 from dpmethods.types.per_item import Items, Whole, extend, to_device
 
-__all__ = ["MODES", "UNJOINED", "ModeRow", "join_tensor_leaf", "join_value_leaf"]
+__all__ = ["MODES", "UNJOINED", "ModeRow", "join_tensor_leaf", "join_value_leaf", "row"]
 
 UNJOINED = object()  # a value join's "no rule of mine": the common fallback decides
 _NUMBERS = (int, float, complex)
@@ -140,17 +140,28 @@ def _same_values(column: Sequence[Any], dim: int, path: str, device: torch.devic
     return column[0]
 
 
+# Keyed by the modes' plain strings: torch.compile (2.11) cannot hash the Mode members.
 MODES: dict[str, ModeRow] = {
-    #            tensors          values                   couples batch_dim reduces
-    Mode.CAT: ModeRow(_cat, _concat_values, True, True, False),
-    Mode.STACK: ModeRow(_stack, _stack_values, True, False, False),
-    Mode.MEAN: ModeRow(_reducing(True), _reducing_values(True), False, False, True),
-    Mode.SUM: ModeRow(_reducing(False), _reducing_values(False), False, False, True),
-    Mode.PAD: ModeRow(_pad, _concat_values, True, True, False),
-    Mode.LIST: ModeRow(_list, _list_values, False, False, False),
-    Mode.EXTEND: ModeRow(_cat, _concat_values, True, False, False),
-    Mode.SAME: ModeRow(_same, _same_values, False, False, False),
+    #                  tensors          values                   couples batch_dim reduces
+    Mode.CAT.value: ModeRow(_cat, _concat_values, True, True, False),
+    Mode.STACK.value: ModeRow(_stack, _stack_values, True, False, False),
+    Mode.MEAN.value: ModeRow(_reducing(True), _reducing_values(True), False, False, True),
+    Mode.SUM.value: ModeRow(_reducing(False), _reducing_values(False), False, False, True),
+    Mode.PAD.value: ModeRow(_pad, _concat_values, True, True, False),
+    Mode.LIST.value: ModeRow(_list, _list_values, False, False, False),
+    Mode.EXTEND.value: ModeRow(_cat, _concat_values, True, False, False),
+    Mode.SAME.value: ModeRow(_same, _same_values, False, False, False),
 }
+
+
+def row(mode: str) -> ModeRow:
+    """The row of a built-in mode, given as a :class:`Mode` member or its string.
+
+    Example:
+        >>> row(Mode.MEAN).reduces, row("cat").reduces
+        (True, False)
+    """
+    return MODES[mode.value if isinstance(mode, Mode) else mode]
 
 
 def join_tensor_leaf(
@@ -169,7 +180,7 @@ def join_tensor_leaf(
     if coupled and not joinable(col, dim):
         # A coupled leaf that cat can't join comes back in pieces: it was warned about.
         return [t.to(plan.device) for t in col], None
-    return MODES[mode].tensors(col, dim, ragged, path, plan)
+    return row(mode).tensors(col, dim, ragged, path, plan)
 
 
 def join_value_leaf(
@@ -190,7 +201,7 @@ def join_value_leaf(
         return extend(column, device)
     if isinstance(first, Whole):
         return [to_device(w.value, device) for w in column]
-    joined = MODES[mode].values(column, dim, path, device, weights)
+    joined = row(mode).values(column, dim, path, device, weights)
     if joined is not UNJOINED:
         return joined
     if all_equal(column):
