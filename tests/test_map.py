@@ -25,6 +25,7 @@ from _process_helpers import (
     shard_checkpointed,
     shard_maps,
     spawn_gloo,
+    tiny_gpt2,
 )
 from torch import nn
 
@@ -331,12 +332,8 @@ def test_a_parallel_method_named_map_keeps_the_wrapper_map() -> None:
 
 
 def test_generate_of_a_real_gpt2() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(
-        vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2,
-        bos_token_id=0, eos_token_id=1, pad_token_id=1,
-    )
-    model = transformers.GPT2LMHeadModel(config).eval()
+    pytest.importorskip("transformers")
+    model = tiny_gpt2()  # the process-worker tests' GPT-2 (seeded, eval mode)
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"])
     g = torch.Generator().manual_seed(0)
     batches = [
