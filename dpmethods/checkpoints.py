@@ -36,10 +36,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, (nn.DataParallel, DistributedDataParallel)):
             model = model.module
-        elif unwrap_compiled(model) is not model:
-            model = unwrap_compiled(model)
-        else:
+            continue
+        inner = unwrap_compiled(model)
+        if inner is model:
             return model
+        model = inner
 
 
 # The prefixes that wrappers put on their module's keys: DataParallel, DDP, our

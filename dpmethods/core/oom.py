@@ -50,8 +50,9 @@ class Fit:
 
     def ran_out(self, fitting: int) -> None:
         """A share ran out; ``fitting`` items (its half) are tried next."""
+        fitting = max(1, fitting)
         with self._lock:
-            self.largest = max(1, fitting) if not self.largest else min(self.largest, max(1, fitting))
+            self.largest = min(self.largest, fitting) if self.largest else fitting
 
 
 def check_on_oom(value: Any, workers: str = "threads") -> str:

@@ -34,7 +34,7 @@ from dpmethods.streaming.process_pool import ProcessPool
 from dpmethods.streaming.threads import Run
 from dpmethods.types import tree as _tree
 
-__all__ = ["map_batches"]
+__all__ = ["map_batches", "rank_and_world"]
 
 _ERRORS = ("raise", "yield")
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
@@ -189,7 +189,17 @@ def _progress_factory(progress: bool | str, total: int | None) -> Any:
     return lambda: tqdm(total=total, desc=desc, unit="batch", dynamic_ncols=True)
 
 
-def _shard() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size, for ``shard=True`` (torch.distributed must
+    be initialized).
+
+    Example:
+        >>> try:
+        ...     rank_and_world()
+        ... except RuntimeError as exc:  # no process group in this process
+        ...     print(str(exc).split(": ")[1])
+        shard=True
+    """
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -280,7 +290,7 @@ def map_batches(
     _check_method(module, method, list(methods))
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
-    rank, world = _shard() if shard else (0, 1)
+    rank, world = rank_and_world() if shard else (0, 1)
     source: Iterator[tuple[int, Any]] = itertools.islice(enumerate(batches), rank, None, world)
     try:
         total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]

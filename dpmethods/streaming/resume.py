@@ -23,6 +23,8 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dpmethods.streaming.map import rank_and_world
+
 __all__ = ["Progress", "checkpointed", "resumable"]
 
 _VERSION = 1
@@ -175,16 +177,7 @@ def checkpointed(
             f"map: checkpoint: expected a file path (str or os.PathLike), got "
             f"{type(checkpoint).__name__} {checkpoint!r}"
         )
-    rank = None
-    if shard:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "DataParallel.map: shard=True: expected torch.distributed to be initialized "
-                "(under torchrun, after init_process_group)"
-            )
-        rank = (dist.get_rank(), dist.get_world_size())
+    rank = rank_and_world() if shard else None
     return _Closing(resumable(
         lambda pending: run_map(method, pending, ordered=ordered, shard=False, **options),
         batches, path=checkpoint, method=method, ordered=ordered, shard=rank,

@@ -21,7 +21,6 @@ from torch import Size, Tensor
 
 __all__ = ["all_equal", "join_shapes", "numpy_arrays", "reduce"]
 
-_NUMBERS = (int, float, complex)
 
 
 def all_equal(values: Sequence[Any]) -> bool:
