@@ -65,9 +65,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             ``map(workers=)`` overrides it per map. See docs/map.md; ``close()`` stops them.
         factory: with processes, a picklable zero-argument callable that builds the
             module in each worker, instead of sending it (changes to it are then not seen).
-        on_oom: ``"raise"`` (default) or ``"split"``: a replica whose share raises
-            ``torch.OutOfMemoryError`` runs it in halves, cut and joined by the method's
-            own rules (threads only; see docs/map.md).
+        on_oom: ``"raise"`` (default) or ``"split"``: a share that raises ``torch.OutOfMemoryError``
+            runs in halves, cut and joined by the method's own rules (docs/map.md).
 
     Tensors are split along the method's ``dim``; other arguments go whole to every
     replica (an iterator is read once, each replica getting its own). Without GPUs,
@@ -115,7 +114,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.cache_replicas = cache_replicas
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self.workers = check_workers(workers)
-        self.on_oom = check_on_oom(on_oom, self.workers)
+        self.on_oom = check_on_oom(on_oom)
         self._devices = _placement._resolve_devices(device_ids)
         self.__dict__["_process_pool"] = ProcessPool(self._devices, check_factory(factory))
         self._init_methods(module, methods)
@@ -162,31 +161,30 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         prefetch: int = 2,
         shard: bool = False,
         workers: str | None = None,
-        checkpoint: str | os.PathLike[str] | None = None,
+        retries: int = 1,
+        timeout: float | None = None,
         errors: str = "raise",
+        on_oom: str = "raise",
+        checkpoint: str | os.PathLike[str] | None = None,
         **kwargs: Any,
     ) -> Iterator[Any]:
         """Run ``method`` over many batches, each whole on whichever replica is free: an
         iterator of the outputs on ``output_device`` (``close()`` it to stop early).
 
-        No batch is split and no replica waits for the others (docs/map.md).
-
-        Args:
+        Args (docs/map.md has each one's behaviour and cost):
             method: a parallel method's name, or ``"forward"``.
-            batches: any iterable (a DataLoader too). A Mapping batch is passed as
-                keyword arguments, a tuple as positional arguments, anything else as
-                the one positional argument.
-            ordered: outputs in input order (through a bounded reorder buffer); if
-                False, ``(index, output)`` pairs as batches finish.
+            batches: any iterable; a Mapping batch gives keyword arguments, a tuple positional ones.
+            ordered: outputs in input order; if False, ``(index, output)`` as they finish.
             progress: a tqdm bar of batches and items per second; a str is its title.
             prefetch: batches in flight per replica (memory stays bounded).
-            shard: under torch.distributed, run only batch i with
-                ``i % world_size == rank`` and yield only those outputs.
-            workers: ``"threads"`` or ``"processes"`` (each batch in a worker process,
-                past the GIL); default: the wrapper's ``workers``.
-            checkpoint: a file recording the outputs taken: a rerun skips them (docs/map.md).
+            shard: under torch.distributed, only batch i with ``i % world_size == rank``.
+            workers: ``"threads"`` or ``"processes"``; default: the wrapper's.
+            retries: runs of a batch again on a fresh worker process after its worker died.
+            timeout: seconds a batch may run (processes: killed, retried; threads: raised).
             errors: ``"raise"``, or ``"yield"``: a failed batch's exception in its place.
-            **kwargs: keyword arguments passed to every call.
+            on_oom: ``"raise"``, or ``"split"``: a batch out of memory runs in halves.
+            checkpoint: a file recording the outputs taken: a rerun skips them.
+            **kwargs: passed to every call (a name clashing with an option: docs/map.md).
 
         Example:
             >>> import torch, dpmethods
@@ -196,15 +194,16 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             >>> len(outs), outs[0].shape
             (5, torch.Size([3, 2]))
         """
+        options: Any = dict(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, retries=retries,
+                       timeout=timeout, errors=errors, on_oom=on_oom)
         if checkpoint is not None:
-            return checkpointed(self.map, method, batches, checkpoint, ordered=ordered, shard=shard,
-                                progress=progress, prefetch=prefetch, workers=workers, errors=errors, **kwargs)
+            return checkpointed(self.map, method, batches, checkpoint, workers=workers, **options, **kwargs)
         processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
             self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
             devices=self._devices, output_device=getattr(self, "output_device", None),
             replicate=self.replicate, pool=self._process_pool if processes and self._devices else None,
-            ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, errors=errors,
+            **options,
         )
 
     def _options(self, name: str) -> MethodOptions:
@@ -227,7 +226,8 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             _placement.check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
         remote = None
         if self.workers == "processes" and (len(self.device_ids) > 1 or self._process_pool.factory):
-            remote = functools.partial(call_chunks, self._process_pool, self.module, name)
+            remote = functools.partial(call_chunks, self._process_pool, self.module, name,
+                                       oom=self._options(name) if self.on_oom == "split" else None)
         return _flow.run_method(self, name, fn, args, kwargs, self._options(name), key, remote)
 
     # --- torch's seams, torch's signatures, method-aware through the current call ----

@@ -115,8 +115,6 @@ def test_without_the_option_the_error_is_raised() -> None:
 def test_the_option_is_checked() -> None:
     with pytest.raises(ValueError, match=r"on_oom: expected one of \['raise', 'split'\], got 'spilt': did you mean 'split'\?"):
         dpmethods.DataParallel(Limited(), device_ids=["cpu"] * 2, on_oom="spilt")
-    with pytest.raises(ValueError, match=r"on_oom: 'split' runs with workers='threads' only .* got workers='processes'"):
-        dpmethods.DataParallel(Limited(), device_ids=["cpu"] * 2, on_oom="split", workers="processes")
 
 
 def test_generate_runs_in_halves_and_equals_one_device() -> None:

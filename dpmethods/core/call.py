@@ -39,7 +39,8 @@ from dpmethods.core.scatter import scatter_call
 from dpmethods.gather_modes import BUILTIN_MODES, named_mode
 from dpmethods.options import MethodOptions
 
-__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares", "share_runner"]
+__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares", "share_runner",
+           "split_on_oom"]
 
 
 @dataclass
@@ -250,20 +251,47 @@ def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[...
     shares = list(ctx.sizes)
 
     def run_share(i: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        device = wrapper._devices[i]
-
-        def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-            cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, ctx.fn,
-                               split=opts.split, scatter_dim=opts.scatter_dim)
-            return list(zip(cut[0], cut[1])), cut.sizes
-
-        def join(outs: list[Any], sizes: list[int], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-            part = _Call(None, ctx.name, opts, ctx.fn, args=a, kwargs=k, sizes=sizes)
-            return gather_outputs(wrapper.module, part, opts, outs, device)
-
         n = shares[i] if i < len(shares) else 1
-        fit = fits.setdefault(i, Fit())
-        return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), n,
-                             halve=halve, join=join, fit=fit, device=device)
+        return split_on_oom(wrapper.module, ctx.name, opts, fn, wrapper._devices[i],
+                            fits.setdefault(i, Fit()), args, kwargs, n, names=ctx.fn)
 
     return run_share
+
+
+def split_on_oom(
+    module: Any, name: str, opts: MethodOptions, fn: Callable[..., Any], device: Any, fit: Fit,
+    args: Any, kwargs: Any, n: int | None = None, *, names: Callable[..., Any] | None = None,
+) -> Any:
+    """``fn(*args, **kwargs)`` on one replica, halved by the method's scatter rules when
+    it runs out of memory and the halves joined by its gather rule (:mod:`dpmethods.core.oom`).
+
+    ``n`` is the share's items (None: counted by the scatter rules, only if needed);
+    ``names`` the function whose signature names the arguments (default ``fn``).
+
+    Example:
+        >>> import torch
+        >>> calls = []
+        >>> def embed(x):
+        ...     calls.append(len(x))
+        ...     if len(x) > 2:
+        ...         raise torch.OutOfMemoryError("too big")
+        ...     return x * 2
+        >>> split_on_oom(None, "embed", MethodOptions(), embed, "cpu", Fit(), (torch.arange(5),), {}).tolist()
+        [0, 2, 4, 6, 8]
+        >>> calls
+        [5, 3, 2, 1, 2]
+    """
+    names = names if names is not None else fn
+
+    def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
+                           split=opts.split, scatter_dim=opts.scatter_dim)
+        return list(zip(cut[0], cut[1])), cut.sizes
+
+    def join(outs: list[Any], sizes: list[int], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        part = _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes)
+        return gather_outputs(module, part, opts, outs, device)
+
+    count: Any = n if n is not None else (lambda: sum(halve(tuple(args), dict(kwargs))[1]))
+    return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), count,
+                         halve=halve, join=join, fit=fit, device=device)

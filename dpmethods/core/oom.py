@@ -55,8 +55,8 @@ class Fit:
             self.largest = min(self.largest, fitting) if self.largest else fitting
 
 
-def check_on_oom(value: Any, workers: str = "threads") -> str:
-    """``on_oom``, checked (with the wrapper's ``workers``).
+def check_on_oom(value: Any, name: str = "on_oom") -> str:
+    """``value`` if it is ``"raise"`` or ``"split"``; else a ``ValueError`` naming ``name``.
 
     Example:
         >>> check_on_oom("split")
@@ -69,13 +69,7 @@ def check_on_oom(value: Any, workers: str = "threads") -> str:
     if value not in ON_OOM:
         close = difflib.get_close_matches(str(value), ON_OOM, n=1)
         hint = f": did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"on_oom: expected one of {list(ON_OOM)}, got {value!r}{hint}")
-    if value == "split" and workers == "processes":
-        # Worker processes run their shares whole: say so rather than let an OOM through.
-        raise ValueError(
-            "on_oom: 'split' runs with workers='threads' only (worker processes run each "
-            "share whole), got workers='processes'"
-        )
+        raise ValueError(f"{name}: expected one of {list(ON_OOM)}, got {value!r}{hint}")
     return value  # type: ignore[no-any-return]
 
 
@@ -86,7 +80,7 @@ def _free(device: torch.device) -> None:
 
 
 def run_splitting(
-    run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, *,
+    run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], n: int | Callable[[], int], *,
     halve: Callable[[tuple[Any, ...], dict[str, Any]], Any],
     join: Callable[[list[Any], list[int], tuple[Any, ...], dict[str, Any]], Any],
     fit: Fit, device: Any,
@@ -96,6 +90,8 @@ def run_splitting(
 
     Args:
         run: runs the method on a share.
+        n: the share's items, or a function that counts them (called only when the
+            count matters: after an out-of-memory error, or once one was seen).
         halve: ``(args, kwargs) -> (halves, sizes)``: the share cut in two, as
             ``[(args, kwargs), (args, kwargs)]`` and their sizes.
         join: ``(outputs, sizes, args, kwargs) -> output``: the halves' outputs joined
@@ -116,18 +112,26 @@ def run_splitting(
         >>> run_splitting(run, ([1, 2, 3, 4, 5],), {}, 5, halve=halve, join=join, fit=Fit(), device="cpu")
         [1, 2, 3, 4, 5]
     """
-    if not fit.cut_up_front(n):
+    counted = [n] if isinstance(n, int) else []
+
+    def size() -> int:  # counting may cost a scatter: only when it matters
+        if not counted:
+            counted.append(n())  # type: ignore[operator]
+        return counted[0]  # type: ignore[return-value]
+
+    if not (fit.largest and fit.cut_up_front(size())):
         try:
             out = run(args, kwargs)
-            fit.ran(n)
+            if fit.largest:
+                fit.ran(size())
             return out
         except torch.OutOfMemoryError as exc:
-            if n <= 1:
-                exc.add_note(f"dpmethods: on_oom='split': a share of {n} item does not fit")
+            if size() <= 1:
+                exc.add_note(f"dpmethods: on_oom='split': a share of {size()} item does not fit")
                 raise
         # Out of the except block: the error and the frames' tensors it held are freed.
         _free(as_device(device))
-        fit.ran_out((n + 1) // 2)
+        fit.ran_out((size() + 1) // 2)
     halves, sizes = halve(args, kwargs)
     outs = [
         run_splitting(run, a, k, m, halve=halve, join=join, fit=fit, device=device)

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from dpmethods.core.devices import as_device, check_source_device
+from dpmethods.core.oom import check_on_oom
+from dpmethods.options import MethodOptions
 from dpmethods.streaming.process_map import ProcessRun
 from dpmethods.streaming.process_pool import ProcessPool
 from dpmethods.streaming.threads import Run
@@ -221,7 +223,8 @@ def _check_method(module: nn.Module, method: Any, methods: list[str]) -> None:
         )
 
 
-def _check_options(ordered: Any, progress: Any, prefetch: Any, shard: Any, errors: Any) -> None:
+def _check_options(ordered: Any, progress: Any, prefetch: Any, shard: Any, errors: Any,
+                   retries: Any, timeout: Any) -> None:
     if errors not in _ERRORS:
         close = difflib.get_close_matches(str(errors), _ERRORS, n=1)
         raise ValueError(f"map: errors: expected one of {list(_ERRORS)}, got {errors!r}"
@@ -234,11 +237,33 @@ def _check_options(ordered: Any, progress: Any, prefetch: Any, shard: Any, error
             f"map: progress: expected a bool or a str (the bar's description), got "
             f"{type(progress).__name__} {progress!r}"
         )
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
-        raise ValueError(
-            f"map: prefetch: expected an int >= 1 (batches in flight per replica), got "
-            f"{type(prefetch).__name__} {prefetch!r}"
-        )
+    for name, value, least, what in (("prefetch", prefetch, 1, "batches in flight per replica"),
+                                     ("retries", retries, 0, "runs again after a worker died")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"map: {name}: expected an int >= {least} ({what}), got "
+                             f"{type(value).__name__} {value!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout < float("inf")):
+        raise ValueError(f"map: timeout: expected None or a number of seconds > 0, got "
+                         f"{type(timeout).__name__} {timeout!r}")
+
+
+def _backend(
+    module: nn.Module, method: str, devices: list[torch.device], output_device: Any,
+    replicate: Any, pool: ProcessPool | None, prefetch: int, **options: Any,
+) -> Any:
+    """The map's workers: processes of ``pool``, else a thread per replica."""
+    # As a call: outputs on output_device; without devices (no GPU) a plain call.
+    out_dev = as_device(output_device if output_device is not None else devices[0]) if devices else None
+    if pool is not None:
+        return ProcessRun(pool, module, method, out_dev, **options)
+    replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
+    if len(devices) > 1:
+        check_source_device(module, devices[0])
+        # Built once for the whole map; under no_grad from the replica cache.
+        replicas = replicate(module, devices) if replicate is not None else replicas
+    options.pop("retries")  # a thread does not die
+    return Run(replicas, [*devices] or [None], method, out_dev, prefetch, **options)
 
 
 def map_batches(
@@ -257,7 +282,10 @@ def map_batches(
     progress: bool | str = False,
     prefetch: int = 2,
     shard: bool = False,
+    retries: int = 0,
+    timeout: float | None = None,
     errors: str = "raise",
+    on_oom: str = "raise",
 ) -> Iterator[Any]:
     """Run ``method`` of ``module`` over ``batches``; see ``DataParallel.map``.
 
@@ -277,8 +305,16 @@ def map_batches(
         progress: show a tqdm bar; a str is its description.
         prefetch: batches in flight per replica.
         shard: under torch.distributed, take batch i on rank ``i % world_size`` only.
+        retries: times a batch runs again on a fresh worker process after its worker
+            died running it (threads do not die).
+        timeout: seconds a batch may run, or None. Processes: the worker is killed and
+            replaced, the batch retried under ``retries``, then a ``TimeoutError``.
+            Threads: a ``TimeoutError`` (a thread cannot be stopped), and that replica
+            takes no more batches of this map.
         errors: ``"raise"`` (a failed batch stops the map) or ``"yield"`` (its exception
             is yielded in its place, and the map goes on).
+        on_oom: ``"raise"``, or ``"split"``: a batch that raises ``torch.OutOfMemoryError``
+            runs in halves on its replica, cut and joined by the method's rules.
 
     Example:
         >>> import torch
@@ -286,7 +322,10 @@ def map_batches(
         >>> [tuple(o.shape) for o in outs]
         [(3, 2), (1, 2)]
     """
-    _check_options(ordered, progress, prefetch, shard, errors)
+    _check_options(ordered, progress, prefetch, shard, errors, retries, timeout)
+    oom = None
+    if check_on_oom(on_oom) == "split":  # the method's rules cut and join its halves
+        oom = options(method) if options is not None else MethodOptions()
     _check_method(module, method, list(methods))
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
@@ -296,19 +335,8 @@ def map_batches(
         total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset
         total = None
-    devices = list(devices)
-    # As a call: outputs on output_device; without devices (no GPU) a plain call.
-    out_dev = as_device(output_device if output_device is not None else devices[0]) if devices else None
-    run: Any
-    if pool is not None:
-        run = ProcessRun(pool, module, method, out_dev)
-    else:
-        replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
-        if len(devices) > 1:
-            check_source_device(module, devices[0])
-            # Built once for the whole map; under no_grad from the replica cache.
-            replicas = replicate(module, devices) if replicate is not None else replicas
-        run = Run(replicas, [*devices] or [None], method, out_dev, prefetch)
+    run = _backend(module, method, list(devices), output_device, replicate, pool, prefetch,
+                   retries=retries, timeout=timeout, oom=oom)
     run.keep_errors = errors == "yield"
     dim = options(method).dim if options is not None else 0
     return _MapIterator(run, source, dict(kwargs or {}), ordered=ordered, prefetch=prefetch,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import time
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from dpmethods.core.parallel_apply import _ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
+from dpmethods.options import MethodOptions
 from dpmethods.streaming import process_worker
 from dpmethods.streaming.process_io import dumps, loads
 from dpmethods.streaming.process_pool import ProcessPool, Worker, WorkerDiedError
@@ -51,15 +53,20 @@ def drain(future: cf.Future[bytes]) -> None:
             pass
 
 
-def call_chunks(pool: ProcessPool, module: nn.Module, name: str, inputs: Any, kwargs: Any) -> list[Any]:
-    """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather)."""
+def call_chunks(
+    pool: ProcessPool, module: nn.Module, name: str, inputs: Any, kwargs: Any, *,
+    oom: MethodOptions | None = None,
+) -> list[Any]:
+    """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather);
+    ``oom``: the method's options, to split a chunk that runs out of memory."""
     pool.prepare(module)
     state, seed, split = _ThreadState.capture(), draw_seed(), len(inputs) > 1
     futures = []
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):
             try:
-                data = dumps((name, tuple(a), dict(k), state, replica_seed(seed, w.index), split))
+                data = dumps((name, tuple(a), dict(k), state, replica_seed(seed, w.index), split,
+                              None if oom is None else ("calls", oom)))
             except Exception as exc:
                 raise TypeError(
                     f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
@@ -82,16 +89,28 @@ class ProcessRun:
     :data:`_PER_WORKER` of this map's batches each: the one it runs and the next, so it
     never waits for the caller between two), the next finished one taken in turn. It
     never refers to the map's iterator, so dropping the iterator lets its finalizer stop it.
+
+    A worker that dies while running a batch, or runs one longer than ``timeout``
+    seconds (it is killed), is replaced by a fresh one; its batches are sent again, the
+    one it was running up to ``retries`` times.
     """
 
-    def __init__(self, pool: ProcessPool, module: nn.Module, method: str, output_device: Any) -> None:
+    def __init__(
+        self, pool: ProcessPool, module: nn.Module, method: str, output_device: Any, *,
+        retries: int = 0, timeout: float | None = None, oom: MethodOptions | None = None,
+    ) -> None:
         self.pool, self.module, self.method, self.output_device = pool, module, method, output_device
+        self.retries, self.timeout, self.oom = retries, timeout, oom
         self.width = len(pool.workers)
         self.state = _ThreadState.capture()  # the caller's modes at map(), as on threads
         self.seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
         self.pending: collections.deque[tuple[int, int, Any, Any]] = collections.deque()
-        self.futures: dict[cf.Future[bytes], tuple[Worker, int, int]] = {}
+        # future -> (worker, seq, index, args, kwargs, sent at); kept to send it again
+        self.futures: dict[cf.Future[bytes], tuple[Any, ...]] = {}
         self.running = {w: 0 for w in pool.workers}
+        self.done_at: dict[Worker, float] = {}  # when each worker last finished a job
+        self.tries: dict[int, int] = {}  # seq -> the times its worker died running it
+        self.hung: set[int] = set()  # seqs whose worker was killed for the timeout
         self.keep_errors = False  # errors='yield': a batch's exception is its output
         self.bar: Any = None
 
@@ -110,43 +129,93 @@ class ProcessRun:
         self.pool.prepare(self.module, start=False)
         seq, index, args, kwargs = self.pending.popleft()
         try:
-            data = dumps((self.method, args, kwargs, self.state, replica_seed(self.seed, index), False))
+            oom = None if self.oom is None else (self.seed, self.oom)  # a record per map, as on threads
+            data = dumps((self.method, args, kwargs, self.state, replica_seed(self.seed, index), False, oom))
         except Exception as exc:
             raise TypeError(
                 f"DataParallel.map(workers='processes'): batch {index} cannot be sent "
                 f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
             ) from exc
         try:
-            self.futures[w.submit(process_worker.run, data)] = (w, seq, index)
+            future = w.submit(process_worker.run, data)
         except WorkerDiedError as exc:
             raise add_note(exc, f"dpmethods: while sending batch {index} of DataParallel.map; "
                            "the next map or call starts a fresh worker") from None
+        done_at = self.done_at  # not self: the executor's thread must not keep the run alive
+        future.add_done_callback(lambda _: done_at.__setitem__(w, time.monotonic()))
+        self.futures[future] = (w, seq, index, args, kwargs, time.monotonic())
         self.running[w] += 1
 
     def take(self) -> tuple[int, int, Any]:
         """The next finished batch: ``(seq, index, output)``, or its error raised."""
         while True:
+            # The oldest first: of a dead worker's jobs, the one it was running.
             done = next((f for f in self.futures if f.done()), None)
-            if done is not None:
-                break
-            cf.wait(list(self.futures), timeout=1.0, return_when=cf.FIRST_COMPLETED)
-        w, seq, index = self.futures.pop(done)
-        self.running[w] -= 1
-        try:
-            out = w.reply(done, f"DataParallel.map: raised in batch {index}", f"batch {index} of DataParallel.map")
-        except StopIteration as exc:  # else taken for the end of the map
-            out = batch_error(exc, index, w.describe())
-            if not self.keep_errors:
-                raise out  # noqa: B904 - batch_error set its cause
-        except WorkerDiedError:
-            raise
-        except Exception as exc:
-            if not self.keep_errors:
-                raise
-            out = exc  # its note names the batch and the worker
-        self.submit_pending()
-        return seq, index, out if isinstance(out, BaseException) else received(out, self.output_device)
+            if done is None:
+                self._kill_hung()
+                poll = 1.0 if self.timeout is None else min(1.0, self.timeout / 10)
+                cf.wait(list(self.futures), timeout=poll, return_when=cf.FIRST_COMPLETED)
+                continue
+            w, seq, index = self.futures[done][:3]
+            try:
+                out = w.reply(done, f"DataParallel.map: raised in batch {index}", f"batch {index} of DataParallel.map")
+            except WorkerDiedError as exc:
+                failure = self._replace(w, seq, index, exc)
+                if failure is None:
+                    continue  # sent again
+                out = failure
+            except StopIteration as exc:  # else taken for the end of the map
+                out = batch_error(exc, index, w.describe())
+            except Exception as exc:
+                out = exc  # its note names the batch and the worker
+            finally:
+                if done in self.futures:
+                    del self.futures[done]
+                    self.running[w] -= 1
+            if isinstance(out, BaseException) and not (self.keep_errors and isinstance(out, Exception)):
+                raise out
+            self.submit_pending()
+            return seq, index, out if isinstance(out, BaseException) else received(out, self.output_device)
 
+    def _kill_hung(self) -> None:
+        """Kill each worker whose running batch passed the timeout (then it counts as dead)."""
+        if self.timeout is None:
+            return
+        now, oldest = time.monotonic(), {}
+        for f, (w, seq, *_, sent) in self.futures.items():
+            if not f.done() and w not in oldest:
+                oldest[w] = (seq, max(sent, self.done_at.get(w, 0.0)))
+        for w, (seq, began) in oldest.items():
+            if now - began > self.timeout and seq not in self.hung and w.process is not None:
+                self.hung.add(seq)
+                w.process.kill()
+
+    def _replace(self, w: Worker, seq: int, index: int, exc: WorkerDiedError) -> BaseException | None:
+        """Worker ``w`` died running batch ``seq``: start a fresh one and send its batches
+        again; the batch's error once it used up its retries (None while it has some)."""
+        how = (f"it ran longer than timeout={self.timeout} s on {w.describe()}, which was killed"
+               if seq in self.hung else f"{exc.args[0].split(': ', 1)[-1]} while running it")
+        timed_out = seq in self.hung
+        self.hung.discard(seq)
+        tries = self.tries[seq] = self.tries.get(seq, 0) + 1
+        # Every job the dead worker held failed with it: they go again, in their order.
+        mine = [(f, v) for f, v in self.futures.items() if v[0] is w]
+        for f, _ in mine:
+            del self.futures[f]
+        self.running[w] = 0
+        self.done_at.pop(w, None)
+        again = [(v[1], v[2], v[3], v[4]) for _, v in mine if v[1] != seq or tries <= self.retries]
+        self.pending.extendleft(reversed(again))
+        self.pool.prepare(self.module)  # a fresh worker, with the model
+        if tries <= self.retries:
+            self.submit_pending()
+            return None
+        error: BaseException = (TimeoutError if timed_out else WorkerDiedError)(
+            f"DataParallel.map: batch {index} failed {tries} time(s) (retries={self.retries}): "
+            f"{how}; a fresh worker replaced it"
+        )
+        error.__cause__ = exc
+        return error
     def submit_pending(self) -> None:
         """Send pending batches to the least busy workers while one has room."""
         while self.pending:

@@ -30,6 +30,8 @@ from torch import nn
 
 from dpmethods import _warn_once as warn_once
 from dpmethods._loading import load_pending
+from dpmethods.core.call import split_on_oom
+from dpmethods.core.oom import Fit
 from dpmethods.streaming.process_io import OutputRequiresGrad, dumps, loads
 from dpmethods.streaming.process_state import rebuilt
 from dpmethods.streaming.threads import move
@@ -40,6 +42,7 @@ __all__ = ["give", "init", "load", "run"]
 _model: nn.Module | None = None
 _device = torch.device("cpu")
 _MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
+_FITS: dict[tuple[str, Any], Fit] = {}  # on_oom='split': the memory records, while the model lives
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
@@ -163,14 +166,17 @@ def load(data: bytes) -> bytes:
         return dumps(("done", None, _warned(seen)))
 
     _model = None  # the old one's memory goes first
+    _FITS.clear()
     return _job(data, body)
 
 
 def run(data: bytes) -> bytes:
-    """Run ``(method, args, kwargs, state, seed, split)`` on the model."""
+    """Run ``(method, args, kwargs, state, seed, split, oom)`` on the model; ``oom``: None
+    (run it whole), or ``(key, options)``: split a batch that runs out of memory by the
+    method's options, with the memory record kept under ``key`` (one per map)."""
 
     def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
-        method, args, kwargs, state, seed, split = msg
+        method, args, kwargs, state, seed, split, oom = msg
         if _model is None:
             raise RuntimeError("DataParallel: worker process got a batch before its model")
         if _device.type == "cuda":
@@ -179,7 +185,11 @@ def run(data: bytes) -> bytes:
             torch.manual_seed(seed)
         fn = _model if method == "forward" else getattr(_model, method)
         with state.applied(), split_call(split):
-            out = fn(*args, **kwargs)
+            if oom is None:
+                out = fn(*args, **kwargs)
+            else:
+                fit = _FITS.setdefault((method, oom[0]), Fit())
+                out = split_on_oom(_model, method, oom[1], fn, _device, fit, args, kwargs, names=getattr(_model, method))
         try:
             return dumps(("done", out, _warned(seen)), output=True)
         except OutputRequiresGrad as exc:

@@ -10,17 +10,22 @@ iterator the caller holds, so dropping that iterator lets its finalizer stop the
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
+import time
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dpmethods.core.call import split_on_oom
 from dpmethods.core.compiled import one_at_a_time
+from dpmethods.core.oom import Fit
 from dpmethods.core.parallel_apply import _ThreadState, add_note, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
+from dpmethods.options import MethodOptions
 from dpmethods.types import tree as _tree
 
 __all__: list[str] = []
@@ -63,10 +68,19 @@ class Run:
         method: str,
         output_device: torch.device | None,
         depth: int,
+        *,
+        timeout: float | None = None,
+        oom: MethodOptions | None = None,
     ) -> None:
         self.replicas, self.devices, self.method = replicas, devices, method
         self.width = len(replicas)
-        self.output_device, self.depth = output_device, depth
+        # A hung replica's batches held ahead could not be given back: with a timeout,
+        # none are held (on CUDA, copies then no longer overlap the compute).
+        self.output_device, self.depth = output_device, depth if timeout is None else 1
+        self.timeout, self.oom = timeout, oom
+        self.busy: dict[int, tuple[int, int, float]] = {}  # replica -> (seq, index, started)
+        self.dropped: set[int] = set()  # replicas that timed out: they take no more batches
+        self.lock = threading.Lock()  # a replica's result against its timeout
         self.state = _ThreadState.capture()
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on
         # whichever runs it. CPU replicas share the caller's generator (docs/generate.md).
@@ -104,14 +118,20 @@ class Run:
 
     def take(self) -> tuple[int, int, Any]:
         """The next finished batch: ``(seq, index, output)``, or its error raised."""
+        poll = _POLL_S if self.timeout is None else min(_POLL_S, self.timeout / 10)
         while True:
             try:
-                seq, index, out, exc, r = self.results.get(timeout=_POLL_S)
+                seq, index, out, exc, r = self.results.get(timeout=poll)
                 break
             except queue.Empty:
-                if not any(t.is_alive() for t in self.threads):
+                late = self._timed_out()
+                if late is not None:
+                    seq, index, out, exc, r = late
+                    break
+                if not any(t.is_alive() for i, t in enumerate(self.threads) if i not in self.dropped):
                     raise RuntimeError(
                         "DataParallel.map: every worker thread has stopped with batches still pending"
+                        + (f" (replicas {sorted(self.dropped)} timed out)" if self.dropped else "")
                     ) from None
         if exc is None:
             return seq, index, out
@@ -122,6 +142,22 @@ class Run:
             raise batch_error(exc, index, where)
         finally:
             exc = None  # the traceback holds this frame: don't hold the exception too
+
+    def _timed_out(self) -> tuple[Any, ...] | None:
+        """The error of a batch that passed the timeout; its replica is dropped."""
+        if self.timeout is None:
+            return None
+        now = time.monotonic()
+        with self.lock:
+            for r, (seq, index, began) in self.busy.items():
+                if now - began > self.timeout:
+                    del self.busy[r]
+                    self.dropped.add(r)
+                    return seq, index, None, TimeoutError(
+                        f"DataParallel.map: batch {index} ran longer than timeout={self.timeout} s on "
+                        f"replica {r} (device {self.devices[r]}); a thread cannot be stopped, so "
+                        f"replica {r} takes no more batches of this map"), r
+        return None
 
     def stop(self) -> None:
         shutdown(self)
@@ -187,12 +223,20 @@ def _run_cuda(run: Run, fn: Any, device: torch.device, stream: Any, batch: Any) 
     return out
 
 
+def _splitting(replica: nn.Module, run: Run, fn: Any, device: Any, fit: Fit, *args: Any, **kwargs: Any) -> Any:
+    """``fn`` with on_oom='split': halved on this replica while it runs out of memory."""
+    names = getattr(replica, run.method)
+    return split_on_oom(replica, run.method, run.oom, fn, device or "cpu", fit, args, kwargs, names=names)  # type: ignore[arg-type]
+
+
 def _serve(run: Run, r: int) -> None:
     """One replica's worker: take batches while free, run them, hand back the outputs."""
     replica, device = run.replicas[r], run.devices[r]
     streams = None
     try:
         fn = one_at_a_time(replica if run.method == "forward" else getattr(replica, run.method), replica)
+        if run.oom is not None:
+            fn = functools.partial(_splitting, replica, run, fn, device, Fit())
         if device is not None and device.type == "cuda":
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))  # copy, compute
             for s in streams:
@@ -223,6 +267,8 @@ def _serve(run: Run, r: int) -> None:
             if not held or run.stopped.is_set():
                 return
             seq, index, args, kwargs, ready = held.popleft()
+            with run.lock:
+                run.busy[r] = (seq, index, time.monotonic())
             try:
                 if isinstance(args, BaseException):
                     raise args
@@ -232,12 +278,17 @@ def _serve(run: Run, r: int) -> None:
                     out = move(fn(*args, **kwargs), run.output_device)
                 else:
                     out = _run_cuda(run, fn, device, streams[1], (args, kwargs, ready))  # type: ignore[arg-type]
-                run.results.put((seq, index, out, None, r))
+                result: Any = (seq, index, out, None, r)
             except BaseException as exc:
                 if not (run.keep_errors and isinstance(exc, Exception)):
                     run.stopped.set()  # the other workers take nothing more
-                run.results.put((seq, index, None, exc, r))
-            out = args = kwargs = None  # drop this batch before waiting for the next
+                result = (seq, index, None, exc, r)
+            with run.lock:
+                if r in run.dropped:  # timed out: the caller has its TimeoutError already
+                    return
+                del run.busy[r]
+                run.results.put(result)
+            out = args = kwargs = result = None  # drop this batch before waiting for the next
 
 
 def shutdown(run: Run) -> None:
@@ -251,15 +302,19 @@ def shutdown(run: Run) -> None:
     for _ in run.threads:
         run.work.put(END)
     me = threading.current_thread()
-    for t in run.threads:
-        if t is not me:  # the garbage collector may run this finalizer in a worker
+    for r, t in enumerate(run.threads):
+        # The garbage collector may run this finalizer in a worker; a timed-out replica
+        # may never return (a daemon thread: it does not hold up the exit).
+        if t is not me and r not in run.dropped:
             t.join()
     if run.bar is not None:
         run.bar.close()
         run.bar = None
     # The map is over: cached replicas go back now, not when the iterator object dies,
-    # so calls made while a finished iterator is still held reuse them.
-    CachedReplicas.give_back(run.replicas)
+    # so calls made while a finished iterator is still held reuse them (not one that a
+    # timed-out thread may still be running).
+    if not run.dropped:
+        CachedReplicas.give_back(run.replicas)
     while True:
         try:
             run.results.get_nowait()
