@@ -234,3 +234,17 @@ def test_a_failed_batch_runs_again_on_a_resumed_map(tmp_path: Path) -> None:
         model.bad = ()
         again = list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))
     assert len(again) == 1 and not isinstance(again[0], BaseException)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_resumed_map_names_its_batches_by_their_input_index(tmp_path: Path, workers: str) -> None:
+    ckpt = tmp_path / "map.json"
+    model = Flaky(str(tmp_path / "ran.txt"), bad=(5,))
+    dp = _dp(model, workers)
+    with torch.no_grad():
+        list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))
+        [again] = list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))  # batch 5 alone
+    dp.close()
+    assert isinstance(again, ValueError) and str(again) == "batch 5 is bad"
+    assert any("raised in batch 5 " in n for n in again.__notes__), again.__notes__

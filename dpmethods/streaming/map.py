@@ -23,7 +23,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -36,10 +36,25 @@ from dpmethods.streaming.process_pool import ProcessPool
 from dpmethods.streaming.threads import Run
 from dpmethods.types import tree as _tree
 
-__all__ = ["map_batches", "rank_and_world"]
+__all__ = ["Indexed", "map_batches", "rank_and_world"]
 
 _ERRORS = ("raise", "yield")
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
+
+
+class Indexed(NamedTuple):
+    """A batch with the index the map gives it (seeds, notes, ``ordered=False`` pairs),
+    instead of its position: a resumed map's batches keep their original indices.
+
+    Example:
+        >>> import torch
+        >>> outs = map_batches(torch.nn.Identity(), "forward", [Indexed(7, torch.ones(1))], ordered=False)
+        >>> [(i, o.tolist()) for i, o in outs]
+        [(7, [1.0])]
+    """
+
+    number: int
+    batch: Any
 
 
 def _as_call(batch: Any, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -330,7 +345,8 @@ def map_batches(
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
     rank, world = rank_and_world() if shard else (0, 1)
-    source: Iterator[tuple[int, Any]] = itertools.islice(enumerate(batches), rank, None, world)
+    indexed = (tuple(b) if isinstance(b, Indexed) else (i, b) for i, b in enumerate(batches))
+    source: Iterator[tuple[int, Any]] = itertools.islice(indexed, rank, None, world)
     try:
         total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset

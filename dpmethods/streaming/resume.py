@@ -16,6 +16,7 @@ With ``shard=True`` each rank keeps its own file (``path`` with ``.rank{r}-of-{n
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -23,7 +24,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dpmethods.streaming.map import rank_and_world
+from dpmethods.streaming.map import Indexed, rank_and_world
 
 __all__ = ["Progress", "checkpointed", "resumable"]
 
@@ -105,8 +106,8 @@ def resumable(
     """The outputs of ``run(pending batches)``, skipping and recording taken batches.
 
     Args:
-        run: runs the map (unsharded) over the batches given, yielding outputs in order
-            or ``(k, output)`` pairs, ``k`` counting the batches given.
+        run: runs the map (unsharded) over the ``(index, batch)`` pairs given, yielding
+            outputs in order or ``(index, output)`` pairs.
         batches: the map's input.
         path: the record's file.
         method: the map's method, recorded and checked.
@@ -117,7 +118,7 @@ def resumable(
     Example:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "squares.json")
-        >>> run = lambda xs: (x * x for x in xs)
+        >>> run = lambda pairs: (x * x for _, x in pairs)
         >>> it = resumable(run, range(5), path=path, method="square", ordered=True)
         >>> next(it), next(it), next(it)
         (0, 1, 4)
@@ -128,16 +129,17 @@ def resumable(
         []
     """
     progress = Progress(_rank_path(path, shard), method)
-    original: list[int] = []  # the input index of each batch given to run
+    original: collections.deque[int] = collections.deque()  # ordered: the indices to come
 
-    def pending() -> Iterator[Any]:
+    def pending() -> Iterator[tuple[int, Any]]:
         count = 0
         for i, batch in enumerate(batches):
             count = i + 1
             if (shard is not None and i % shard[1] != shard[0]) or i in progress.done:
                 continue
-            original.append(i)
-            yield batch
+            if ordered:
+                original.append(i)
+            yield i, batch
         if count < progress.seen or (progress.done and max(progress.done) >= count):
             raise ValueError(
                 f"map: checkpoint: {str(progress.path)!r} records {max(progress.seen, max(progress.done) + 1)} "
@@ -148,13 +150,9 @@ def resumable(
     outputs = run(pending())
     finished = False
     try:
-        for k, item in enumerate(outputs):
-            if ordered:
-                index = original[k]
-                yield item
-            else:
-                index = original[item[0]]
-                yield (index, item[1])
+        for item in outputs:
+            index = original.popleft() if ordered else item[0]
+            yield item
             if not isinstance(item if ordered else item[1], BaseException):
                 progress.taken(index)  # asked past; a failed batch (errors="yield") runs again
         finished = True
@@ -179,7 +177,8 @@ def checkpointed(
         )
     rank = rank_and_world() if shard else None
     return _Closing(resumable(
-        lambda pending: run_map(method, pending, ordered=ordered, shard=False, **options),
+        lambda pending: run_map(method, (Indexed(i, b) for i, b in pending), ordered=ordered,
+                                shard=False, **options),
         batches, path=checkpoint, method=method, ordered=ordered, shard=rank,
     ))
 
