@@ -152,6 +152,8 @@ class ProcessRun:
             # The oldest first: of a dead worker's jobs, the one it was running.
             done = next((f for f in self.futures if f.done()), None)
             if done is None:
+                if not self.futures:  # every batch taken: a caller's bug, never a hang
+                    raise RuntimeError("DataParallel.map: take() with no batch in flight")
                 self._kill_hung()
                 poll = 1.0 if self.timeout is None else min(1.0, self.timeout / 10)
                 cf.wait(list(self.futures), timeout=poll, return_when=cf.FIRST_COMPLETED)
