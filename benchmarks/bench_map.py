@@ -11,7 +11,10 @@ Workloads, each a list of batches run to the end by every path:
 - ``uniform``: ``forward`` of a random BERT encoder on batches of one shape;
 - ``encode`` (needs sentence-transformers): ``SentenceTransformer.encode`` of 2,048
   sentences with a tiny random BERT, against sentence-transformers' own
-  ``start_multi_process_pool(["cpu", "cpu"])``.
+  ``start_multi_process_pool(["cpu", "cpu"])``;
+- ``checkpoint``, ``sigkill``, ``oom-split``: what ``checkpoint=``, a SIGKILLed worker
+  process and ``on_oom="split"`` cost a map (benchmarks/_map_long_runs.py, two CPU replicas
+  whatever ``--device``; drawn in ``map_<device>_long_runs.png``).
 
 Paths, interleaved round by round (the order rotates each round, so drift of the
 shared host hits them alike):
@@ -50,6 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
 import _common
+import _map_long_runs
 
 import dpmethods
 from dpmethods import DataParallel
@@ -347,16 +351,7 @@ def _measure(
                     cpu[p].append(time.process_time() - c0)
     finally:
         stop()
-    figures = []
-    for p, ts in times.items():
-        med = statistics.median(ts)
-        figures.append(
-            Figure(
-                name, p, med, _quantile(ts, 0.1), _quantile(ts, 0.9),
-                _quantile(ts, 0.75) - _quantile(ts, 0.25), w["items"], w["items"] / med,
-                rounds=ts, cpu_rounds=cpu[p],
-            )
-        )
+    figures = _figures(name, times, cpu, dict.fromkeys(times, w["items"]))
     targets = []
     for wl, fast, slow, least in TARGETS:
         if wl == name and fast in times and slow in times:
@@ -383,6 +378,22 @@ def _measure(
     return figures, facts
 
 
+def _figures(
+    name: str, times: dict[str, list[float]], cpu: dict[str, list[float]], items: dict[str, int]
+) -> list[Figure]:
+    figures = []
+    for p, ts in times.items():
+        med = statistics.median(ts)
+        figures.append(
+            Figure(
+                name, p, med, _quantile(ts, 0.1), _quantile(ts, 0.9),
+                _quantile(ts, 0.75) - _quantile(ts, 0.25), items[p], items[p] / med,
+                rounds=ts, cpu_rounds=cpu[p],
+            )
+        )
+    return figures
+
+
 def run(
     device: str, quick: bool, threads: tuple[int, int] = (1, 0), only: list[str] | None = None
 ) -> tuple[list[Figure], dict[str, Any]]:
@@ -401,6 +412,10 @@ def run(
         print(f"{name}: {w['describe']}", file=sys.stderr, flush=True)
         figs, facts[name] = _measure(name, w, ids, device, threads)
         figures += figs
+    for m in _map_long_runs.run(_devices("cpu"), quick, only):
+        m.facts["speed_over_one_device"] = speeds(m.times)
+        figures += _figures(m.name, m.times, m.cpu, m.items)
+        facts[m.name] = m.facts
     return figures, facts
 
 
@@ -410,6 +425,8 @@ def speeds(times: dict[str, list[float]]) -> dict[str, float]:
     Paired per round, as the targets are, so a figure quoted from the table and the same
     ratio in the targets' table are one number.
     """
+    if "one-device" not in times:
+        return {}
     return {p: statistics.median(_ratios(times, p, "one-device")) for p in times}
 
 
@@ -420,24 +437,25 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|",
     ]
     for f in figures:
-        speed = facts[f.workload]["speed_over_one_device"][f.path]
+        speed = facts[f.workload]["speed_over_one_device"].get(f.path)
         rows.append(
             f"| {f.workload} | {f.path} | {f.median_s:.3f} ({f.p10_s:.3f}-{f.p90_s:.3f}) | "
-            f"{f.items_per_s:.1f} | {speed:.2f}x |"
+            f"{f.items_per_s:.1f} | {'-' if speed is None else f'{speed:.2f}x'} |"
         )
     rows += ["", "| workload | target | paired ratio (p10-p90) | verdict |", "|---|---|---:|---|"]
     for wl, x in facts.items():
         for t in x["targets"]:
-            verdict = "met" if t["met"] else "NOT met"
+            verdict = "no target" if t["met"] is None else "met" if t["met"] else "NOT met"
+            bound = f" >= {t['at_least']}" if "at_least" in t else f" <= {t['at_most']}" if "at_most" in t else ""
             rows.append(
-                f"| {wl} | {t['slower']} time / {t['faster']} time >= {t['at_least']} | "
+                f"| {wl} | {t['slower']} time / {t['faster']} time{bound} | "
                 f"**{t['median']:.2f}x** ({t['p10']:.2f}-{t['p90']:.2f}) | {verdict} |"
             )
     rows += ["", "| workload | pool | start-up s |", "|---|---|---:|"]
     for wl, x in facts.items():
         for pool, s in x["startup_s"].items():
             rows.append(f"| {wl} | {pool} | {s:.2f} |")
-    return "\n".join(rows)
+    return "\n".join(rows + _map_long_runs.rows(facts))
 
 
 def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -> None:
@@ -451,7 +469,11 @@ def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = list(dict.fromkeys(f.workload for f in figures))
+    times = {wl: {f.path: f.rounds for f in figures if f.workload == wl} for wl in facts}
+    _map_long_runs.plot(facts, times, path.with_name(f"{path.stem}_long_runs.png"), title)
+    workloads = list(dict.fromkeys(f.workload for f in figures if f.workload not in _map_long_runs.NAMES))
+    if not workloads:
+        return
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 4.2), squeeze=False)
     for ax, wl in zip(axes[0], workloads, strict=True):
         sub = [f for f in figures if f.workload == wl]
@@ -494,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of the one-device loop on the CPU (default: --threads)",
     )
     parser.add_argument("--from-json", type=Path, help="redraw the table and plot of a saved run")
-    parser.add_argument("--only", nargs="*", help="these workloads only (gil ragged uniform encode)")
+    parser.add_argument("--only", nargs="*", help="these workloads only (gil ragged uniform encode checkpoint sigkill oom-split)")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -533,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     json_path = args.out / f"map_{args.device}.json"
     _common.write_json(json_path, result)
     plot(figures, facts, json_path.with_suffix(".png"), title)
-    print(f"wrote {json_path} and {json_path.with_suffix('.png')}")
+    print(f"wrote {json_path} and its plot(s) beside it")
     return 0
 
 
