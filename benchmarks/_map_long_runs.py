@@ -12,9 +12,11 @@
 - ``oom-split``: a map with ``on_oom="split"`` whose method raises
   ``torch.OutOfMemoryError`` above N rows, on batches of 2N rows (each needs one split),
   against the same batches cut in halves by hand (a plain map over the halves, joined
-  after). Each replica runs out once, on its first batch, and then splits up front:
-  ``split-first`` (maps of one batch per replica, so every batch runs out first, 20 of
-  them per pass, against the same maps of their halves) shows that cost alone.
+  after). Each replica runs out once, on its first batch, and then splits up front.
+  ``split-first-processes`` shows the first batch's cost alone: 50 maps of one batch on
+  one worker process (each batch runs out, then runs in halves) against 50 maps of its
+  two halves. Not on threads: a thread map starts fresh threads, and on the CPU the
+  first matmul of a fresh thread costs milliseconds, which would swamp it.
 
 The models are module-level classes, so spawned worker processes import them (this
 module's folder is on ``sys.path`` when bench_map runs as a script, and spawn passes
@@ -156,7 +158,7 @@ def _interleave(paths: dict[str, Callable[[], Any]], rounds: int) -> tuple[dict[
 
 
 def _checkpoint(ids: list[Any], quick: bool, tmp: Path) -> Measured:
-    n, size, rounds = (200, 8, 4) if quick else (1000, 8, 30)
+    n, size, rounds = (200, 8, 4) if quick else (1000, 8, 100)
     torch.manual_seed(0)
     model = Tiny().eval()
     g = torch.Generator().manual_seed(0)
@@ -255,55 +257,58 @@ def _joined(outs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _oom_split(ids: list[Any], quick: bool, tmp: Path) -> Measured:
-    n, limit, rounds, reps = (40, 32, 4, 5) if quick else (200, 32, 10, 20)
+    n, limit, rounds, reps = (40, 32, 4, 10) if quick else (200, 32, 30, 50)
     model = Capped(limit).eval()
     g = torch.Generator().manual_seed(2)
     batches = [torch.randn(2 * limit, WIDTH, generator=g) for _ in range(n)]
     halves = [h for b in batches for h in b.split(limit)]
-    first, first_halves = batches[: len(ids)], halves[: 2 * len(ids)]
+    first, first_halves = batches[:1], halves[:2]
     dp = DataParallel(model, device_ids=ids, cache_replicas=True)
     dpp = DataParallel(model, device_ids=ids, workers="processes")
+    dpp1 = DataParallel(model, device_ids=ids[:1], workers="processes")
     list(dpp.map("forward", []))
-    ooms: dict[str, set[int]] = {"split": set(), "split-first": set()}
+    list(dpp1.map("forward", []))
+    ooms: set[int] = set()
 
-    def split(inputs: list[torch.Tensor], path: str) -> list[torch.Tensor]:
+    def split() -> list[torch.Tensor]:
         before = _OOMS[0]
-        outs = list(dp.map("forward", inputs, on_oom="split"))
-        ooms[path].add(_OOMS[0] - before)
+        outs = list(dp.map("forward", batches, on_oom="split"))
+        ooms.add(_OOMS[0] - before)
         return outs
 
     def split_first() -> list[torch.Tensor]:
-        return [o for _ in range(reps) for o in split(first, "split-first")][: len(first)]
+        return [o for _ in range(reps) for o in dpp1.map("forward", first, on_oom="split")][:1]
 
     def pre_split_first() -> list[torch.Tensor]:
-        return [o for _ in range(reps) for o in _joined(list(dp.map("forward", first_halves)))][: len(first)]
+        return [o for _ in range(reps) for o in _joined(list(dpp1.map("forward", first_halves)))][:1]
 
     paths = {
         "one-device": lambda: [model.net(b) for b in batches],
-        "split": lambda: split(batches, "split"),
+        "split": split,
         "pre-split": lambda: _joined(list(dp.map("forward", halves))),
         "split-processes": lambda: list(dpp.map("forward", batches, on_oom="split")),
         "pre-split-processes": lambda: _joined(list(dpp.map("forward", halves))),
-        "split-first": split_first,
-        "pre-split-first": pre_split_first,
+        "split-first-processes": split_first,
+        "pre-split-first-processes": pre_split_first,
     }
     try:
         outputs, times, cpu = _interleave(paths, rounds)
     finally:
         dpp.close()
+        dpp1.close()
     reference = outputs["one-device"]
     facts = {
         "workload": f"MLP width {WIDTH} raising torch.OutOfMemoryError above {limit} rows; {n} batches of "
-        f"{2 * limit} rows (split-first: {reps} maps of {len(first)} batches, one per replica)",
+        f"{2 * limit} rows (split-first: {reps} maps of one batch on one worker process)",
         "method": "forward", "devices": [str(i) for i in ids], "rounds": rounds, "startup_s": {},
-        "out_of_memory_errors_per_pass": {p: sorted(c) for p, c in ooms.items()},  # threads
+        "out_of_memory_errors_per_split_map": sorted(ooms),  # on threads, counted
         "targets": [_ratio(times, "split", "pre-split"), _ratio(times, "split-processes", "pre-split-processes"),
-                    _ratio(times, "split-first", "pre-split-first")],
+                    _ratio(times, "split-first-processes", "pre-split-first-processes")],
         "outputs_match_one_device": {
             p: _equal(o, reference[: len(o)]) for p, o in outputs.items() if p != "one-device"
         },
     }
-    items = {p: (reps * len(first) if p.endswith("first") else n) * 2 * limit for p in times}
+    items = {p: (reps if "first" in p else n) * 2 * limit for p in times}
     return Measured("oom-split", items, times, cpu, facts)
 
 
@@ -365,7 +370,8 @@ def plot(facts: dict[str, Any], times: dict[str, dict[str, list[float]]], path: 
                            for t in facts[name]["targets"])
         ax.set_title(f"{name}\n{ratios}", fontsize=7)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"long maps: {title}", fontsize=9)
+    where = title.split("threads and processes, ", 1)[-1]  # bench_map's title: devices, torch, load
+    fig.suptitle(f"dpmethods long maps: checkpoint=, a SIGKILLed worker, on_oom='split'; {where}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
