@@ -103,3 +103,28 @@ def test_the_map_figures_quoted_are_the_committed_ones() -> None:
     }
     for doc, quote in quotes.items():
         assert quote in " ".join((_ROOT / doc).read_text().split()), doc
+
+
+def test_the_long_map_figures_are_the_committed_result() -> None:
+    """benchmarks/README.md shows the long-run tables bench_map.py draws from
+    results/long_runs/map_cpu.json, and docs/map.md quotes that run's figures."""
+    bench_map = _bench_map()
+    saved = json.loads((_ROOT / "benchmarks" / "results" / "long_runs" / "map_cpu.json").read_text())
+    figures = [bench_map.Figure(**f) for f in saved["figures"]]
+    readme = (_ROOT / "benchmarks" / "README.md").read_text()
+    for part in bench_map.table(figures, saved["workloads"]).split("\n\n"):
+        assert part in readme, part
+    w = saved["workloads"]
+    ratio = {(wl, t["slower"]): t["median"] for wl in w for t in w[wl]["targets"]}
+    quotes = [
+        f"{ratio['checkpoint', 'map-checkpoint']:.2f}x the same map without it on threads",
+        f"and {ratio['checkpoint', 'map-processes-checkpoint']:.2f}x on processes",
+        f"{w['sigkill']['kill_to_output_s']['median']:.2f} s from a worker's SIGKILL",
+        f"against {w['sigkill']['pool_start_s']['median']:.2f} s for a fresh two-worker pool's start-up",
+        f"{ratio['oom-split', 'split']:.2f}x the time of the same batches cut in halves by hand on threads "
+        f"and {ratio['oom-split', 'split-processes']:.2f}x on processes",
+        f"{ratio['oom-split', 'split-first-processes']:.2f}x a map of its two halves",
+    ]
+    doc = " ".join((_ROOT / "docs" / "map.md").read_text().split())
+    for quote in quotes:
+        assert quote in doc, quote
