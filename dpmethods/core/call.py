@@ -282,8 +282,12 @@ def split_on_oom(
         [5, 3, 2, 1, 2]
     """
     names = names if names is not None else fn
+    args, kwargs = tuple(args), dict(kwargs)
+    counted: list[Any] = []  # the whole batch's cut, made to count its items: cut once
 
     def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        if counted and a is args and k is kwargs:
+            return counted.pop()
         cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
                            split=opts.split, scatter_dim=opts.scatter_dim)
         return list(zip(cut[0], cut[1])), cut.sizes
@@ -292,6 +296,9 @@ def split_on_oom(
         part = _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes)
         return gather_outputs(module, part, opts, outs, device)
 
-    count: Any = n if n is not None else (lambda: sum(halve(tuple(args), dict(kwargs))[1]))
-    return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), count,
+    def count() -> int:
+        counted.append(halve(args, kwargs))
+        return sum(counted[-1][1])
+
+    return run_splitting(lambda a, k: fn(*a, **k), args, kwargs, n if n is not None else count,
                          halve=halve, join=join, fit=fit, device=device)

@@ -20,13 +20,14 @@ import collections
 import json
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from dpmethods.streaming.map import Indexed, rank_and_world
 
-__all__ = ["Progress", "checkpointed", "resumable"]
+__all__ = ["Progress", "Resumable", "checkpointed"]
 
 _VERSION = 1
 SAVE_EVERY_S = 2.0  # how often taken outputs are written while the map runs
@@ -98,16 +99,16 @@ def _rank_path(path: str | os.PathLike[str], shard: tuple[int, int] | None) -> P
     return Path(f"{os.fspath(path)}.rank{rank}-of-{world}")
 
 
-def resumable(
-    run: Callable[[Iterable[Any]], Iterator[Any]], batches: Iterable[Any], *,
-    path: str | os.PathLike[str], method: str, ordered: bool,
-    shard: tuple[int, int] | None = None,
-) -> Generator[Any, None, None]:
-    """The outputs of ``run(pending batches)``, skipping and recording taken batches.
+class Resumable(Iterator[Any]):
+    """The outputs of ``run(pending batches)``, skipping and recording taken batches; also
+    a context manager that closes it, as the map's own iterator is.
+
+    An output counts as taken when the next one is asked for, or at the end. Closing it
+    (``close()``, ``with``, an error, garbage collection) stops ``run`` and writes the record.
 
     Args:
-        run: runs the map (unsharded) over the ``(index, batch)`` pairs given, yielding
-            outputs in order or ``(index, output)`` pairs.
+        run: runs the map (unsharded) over the :class:`~dpmethods.streaming.map.Indexed`
+            batches given, yielding outputs in order or ``(index, output)`` pairs.
         batches: the map's input.
         path: the record's file.
         method: the map's method, recorded and checked.
@@ -119,55 +120,92 @@ def resumable(
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "squares.json")
         >>> run = lambda pairs: (x * x for _, x in pairs)
-        >>> it = resumable(run, range(5), path=path, method="square", ordered=True)
+        >>> it = Resumable(run, range(5), path=path, method="square", ordered=True)
         >>> next(it), next(it), next(it)
         (0, 1, 4)
         >>> it.close()  # 0 and 1 were taken; 4 was returned but not asked past
-        >>> list(resumable(run, range(5), path=path, method="square", ordered=True))
+        >>> list(Resumable(run, range(5), path=path, method="square", ordered=True))
         [4, 9, 16]
-        >>> list(resumable(run, range(5), path=path, method="square", ordered=True))
+        >>> list(Resumable(run, range(5), path=path, method="square", ordered=True))
         []
     """
-    progress = Progress(_rank_path(path, shard), method)
-    original: collections.deque[int] = collections.deque()  # ordered: the indices to come
 
-    def pending() -> Iterator[tuple[int, Any]]:
-        count = 0
-        for i, batch in enumerate(batches):
-            count = i + 1
-            if (shard is not None and i % shard[1] != shard[0]) or i in progress.done:
-                continue
-            if ordered:
-                original.append(i)
-            yield i, batch
-        if count < progress.seen or (progress.done and max(progress.done) >= count):
-            raise ValueError(
-                f"map: checkpoint: {str(progress.path)!r} records {max(progress.seen, max(progress.done) + 1)} "
-                f"batches, but the input now has {count}: it is another input's record"
-            )
-        progress.seen = count
+    def __init__(
+        self, run: Callable[[Iterable[Any]], Iterator[Any]], batches: Iterable[Any], *,
+        path: str | os.PathLike[str], method: str, ordered: bool,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        self._progress = progress = Progress(_rank_path(path, shard), method)
+        self._ordered = ordered
+        self._original: collections.deque[int] = collections.deque()  # ordered: indices to come
+        self._last: int | None = None  # the output returned last, taken when asked past
+        # The batches to run never refer to self: dropping the iterator finalizes it.
+        self._outputs = run(_pending(batches, progress, shard, self._original if ordered else None))
+        # Not self: a dropped iterator writes its record too.
+        self._finalizer = weakref.finalize(self, _stop, self._outputs, progress)
 
-    outputs = run(pending())
-    finished = False
-    try:
-        for item in outputs:
-            index = original.popleft() if ordered else item[0]
-            yield item
-            if not isinstance(item if ordered else item[1], BaseException):
-                progress.taken(index)  # asked past; a failed batch (errors="yield") runs again
-        finished = True
-        progress.finished = True
-    finally:
-        close = getattr(outputs, "close", None)
-        if close is not None and not finished:
-            close()
-        progress.save()
+    def __next__(self) -> Any:
+        if self._last is not None:  # asked past: taken
+            self._progress.taken(self._last)
+            self._last = None
+        try:
+            item = next(self._outputs)
+        except StopIteration:
+            self._progress.finished = True
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        index = self._original.popleft() if self._ordered else item[0]
+        if not isinstance(item if self._ordered else item[1], BaseException):
+            self._last = index  # a failed batch (errors="yield") is not taken: it runs again
+        return item
+
+    def close(self) -> None:
+        """Stop the map and write the record (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> Resumable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pending(
+    batches: Iterable[Any], progress: Progress, shard: tuple[int, int] | None,
+    original: collections.deque[int] | None,
+) -> Iterator[Indexed]:
+    """The batches not taken yet (``original`` gets their indices), and a check of the
+    input's length against the record at the end."""
+    count = 0
+    for i, batch in enumerate(batches):
+        count = i + 1
+        if (shard is not None and i % shard[1] != shard[0]) or i in progress.done:
+            continue
+        if original is not None:
+            original.append(i)
+        yield Indexed(i, batch)
+    if count < progress.seen or (progress.done and max(progress.done) >= count):
+        raise ValueError(
+            f"map: checkpoint: {str(progress.path)!r} records {max(progress.seen, max(progress.done) + 1)} "
+            f"batches, but the input now has {count}: it is another input's record"
+        )
+    progress.seen = count
+
+
+def _stop(outputs: Iterator[Any], progress: Progress) -> None:
+    close = getattr(outputs, "close", None)
+    if close is not None and not progress.finished:
+        close()
+    progress.save()
 
 
 def checkpointed(
     run_map: Callable[..., Iterator[Any]], method: str, batches: Iterable[Any],
     checkpoint: str | os.PathLike[str], *, ordered: bool, shard: bool, **options: Any,
-) -> Iterator[Any]:
+) -> Resumable:
     """``run_map(method, pending, ordered=..., **options)`` (a ``DataParallel.map``) made
     resumable through the record in ``checkpoint``; sharding is done here, per rank."""
     if not isinstance(checkpoint, (str, os.PathLike)):
@@ -176,28 +214,7 @@ def checkpointed(
             f"{type(checkpoint).__name__} {checkpoint!r}"
         )
     rank = rank_and_world() if shard else None
-    return _Closing(resumable(
-        lambda pending: run_map(method, (Indexed(i, b) for i, b in pending), ordered=ordered,
-                                shard=False, **options),
+    return Resumable(
+        lambda pending: run_map(method, pending, ordered=ordered, shard=False, **options),
         batches, path=checkpoint, method=method, ordered=ordered, shard=rank,
-    ))
-
-
-class _Closing(Iterator[Any]):
-    """An iterator that is also a context manager, as the map's own iterator is."""
-
-    def __init__(self, outputs: Generator[Any, None, None]) -> None:
-        self._outputs = outputs
-
-    def __next__(self) -> Any:
-        return next(self._outputs)
-
-    def close(self) -> None:
-        """Stop the map and write the record."""
-        self._outputs.close()
-
-    def __enter__(self) -> _Closing:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    )
