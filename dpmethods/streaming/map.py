@@ -23,7 +23,7 @@ import itertools
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -42,19 +42,23 @@ _ERRORS = ("raise", "yield")
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
 
 
-class Indexed(NamedTuple):
-    """A batch with the index the map gives it (seeds, notes, ``ordered=False`` pairs),
-    instead of its position: a resumed map's batches keep their original indices.
+class Indexed:
+    """Batches given as ``(index, batch)`` pairs: the map gives each batch that index
+    (seeds, notes, ``ordered=False`` pairs) instead of its position, so a resumed map's
+    batches keep their input indices.
 
     Example:
         >>> import torch
-        >>> outs = map_batches(torch.nn.Identity(), "forward", [Indexed(7, torch.ones(1))], ordered=False)
+        >>> outs = map_batches(torch.nn.Identity(), "forward", Indexed([(7, torch.ones(1))]), ordered=False)
         >>> [(i, o.tolist()) for i, o in outs]
         [(7, [1.0])]
     """
 
-    number: int
-    batch: Any
+    def __init__(self, pairs: Iterable[tuple[int, Any]]) -> None:
+        self.pairs = pairs
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        return iter(self.pairs)
 
 
 def _as_call(batch: Any, kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -345,8 +349,8 @@ def map_batches(
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
     rank, world = rank_and_world() if shard else (0, 1)
-    indexed = (tuple(b) if isinstance(b, Indexed) else (i, b) for i, b in enumerate(batches))
-    source: Iterator[tuple[int, Any]] = itertools.islice(indexed, rank, None, world)
+    pairs = iter(batches) if isinstance(batches, Indexed) else enumerate(batches)
+    source: Iterator[tuple[int, Any]] = itertools.islice(pairs, rank, None, world)
     try:
         total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset

@@ -107,8 +107,9 @@ class Resumable(Iterator[Any]):
     (``close()``, ``with``, an error, garbage collection) stops ``run`` and writes the record.
 
     Args:
-        run: runs the map (unsharded) over the :class:`~dpmethods.streaming.map.Indexed`
-            batches given, yielding outputs in order or ``(index, output)`` pairs.
+        run: runs the map (unsharded) over the batches given, as
+            :class:`~dpmethods.streaming.map.Indexed` ``(index, batch)`` pairs, yielding
+            outputs in order or ``(index, output)`` pairs.
         batches: the map's input.
         path: the record's file.
         method: the map's method, recorded and checked.
@@ -140,7 +141,7 @@ class Resumable(Iterator[Any]):
         self._original: collections.deque[int] = collections.deque()  # ordered: indices to come
         self._last: int | None = None  # the output returned last, taken when asked past
         # The batches to run never refer to self: dropping the iterator finalizes it.
-        self._outputs = run(_pending(batches, progress, shard, self._original if ordered else None))
+        self._outputs = run(Indexed(_pending(batches, progress, shard, self._original if ordered else None)))
         # Not self: a dropped iterator writes its record too.
         self._finalizer = weakref.finalize(self, _stop, self._outputs, progress)
 
@@ -176,7 +177,7 @@ class Resumable(Iterator[Any]):
 def _pending(
     batches: Iterable[Any], progress: Progress, shard: tuple[int, int] | None,
     original: collections.deque[int] | None,
-) -> Iterator[Indexed]:
+) -> Iterator[tuple[int, Any]]:
     """The batches not taken yet (``original`` gets their indices), and a check of the
     input's length against the record at the end."""
     count = 0
@@ -186,7 +187,7 @@ def _pending(
             continue
         if original is not None:
             original.append(i)
-        yield Indexed(i, batch)
+        yield i, batch
     if count < progress.seen or (progress.done and max(progress.done) >= count):
         raise ValueError(
             f"map: checkpoint: {str(progress.path)!r} records {max(progress.seen, max(progress.done) + 1)} "
