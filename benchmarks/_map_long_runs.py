@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import os
+import random
 import signal
 import statistics
 import tempfile
@@ -143,13 +144,16 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def _interleave(paths: dict[str, Callable[[], Any]], rounds: int) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list[float]]]:
-    """Each path once untimed (its outputs), then ``rounds`` rounds in a rotating order."""
+    """Each path once untimed (its outputs), then ``rounds`` rounds, each in a fresh
+    random order: a rotation would keep each path after the same one every round (a
+    thread map after a process map's busy workers, say), a bias no pairing removes."""
     outputs = {p: fn() for p, fn in paths.items()}
     times: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, list[float]] = {p: [] for p in paths}
-    order = list(paths.items())
-    for r in range(rounds):
-        for p, fn in order[r % len(order):] + order[: r % len(order)]:
+    order, shuffle = list(paths.items()), random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for p, fn in order:
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[p].append(time.perf_counter() - t0)
