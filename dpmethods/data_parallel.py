@@ -219,7 +219,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         fn = getattr(self.module, name)
         if not self.device_ids:
-            return (self.module if name == "forward" else fn)(*args, **kwargs)
+            return _flow.run_plain(self, name, fn, args, kwargs)
         key = fingerprint(self.module) if self._caching() else None
         cached = self._replica_cache
         if key is None or cached is None or cached.key != key:

@@ -39,7 +39,7 @@ from dpmethods.core.scatter import scatter_call
 from dpmethods.gather_modes import BUILTIN_MODES, named_mode
 from dpmethods.options import MethodOptions
 
-__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "scatter_shares", "share_runner",
+__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "run_plain", "scatter_shares", "share_runner",
            "split_on_oom"]
 
 
@@ -256,6 +256,16 @@ def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[...
                             fits.setdefault(i, Fit()), args, kwargs, n, names=ctx.fn)
 
     return run_share
+
+
+def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A wrapper without devices (no GPU): a plain call, split as one CPU replica's
+    share would be with ``on_oom="split"``."""
+    call = wrapper.module if name == "forward" else fn  # forward: the module's hooks run
+    if getattr(wrapper, "on_oom", "raise") != "split":
+        return call(*args, **kwargs)
+    fit = wrapper.__dict__.setdefault("_oom_fits", {}).setdefault(0, Fit())
+    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", fit, args, kwargs, names=fn)
 
 
 def split_on_oom(
