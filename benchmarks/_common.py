@@ -26,6 +26,7 @@ __all__ = [
     "cuda_sync",
     "machine_info",
     "plot_ratios",
+    "quantile",
     "summarize",
     "time_fn",
     "write_json",
@@ -40,6 +41,16 @@ def _quantile(sorted_xs: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(sorted_xs) - 1)
     return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (pos - lo)
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile ``q`` (0 to 1) of ``xs``, in any order.
+
+    Example:
+        >>> quantile([3.0, 1.0, 2.0], 0.5)
+        2.0
+    """
+    return _quantile(sorted(xs), q)
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:

@@ -34,6 +34,7 @@ import os
 import random
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,6 +44,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, imported as a script's sibling
+import _common
 
 import dpmethods
 from dpmethods import DataParallel
@@ -117,23 +121,16 @@ class Measured:
     facts: dict[str, Any] = field(default_factory=dict)
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
 
 def _spread(xs: list[float]) -> dict[str, Any]:
-    return {"median": statistics.median(xs), "p10": _quantile(xs, 0.1), "p90": _quantile(xs, 0.9), "rounds": xs}
+    return {"median": statistics.median(xs), "p10": _common.quantile(xs, 0.1), "p90": _common.quantile(xs, 0.9), "rounds": xs}
 
 
 def _ratio(times: dict[str, list[float]], slow: str, fast: str, **bound: float) -> dict[str, Any]:
     """``slow``'s time over ``fast``'s, paired per round; ``at_most=`` or ``at_least=`` a target."""
     rs = sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
     out: dict[str, Any] = {"faster": fast, "slower": slow, **bound, "median": statistics.median(rs),
-                           "p10": _quantile(rs, 0.1), "p90": _quantile(rs, 0.9)}
+                           "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9)}
     med = out["median"]
     out["met"] = (med <= bound["at_most"]) if "at_most" in bound else (med >= bound["at_least"]) if bound else None
     return out
@@ -360,8 +357,8 @@ def plot(facts: dict[str, Any], times: dict[str, dict[str, list[float]]], path: 
             ts["kill-to-output"] = facts[name]["kill_to_output_s"]["rounds"]
             ts["pool-start"] = facts[name]["pool_start_s"]["rounds"]
         meds = [statistics.median(v) for v in ts.values()]
-        lo = [m - _quantile(v, 0.1) for m, v in zip(meds, ts.values())]
-        hi = [_quantile(v, 0.9) - m for m, v in zip(meds, ts.values())]
+        lo = [m - _common.quantile(v, 0.1) for m, v in zip(meds, ts.values())]
+        hi = [_common.quantile(v, 0.9) - m for m, v in zip(meds, ts.values())]
         colors = {"one-device": "tab:gray", "kill-to-output": "tab:red", "pool-start": "tab:orange"}
         ax.bar(range(len(ts)), meds, yerr=[lo, hi], capsize=3,
                color=[colors.get(p, "tab:blue" if "processes" in p else "tab:green") for p in ts])

@@ -89,13 +89,6 @@ class Figure:
     cpu_rounds: list[float] = field(default_factory=list)  # this process's CPU seconds per pass
 
 
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
 
 class _RowStop:
     """Stop each row at its own length, read from its first prompt token (so a split
@@ -358,7 +351,7 @@ def _measure(
             rs = _ratios(times, fast, slow)
             targets.append({
                 "faster": fast, "slower": slow, "at_least": least, "median": statistics.median(rs),
-                "p10": _quantile(rs, 0.1), "p90": _quantile(rs, 0.9),
+                "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
                 "met": statistics.median(rs) >= least,
             })
     facts = {
@@ -386,8 +379,8 @@ def _figures(
         med = statistics.median(ts)
         figures.append(
             Figure(
-                name, p, med, _quantile(ts, 0.1), _quantile(ts, 0.9),
-                _quantile(ts, 0.75) - _quantile(ts, 0.25), items[p], items[p] / med,
+                name, p, med, _common.quantile(ts, 0.1), _common.quantile(ts, 0.9),
+                _common.quantile(ts, 0.75) - _common.quantile(ts, 0.25), items[p], items[p] / med,
                 rounds=ts, cpu_rounds=cpu[p],
             )
         )
