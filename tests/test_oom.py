@@ -56,8 +56,12 @@ def _one_device(model: Limited, method: str, *args: Any) -> Any:
         model.limit = limit
 
 
-@pytest.mark.parametrize("devices", DEVICES)
-def test_a_share_that_runs_out_runs_in_halves_and_equals_one_device(devices: list[str]) -> None:
+# No devices and no GPU: a plain call, as torch's; it is split all the same.
+_PLAIN = pytest.param(None, id="no-device", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here"))
+
+
+@pytest.mark.parametrize("devices", [*DEVICES, _PLAIN])
+def test_a_share_that_runs_out_runs_in_halves_and_equals_one_device(devices: list[str] | None) -> None:
     model = Limited(limit=2)
     dp = dpmethods.DataParallel(model, device_ids=devices, on_oom="split")
     x = torch.randn(11, 6)
@@ -139,17 +143,3 @@ def test_generate_runs_in_halves_and_equals_one_device() -> None:
             ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, ref)
 
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="without GPUs the wrapper is a plain call")
-def test_a_wrapper_without_devices_splits_its_plain_call_too() -> None:
-    model = Limited(limit=2)
-    dp = dpmethods.DataParallel(model, on_oom="split")  # no GPU: a plain call, as torch's
-    assert dp.device_ids == []
-    x = torch.randn(7, 6)
-    with torch.no_grad():
-        ref = _one_device(model, "encode", x)
-        model.calls.clear()
-        out = dp.encode(x)
-    assert_close_to_reference(out, ref, terms=mlp_terms(6))
-    assert any(ran_out for _, ran_out in model.calls)
-    assert max(rows for rows, ran_out in model.calls if not ran_out) <= 2
