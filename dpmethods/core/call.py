@@ -247,13 +247,12 @@ def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[...
     (see :mod:`dpmethods.core.oom`); None otherwise."""
     if ctx is None or getattr(wrapper, "on_oom", "raise") != "split":
         return None
-    opts, fits = ctx.options, wrapper.__dict__.setdefault("_oom_fits", {})
-    shares = list(ctx.sizes)
+    opts, shares = ctx.options, list(ctx.sizes)
 
     def run_share(i: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         n = shares[i] if i < len(shares) else 1
         return split_on_oom(wrapper.module, ctx.name, opts, fn, wrapper._devices[i],
-                            fits.setdefault(i, Fit()), args, kwargs, n, names=ctx.fn)
+                            _fit(wrapper, i), args, kwargs, n, names=ctx.fn)
 
     return run_share
 
@@ -264,8 +263,13 @@ def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, 
     call = wrapper.module if name == "forward" else fn  # forward: the module's hooks run
     if getattr(wrapper, "on_oom", "raise") != "split":
         return call(*args, **kwargs)
-    fit = wrapper.__dict__.setdefault("_oom_fits", {}).setdefault(0, Fit())
-    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", fit, args, kwargs, names=fn)
+    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", _fit(wrapper, 0),
+                        args, kwargs, names=fn)
+
+
+def _fit(wrapper: Any, i: int) -> Fit:
+    """Replica ``i``'s memory record, kept with the wrapper across calls."""
+    return wrapper.__dict__.setdefault("_oom_fits", {}).setdefault(i, Fit())  # type: ignore[no-any-return]
 
 
 def split_on_oom(
@@ -292,12 +296,8 @@ def split_on_oom(
         [5, 3, 2, 1, 2]
     """
     names = names if names is not None else fn
-    args, kwargs = tuple(args), dict(kwargs)
-    counted: list[Any] = []  # the whole batch's cut, made to count its items: cut once
 
     def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        if counted and a is args and k is kwargs:
-            return counted.pop()
         cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
                            split=opts.split, scatter_dim=opts.scatter_dim)
         return list(zip(cut[0], cut[1])), cut.sizes
@@ -306,9 +306,5 @@ def split_on_oom(
         part = _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes)
         return gather_outputs(module, part, opts, outs, device)
 
-    def count() -> int:
-        counted.append(halve(args, kwargs))
-        return sum(counted[-1][1])
-
-    return run_splitting(lambda a, k: fn(*a, **k), args, kwargs, n if n is not None else count,
+    return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), n,
                          halve=halve, join=join, fit=fit, device=device)

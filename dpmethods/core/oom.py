@@ -55,8 +55,8 @@ class Fit:
             self.largest = min(self.largest, fitting) if self.largest else fitting
 
 
-def check_on_oom(value: Any, name: str = "on_oom") -> str:
-    """``value`` if it is ``"raise"`` or ``"split"``; else a ``ValueError`` naming ``name``.
+def check_on_oom(value: Any) -> str:
+    """``value`` if it is ``"raise"`` or ``"split"``; else a ``ValueError``.
 
     Example:
         >>> check_on_oom("split")
@@ -69,7 +69,7 @@ def check_on_oom(value: Any, name: str = "on_oom") -> str:
     if value not in ON_OOM:
         close = difflib.get_close_matches(str(value), ON_OOM, n=1)
         hint = f": did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"{name}: expected one of {list(ON_OOM)}, got {value!r}{hint}")
+        raise ValueError(f"on_oom: expected one of {list(ON_OOM)}, got {value!r}{hint}")
     return value  # type: ignore[no-any-return]
 
 
@@ -80,7 +80,7 @@ def _free(device: torch.device) -> None:
 
 
 def run_splitting(
-    run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], n: int | Callable[[], int], *,
+    run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], n: int | None, *,
     halve: Callable[[tuple[Any, ...], dict[str, Any]], Any],
     join: Callable[[list[Any], list[int], tuple[Any, ...], dict[str, Any]], Any],
     fit: Fit, device: Any,
@@ -90,8 +90,8 @@ def run_splitting(
 
     Args:
         run: runs the method on a share.
-        n: the share's items, or a function that counts them (called only when the
-            count matters: after an out-of-memory error, or once one was seen).
+        n: the share's items, or None: the sizes of its halves, cut only when the count
+            matters (after an out-of-memory error, or once one was seen).
         halve: ``(args, kwargs) -> (halves, sizes)``: the share cut in two, as
             ``[(args, kwargs), (args, kwargs)]`` and their sizes.
         join: ``(outputs, sizes, args, kwargs) -> output``: the halves' outputs joined
@@ -112,12 +112,15 @@ def run_splitting(
         >>> run_splitting(run, ([1, 2, 3, 4, 5],), {}, 5, halve=halve, join=join, fit=Fit(), device="cpu")
         [1, 2, 3, 4, 5]
     """
-    counted = [n] if isinstance(n, int) else []
+    cut: list[Any] = []  # the share's halves, once cut (to count its items, or to run them)
 
-    def size() -> int:  # counting may cost a scatter: only when it matters
-        if not counted:
-            counted.append(n())  # type: ignore[operator]
-        return counted[0]  # type: ignore[return-value]
+    def halves() -> Any:
+        if not cut:
+            cut.append(halve(args, kwargs))
+        return cut[0]
+
+    def size() -> int:  # without n, counting costs a cut: only when it matters
+        return n if n is not None else sum(halves()[1])
 
     if not (fit.largest and fit.cut_up_front(size())):
         try:
@@ -132,9 +135,9 @@ def run_splitting(
         # Out of the except block: the error and the frames' tensors it held are freed.
         _free(as_device(device))
         fit.ran_out((size() + 1) // 2)
-    halves, sizes = halve(args, kwargs)
+    parts, sizes = halves()
     outs = [
         run_splitting(run, a, k, m, halve=halve, join=join, fit=fit, device=device)
-        for (a, k), m in zip(halves, sizes)
+        for (a, k), m in zip(parts, sizes)
     ]
     return join(outs, list(sizes), args, kwargs)
