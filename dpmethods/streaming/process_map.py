@@ -141,8 +141,9 @@ class ProcessRun:
         except WorkerDiedError as exc:
             raise add_note(exc, f"dpmethods: while sending batch {index} of DataParallel.map; "
                            "the next map or call starts a fresh worker") from None
-        done_at = self.done_at  # not self: the executor's thread must not keep the run alive
-        future.add_done_callback(lambda _: done_at.__setitem__(w, time.monotonic()))
+        if self.timeout is not None:  # when a worker's next batch starts running
+            done_at = self.done_at  # not self: the executor's thread must not keep the run alive
+            future.add_done_callback(lambda _: done_at.__setitem__(w, time.monotonic()))
         self.futures[future] = (w, seq, index, args, kwargs, time.monotonic())
         self.running[w] += 1
 
@@ -195,9 +196,9 @@ class ProcessRun:
     def _replace(self, w: Worker, seq: int, index: int, exc: WorkerDiedError) -> BaseException | None:
         """Worker ``w`` died running batch ``seq``: start a fresh one and send its batches
         again; the batch's error once it used up its retries (None while it has some)."""
-        how = (f"it ran longer than timeout={self.timeout} s on {w.describe()}, which was killed"
-               if seq in self.hung else f"{exc.args[0].split(': ', 1)[-1]} while running it")
         timed_out = seq in self.hung
+        how = (f"it ran longer than timeout={self.timeout} s on {w.describe()}, which was killed"
+               if timed_out else f"{exc.args[0].split(': ', 1)[-1]} while running it")
         self.hung.discard(seq)
         tries = self.tries[seq] = self.tries.get(seq, 0) + 1
         # Every job the dead worker held failed with it: they go again, in their order.
@@ -218,6 +219,7 @@ class ProcessRun:
         )
         error.__cause__ = exc
         return error
+
     def submit_pending(self) -> None:
         """Send pending batches to the least busy workers while one has room."""
         while self.pending:

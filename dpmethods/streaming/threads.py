@@ -267,8 +267,9 @@ def _serve(run: Run, r: int) -> None:
             if not held or run.stopped.is_set():
                 return
             seq, index, args, kwargs, ready = held.popleft()
-            with run.lock:
-                run.busy[r] = (seq, index, time.monotonic())
+            if run.timeout is not None:
+                with run.lock:
+                    run.busy[r] = (seq, index, time.monotonic())
             try:
                 if isinstance(args, BaseException):
                     raise args
@@ -283,12 +284,22 @@ def _serve(run: Run, r: int) -> None:
                 if not (run.keep_errors and isinstance(exc, Exception)):
                     run.stopped.set()  # the other workers take nothing more
                 result = (seq, index, None, exc, r)
-            with run.lock:
-                if r in run.dropped:  # timed out: the caller has its TimeoutError already
-                    return
-                del run.busy[r]
-                run.results.put(result)
+            if not _hand_back(run, r, result):
+                return  # timed out: the caller has its TimeoutError already
             out = args = kwargs = result = None  # drop this batch before waiting for the next
+
+
+def _hand_back(run: Run, r: int, result: Any) -> bool:
+    """Put replica ``r``'s result for the caller; False if it timed out meanwhile."""
+    if run.timeout is None:  # nothing to race with
+        run.results.put(result)
+        return True
+    with run.lock:
+        if r in run.dropped:
+            return False
+        del run.busy[r]
+        run.results.put(result)
+        return True
 
 
 def shutdown(run: Run) -> None:
