@@ -140,21 +140,28 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.allclose(x, y, rtol=1e-4, atol=1e-5) for x, y in zip(a, b))
 
 
-def _interleave(paths: dict[str, Callable[[], Any]], rounds: int) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list[float]]]:
+def _interleave(
+    paths: dict[str, Callable[[], Any]], rounds: int, pools: tuple[DataParallel, ...],
+) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list[float]]]:
     """Each path once untimed (its outputs), then ``rounds`` rounds, each in a fresh
     random order: a rotation would keep each path after the same one every round (a
-    thread map after a process map's busy workers, say), a bias no pairing removes."""
-    outputs = {p: fn() for p, fn in paths.items()}
-    times: dict[str, list[float]] = {p: [] for p in paths}
-    cpu: dict[str, list[float]] = {p: [] for p in paths}
-    order, shuffle = list(paths.items()), random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for p, fn in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            times[p].append(time.perf_counter() - t0)
-            cpu[p].append(time.process_time() - c0)
+    thread map after a process map's busy workers, say), a bias no pairing removes.
+    The worker pools of ``pools`` are closed at the end, whatever happens."""
+    try:
+        outputs = {p: fn() for p, fn in paths.items()}
+        times: dict[str, list[float]] = {p: [] for p in paths}
+        cpu: dict[str, list[float]] = {p: [] for p in paths}
+        order, shuffle = list(paths.items()), random.Random(0).shuffle
+        for _ in range(rounds):
+            shuffle(order)
+            for p, fn in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                times[p].append(time.perf_counter() - t0)
+                cpu[p].append(time.process_time() - c0)
+    finally:
+        for pool in pools:
+            pool.close()
     return outputs, times, cpu
 
 
@@ -182,10 +189,7 @@ def _checkpoint(ids: list[Any], quick: bool, tmp: Path) -> Measured:
         "map-processes": lambda: list(dpp.map("forward", batches)),
         "map-processes-checkpoint": lambda: list(dpp.map("forward", batches, checkpoint=fresh())),
     }
-    try:
-        outputs, times, cpu = _interleave(paths, rounds)
-    finally:
-        dpp.close()
+    outputs, times, cpu = _interleave(paths, rounds, (dpp,))
     facts = {
         "workload": f"nn.Linear(16, 16); {n} batches of {size} x 16; checkpoint= a fresh file per pass",
         "method": "forward", "devices": [str(i) for i in ids], "rounds": rounds,
@@ -233,10 +237,7 @@ def _sigkill(ids: list[Any], quick: bool, tmp: Path) -> Measured:
         "map-processes-kill": killed,
         "pool-start": pool_start,
     }
-    try:
-        outputs, times, cpu = _interleave(paths, rounds)
-    finally:
-        dpp.close()
+    outputs, times, cpu = _interleave(paths, rounds, (dpp,))
     for d in (times, cpu, outputs):
         d.pop("pool-start")
     facts = {
@@ -292,11 +293,7 @@ def _oom_split(ids: list[Any], quick: bool, tmp: Path) -> Measured:
         "split-first-processes": split_first,
         "pre-split-first-processes": pre_split_first,
     }
-    try:
-        outputs, times, cpu = _interleave(paths, rounds)
-    finally:
-        dpp.close()
-        dpp1.close()
+    outputs, times, cpu = _interleave(paths, rounds, (dpp, dpp1))
     reference = outputs["one-device"]
     facts = {
         "workload": f"MLP width {WIDTH} raising torch.OutOfMemoryError above {limit} rows; {n} batches of "
