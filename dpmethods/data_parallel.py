@@ -23,10 +23,10 @@ from dpmethods.core.devices import DeviceLike
 from dpmethods.core.oom import check_on_oom
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
+from dpmethods.processes.calls import call_chunks
+from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
 from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
-from dpmethods.streaming.process_map import call_chunks
-from dpmethods.streaming.process_pool import ProcessPool, check_factory, check_workers
 from dpmethods.streaming.resume import checkpointed
 
 __all__ = ["DataParallel"]

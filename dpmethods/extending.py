@@ -42,8 +42,8 @@ from dpmethods.call_hooks import Call, CallHooks
 from dpmethods.gather_modes import Mode, known_modes, register_gather_mode
 from dpmethods.options import MethodOptions
 from dpmethods.parallel import gather
+from dpmethods.processes.state import register_process_rule
 from dpmethods.registry import register_method_finder
-from dpmethods.streaming.process_state import register_process_rule
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
 from dpmethods.types.owners import unwrap_compiled
 from dpmethods.types.rules import register_type

@@ -27,6 +27,7 @@ _LAYERS: list[tuple[str, ...]] = [
     ("registry",),
     ("core",),
     ("_wrapping",),
+    ("processes",),
     ("streaming", "distributed"),
     ("data_parallel", "extending", "parallel", "checkpoints", "testing"),
     ("integrations",),

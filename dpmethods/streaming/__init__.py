@@ -1,1 +1,2 @@
-"""Streaming inference over many batches: DataParallel.map and its workers."""
+"""Streaming inference over many batches: ``DataParallel.map``, on replica threads or on
+the worker processes of :mod:`dpmethods.processes`, and resumable maps."""

@@ -6,7 +6,7 @@ that finished a short batch starts the next one instead of waiting for the other
 progress bar, sharding and closing, over one of two backends that differ only in
 "submit a batch" and "take the next finished one": worker threads over a shared queue
 (:class:`~dpmethods.streaming.threads.Run`) or worker processes
-(:class:`~dpmethods.streaming.process_pool.ProcessRun`). The caller's thread pulls
+(:class:`~dpmethods.streaming.process_map.ProcessRun`). The caller's thread pulls
 batches from the iterable as the iterator is consumed, never more than ``prefetch``
 per replica ahead of the finished ones, so an endless iterable uses bounded memory; in
 order, outputs pass through a reorder buffer that is bounded too.
@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from dpmethods.core.devices import as_device, check_source_device
 from dpmethods.core.oom import check_on_oom
 from dpmethods.options import MethodOptions
+from dpmethods.processes.pool import ProcessPool
 from dpmethods.streaming.process_map import ProcessRun
-from dpmethods.streaming.process_pool import ProcessPool
 from dpmethods.streaming.threads import Run
 from dpmethods.types import tree as _tree
 

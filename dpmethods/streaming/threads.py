@@ -27,22 +27,12 @@ from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.options import MethodOptions
 from dpmethods.types import tree as _tree
+from dpmethods.types.tree import move
 
 __all__: list[str] = []
 
 END = object()  # the iterable is exhausted, or the map stopped: a worker takes no more
 _POLL_S = 0.5  # how often a waiting caller checks that the workers are still alive
-
-
-def move(obj: Any, device: torch.device | None, non_blocking: bool = False) -> Any:
-    """``obj`` with its tensor leaves on ``device``; ``obj`` itself when none has to move."""
-    if device is None:
-        return obj
-    spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
-        return obj
-    moved = [t.to(device, non_blocking=non_blocking) if isinstance(t, Tensor) else t for t in leaves]
-    return _tree.unflatten(spec, moved)
 
 
 def pin(obj: Any) -> Any:

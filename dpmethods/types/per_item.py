@@ -279,15 +279,6 @@ class _Marker:
         return spec_new, out
 
 
-def to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) for t in leaves):
-        return obj
-    return _tree.unflatten(spec, [t.to(device) if isinstance(t, Tensor) else t for t in leaves])
-
-
 def extend(column: Sequence[Any], device: torch.device) -> list[Any]:
     """The replicas' entries in order, with the tensors in them moved to ``device``.
 
@@ -296,4 +287,4 @@ def extend(column: Sequence[Any], device: torch.device) -> list[Any]:
         >>> extend([Items([torch.ones(1)]), Items([{"a": torch.zeros(2)}])], torch.device("cpu"))
         [tensor([1.]), {'a': tensor([0., 0.])}]
     """
-    return [to_device(entry, device) for items in column for entry in items]
+    return [_tree.move(entry, device) for items in column for entry in items]

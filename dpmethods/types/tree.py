@@ -286,6 +286,25 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
     return _build(spec, iter(leaves))
 
 
+def move(obj: Any, device: Any, non_blocking: bool = False) -> Any:
+    """``obj`` with its tensor leaves on ``device``; ``obj`` itself when none has to move
+    (or ``device`` is None).
+
+    Example:
+        >>> import torch
+        >>> move({"x": torch.ones(1), "n": 3}, torch.device("cpu"))
+        {'x': tensor([1.]), 'n': 3}
+    """
+    if device is None:
+        return obj
+    if isinstance(obj, Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    spec, leaves = flatten(obj)
+    if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
+        return obj
+    return unflatten(spec, [t.to(device, non_blocking=non_blocking) if isinstance(t, Tensor) else t for t in leaves])
+
+
 def _children_labels(spec: Spec) -> list[str]:
     kind, cls, meta, children = spec
     if kind == _DICT:

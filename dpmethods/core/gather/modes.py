@@ -25,7 +25,8 @@ from dpmethods._warn_once import warn_once
 from dpmethods.core.gather.join import join_same, joinable, pad
 from dpmethods.core.gather.values import all_equal, join_shapes, numpy_arrays, reduce
 from dpmethods.gather_modes import Mode
-from dpmethods.types.per_item import Items, Whole, extend, to_device
+from dpmethods.types import tree as _tree
+from dpmethods.types.per_item import Items, Whole, extend
 
 __all__ = ["MODES", "UNJOINED", "ModeRow", "join_tensor_leaf", "join_value_leaf", "row"]
 
@@ -200,7 +201,7 @@ def join_value_leaf(
     if isinstance(first, Items):
         return extend(column, device)
     if isinstance(first, Whole):
-        return [to_device(w.value, device) for w in column]
+        return [_tree.move(w.value, device) for w in column]
     joined = row(mode).values(column, dim, path, device, weights)
     if joined is not UNJOINED:
         return joined

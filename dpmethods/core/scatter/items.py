@@ -18,7 +18,6 @@ from torch import Tensor
 
 from dpmethods._warn_once import warn_once
 from dpmethods.types import tree as _tree
-from dpmethods.types.per_item import to_device as _to
 
 __all__: list[str] = []
 
@@ -105,7 +104,7 @@ def _chunk(value: Any, start: int, stop: int, device: torch.device) -> Any:
     except (TypeError, KeyError):  # a sequence without slicing
         part = [value[i] for i in range(start, stop)]
     if isinstance(part, (list, tuple)):
-        moved = [_to(item, device) for item in part]
+        moved = [_tree.move(item, device) for item in part]
         if type(part) is list:
             return moved
         if type(part) is tuple:

@@ -29,7 +29,7 @@ import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import reduce_tensor
 
-from dpmethods.streaming.process_state import per_call, without_per_call_hooks
+from dpmethods.processes.state import per_call, without_per_call_hooks
 
 __all__: list[str] = []
 

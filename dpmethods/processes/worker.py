@@ -5,7 +5,7 @@ so it runs its jobs in the order they were submitted: "load the model" before th
 batches that need it. :func:`init` sets the process up; :func:`load` (re)builds the
 model from the caller's module (one shared-memory copy of its tensors) or from the
 wrapper's ``factory``; :func:`run` runs one batch or chunk. Both take and return
-bytes pickled by :mod:`~dpmethods.streaming.process_io` (small tensors inline, large ones
+bytes pickled by :mod:`~dpmethods.processes.pickling` (small tensors inline, large ones
 in shared memory), and answer ``("done", output, warnings)`` or
 ``("failed", error, traceback, warnings)``: a failure is a reply, never an exception of
 the executor, so any exception comes back with its type, notes and traceback text.
@@ -32,10 +32,10 @@ from dpmethods import _warn_once as warn_once
 from dpmethods._loading import load_pending
 from dpmethods.core.call import split_on_oom
 from dpmethods.core.oom import Fit
-from dpmethods.streaming.process_io import OutputRequiresGrad, dumps, loads
-from dpmethods.streaming.process_state import rebuilt
-from dpmethods.streaming.threads import move
+from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
+from dpmethods.processes.state import rebuilt
 from dpmethods.types.coupled_modules import mark_batch_coupled, split_call
+from dpmethods.types.tree import move
 
 __all__ = ["give", "init", "load", "run"]
 

@@ -2,13 +2,13 @@
 
 Each device entry gets a single-worker ``concurrent.futures.ProcessPoolExecutor``
 (``spawn``: never ``fork``, which breaks CUDA and threads). One worker runs its jobs in
-the order they were submitted, so the model sent (:func:`~.process_worker.load`) is the
-one the batches after it run on (:func:`~.process_worker.run`), and maps and calls
+the order they were submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the
+one the batches after it run on (:func:`~dpmethods.processes.worker.run`), and maps and calls
 share the workers as they share a thread wrapper's replicas: each job has its own
 ``Future``. The first map or call that needs them starts them; the module goes once,
 as one shared-memory copy of its tensors (or each worker builds it with ``factory``),
 and again when its fingerprint or state digest changed
-(:mod:`~dpmethods.streaming.process_state`).
+(:mod:`~dpmethods.processes.state`).
 
 A worker that dies (killed, a segfault, out of memory) breaks its executor: every job
 it held fails, with an error naming the worker, its device and its exit code, and the
@@ -37,11 +37,11 @@ from torch import nn
 from dpmethods._loading import load_pending
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
-from dpmethods.streaming import process_worker
-from dpmethods.streaming.process_io import check_factory as check_factory  # for DataParallel
-from dpmethods.streaming.process_io import dumps, loads, model_payloads
-from dpmethods.streaming.process_state import state_digest
-from dpmethods.streaming.process_worker import give
+from dpmethods.processes import worker as process_worker
+from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
+from dpmethods.processes.pickling import dumps, loads, model_payloads
+from dpmethods.processes.state import state_digest
+from dpmethods.processes.worker import give
 from dpmethods.types.coupled_modules import marks
 
 __all__: list[str] = []

@@ -1,0 +1,14 @@
+"""Worker processes for ``workers="processes"``: one per device entry, on a standard
+executor, running the calls and map batches that the threads would run in the caller.
+
+- :mod:`~dpmethods.processes.pool`: the workers' lifecycle (start, model updates, death,
+  ``close()``);
+- :mod:`~dpmethods.processes.worker`: what runs inside a worker;
+- :mod:`~dpmethods.processes.pickling`: what crosses the process boundary, and how;
+- :mod:`~dpmethods.processes.state`: what of a module's state crosses, and how its
+  changes are seen;
+- :mod:`~dpmethods.processes.calls`: a call's chunks on the workers, and a job's output
+  in the caller.
+
+A map's batches go through :mod:`dpmethods.streaming.process_map`.
+"""
