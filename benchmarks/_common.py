@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ import torch
 __all__ = [
     "copy_bandwidth",
     "cuda_sync",
+    "interleave",
     "machine_info",
     "plot_ratios",
     "quantile",
@@ -51,6 +53,33 @@ def quantile(xs: Sequence[float], q: float) -> float:
         2.0
     """
     return _quantile(sorted(xs), q)
+
+
+def interleave(
+    paths: dict[str, Callable[[], Any]], rounds: int, sync: Callable[[], Any] = lambda: None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Time each path once per round, for ``rounds`` rounds, each in a fresh random order
+    (seeded): a rotation would keep each path after the same one every round (a thread
+    map after a process map's busy workers, say), a bias no pairing removes. Returns
+    each path's wall seconds and this process's CPU seconds, one per round.
+
+    Example:
+        >>> times, cpu = interleave({"a": lambda: None, "b": lambda: None}, 3)
+        >>> len(times["a"]), len(cpu["b"])
+        (3, 3)
+    """
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    cpu: dict[str, list[float]] = {p: [] for p in paths}
+    order, shuffle = list(paths.items()), random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        for p, fn in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            times[p].append(time.perf_counter() - t0)
+            cpu[p].append(time.process_time() - c0)
+    return times, cpu
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:

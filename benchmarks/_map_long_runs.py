@@ -31,7 +31,6 @@ Example:
 from __future__ import annotations
 
 import os
-import random
 import signal
 import statistics
 import sys
@@ -143,22 +142,12 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def _interleave(
     paths: dict[str, Callable[[], Any]], rounds: int, pools: tuple[DataParallel, ...],
 ) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list[float]]]:
-    """Each path once untimed (its outputs), then ``rounds`` rounds, each in a fresh
-    random order: a rotation would keep each path after the same one every round (a
-    thread map after a process map's busy workers, say), a bias no pairing removes.
-    The worker pools of ``pools`` are closed at the end, whatever happens."""
+    """Each path once untimed (its outputs), then ``rounds`` rounds in random orders
+    (:func:`_common.interleave`). The worker pools of ``pools`` are closed at the end,
+    whatever happens."""
     try:
         outputs = {p: fn() for p, fn in paths.items()}
-        times: dict[str, list[float]] = {p: [] for p in paths}
-        cpu: dict[str, list[float]] = {p: [] for p in paths}
-        order, shuffle = list(paths.items()), random.Random(0).shuffle
-        for _ in range(rounds):
-            shuffle(order)
-            for p, fn in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                times[p].append(time.perf_counter() - t0)
-                cpu[p].append(time.process_time() - c0)
+        times, cpu = _common.interleave(paths, rounds)
     finally:
         for pool in pools:
             pool.close()

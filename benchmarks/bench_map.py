@@ -16,8 +16,8 @@ Workloads, each a list of batches run to the end by every path:
   process and ``on_oom="split"`` cost a map (benchmarks/_map_long_runs.py, two CPU replicas
   whatever ``--device``; drawn in ``map_<device>_long_runs.png``).
 
-Paths, interleaved round by round (the order rotates each round, so drift of the
-shared host hits them alike):
+Paths, interleaved round by round (each round in a fresh random order, so drift of the
+shared host hits them alike and no path always follows the same one):
 
 - ``map``            ``list(dp.map(method, batches))`` on threads: each batch whole on the first free replica;
 - ``map-processes``  the same with ``workers="processes"`` (one worker process per device, pool warm);
@@ -70,6 +70,8 @@ TARGETS = [
     ("uniform", "map", "calls", 0.95),
     ("uniform", "map-processes", "map", 1.0),
     ("encode", "calls-processes", "st-pool", 1.0),
+    # Start-up to the first output, fresh pools, paired per round (see _startups).
+    ("encode", "processes start-up", "st-pool start-up", 1.0),
 ]
 
 
@@ -177,7 +179,7 @@ def _uniform(device: torch.device, quick: bool) -> dict[str, Any]:
     ]
     return {
         "model": model, "method": "forward", "batches": batches, "kwargs": {},
-        "items": n * size, "options": None, "rounds": 4 if quick else 6,
+        "items": n * size, "options": None, "rounds": 4 if quick else 12,
         "describe": f"BERT hidden 256, 4 layers; {n} batches of {size} x {seq} tokens",
     }
 
@@ -259,27 +261,59 @@ def _paths(
     return paths, startup, dpp.close
 
 
-def _encode_paths(
-    w: dict[str, Any], ids: list[Any], device: str, per_replica: int, one_device_threads: int
-) -> tuple[dict[str, Callable[[], Any]], dict[str, float], Callable[[], None]]:
-    model, sentences = w["model"], w["sentences"]
-    dp = DataParallel(model, device_ids=ids)
-    dpp = DataParallel(model, device_ids=ids, workers="processes")
-    startup = {"processes": _start(dpp, "encode")}
-    t0 = time.perf_counter()
-    # Its workers take torch's default thread count (every core each) unless told: give
-    # them one replica's threads, as dpmethods' workers get, so the two pools are alike.
+def _st_pool(model: Any, n: int, per_replica: int) -> Any:
+    """sentence-transformers' pool of ``n`` CPU workers. Its workers take torch's default
+    thread count (every core each) unless told: they get one replica's threads, as
+    dpmethods' workers do, so the two pools are alike."""
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(per_replica)
     try:
-        pool = model.start_multi_process_pool(["cpu"] * len(ids))
+        return model.start_multi_process_pool(["cpu"] * n)
     finally:
         if saved is None:
             del os.environ["OMP_NUM_THREADS"]
         else:
             os.environ["OMP_NUM_THREADS"] = saved
+
+
+def _startups(model: Any, ids: list[Any], per_replica: int, first: list[str], rounds: int) -> dict[str, list[float]]:
+    """Each pool's start-up to its first output (``first`` encoded), a fresh pool each
+    time, closed after: one pair per round, in alternating order."""
+
+    def ours() -> float:
+        dpp = DataParallel(model, device_ids=ids, workers="processes")
+        t0 = time.perf_counter()
+        dpp.encode(first)
+        t = time.perf_counter() - t0
+        dpp.close()
+        return t
+
+    def theirs() -> float:
+        t0 = time.perf_counter()
+        pool = _st_pool(model, len(ids), per_replica)
+        model.encode(first, pool=pool)
+        t = time.perf_counter() - t0
+        model.stop_multi_process_pool(pool)
+        return t
+
+    seconds: dict[str, list[float]] = {"processes start-up": [], "st-pool start-up": []}
+    pair = [("processes start-up", ours), ("st-pool start-up", theirs)]
+    for r in range(rounds):
+        for name, fn in pair if r % 2 == 0 else pair[::-1]:
+            seconds[name].append(fn())
+    return seconds
+
+
+def _encode_paths(
+    w: dict[str, Any], ids: list[Any], device: str, per_replica: int, one_device_threads: int
+) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], Callable[[], None]]:
+    model, sentences = w["model"], w["sentences"]
+    startup: dict[str, Any] = _startups(model, ids, per_replica, sentences[:8], w["startup_rounds"])
+    dp = DataParallel(model, device_ids=ids)
+    dpp = DataParallel(model, device_ids=ids, workers="processes")
+    _start(dpp, "encode")
+    pool = _st_pool(model, len(ids), per_replica)
     model.encode(sentences[:8], pool=pool)  # its workers load the model on first use
-    startup["st-pool"] = time.perf_counter() - t0
 
     def stop() -> None:
         dpp.close()
@@ -309,7 +343,7 @@ def _encode(device: torch.device, quick: bool) -> dict[str, Any] | None:
     ]
     return {
         "model": _sentence_model(tmp), "sentences": sentences, "method": "encode", "items": n,
-        "rounds": 3 if quick else 5, "paths": _encode_paths,
+        "rounds": 3 if quick else 5, "paths": _encode_paths, "startup_rounds": 2 if quick else 6,
         "describe": f"SentenceTransformer (BERT hidden 32, 2 layers, mean pooling) encode of {n} "
         "sentences of 3-11 words, batch_size 32",
     }
@@ -326,29 +360,21 @@ def _measure(
     per_replica = threads[0] if threads[0] > 0 else torch.get_num_threads()
     make = w.get("paths", _paths)
     paths, startup, stop = make(w, ids, device, per_replica, threads[1] if threads[1] > 0 else per_replica)
-    times: dict[str, list[float]] = {p: [] for p in paths}
-    cpu: dict[str, list[float]] = {p: [] for p in paths}
-    order = list(paths.items())
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # transformers' notes on attention masks
             reference = paths["one-device"]()
             outputs = {p: fn() for p, fn in paths.items() if p != "one-device"}  # and warm-up
             sync()
-            for r in range(w["rounds"]):
-                for p, fn in order[r % len(order) :] + order[: r % len(order)]:
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    fn()
-                    sync()
-                    times[p].append(time.perf_counter() - t0)
-                    cpu[p].append(time.process_time() - c0)
+            times, cpu = _common.interleave(paths, w["rounds"], sync)
     finally:
         stop()
     figures = _figures(name, times, cpu, dict.fromkeys(times, w["items"]))
+    rounds = {**times, **{p: s for p, s in startup.items() if isinstance(s, list)}}
     targets = []
     for wl, fast, slow, least in TARGETS:
-        if wl == name and fast in times and slow in times:
-            rs = _ratios(times, fast, slow)
+        if wl == name and fast in rounds and slow in rounds:
+            rs = _ratios(rounds, fast, slow)
             targets.append({
                 "faster": fast, "slower": slow, "at_least": least, "median": statistics.median(rs),
                 "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
@@ -359,7 +385,8 @@ def _measure(
         "method": w["method"],
         "devices": [str(i) for i in ids],
         "rounds": w["rounds"],
-        "startup_s": startup,
+        "startup_s": {p: statistics.median(s) if isinstance(s, list) else s for p, s in startup.items()},
+        "startup_rounds_s": {p: s for p, s in startup.items() if isinstance(s, list)},
         "targets": targets,
         "speed_over_one_device": speeds(times),
         "outputs_match_one_device": {
@@ -447,7 +474,9 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
     rows += ["", "| workload | pool | start-up s |", "|---|---|---:|"]
     for wl, x in facts.items():
         for pool, s in x["startup_s"].items():
-            rows.append(f"| {wl} | {pool} | {s:.2f} |")
+            rs = x.get("startup_rounds_s", {}).get(pool)
+            spread = f" ({_common.quantile(rs, 0.1):.2f}-{_common.quantile(rs, 0.9):.2f}, {len(rs)} rounds)" if rs else ""
+            rows.append(f"| {wl} | {pool} | {s:.2f}{spread} |")
     return "\n".join(rows + _map_long_runs.rows(facts))
 
 

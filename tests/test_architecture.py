@@ -154,6 +154,13 @@ def test_modules_and_functions_stay_small() -> None:
     assert big == [] and long == []
 
 
+def test_streaming_stays_within_its_budget() -> None:
+    # The map (one iterator, a thread backend, a process backend) and resumable maps:
+    # what concurrent.futures and the worker pool (dpmethods/processes) do not do already.
+    lines = {p.name: p.read_text().count("\n") for p in (_PKG / "streaming").glob("*.py")}
+    assert sum(lines.values()) <= 1200, lines
+
+
 def test_twelve_public_names_and_the_old_ones_as_aliases() -> None:
     assert sorted(dpmethods.__all__) == sorted([
         "DataParallel", "DistributedDataParallel", "fully_shard", "route", "parallel_method",

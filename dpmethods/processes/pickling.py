@@ -7,9 +7,10 @@ Everything is pickled once per message with torch's multiprocessing reductions
   the message, which is cheaper than passing a file descriptor; a larger one is copied
   into a fresh shared-memory block (one copy, the caller's tensor is left as it is),
   whose descriptor crosses instead of the bytes;
-- the model: every parameter and buffer storage is copied once into shared memory
-  (kept per storage, so tied weights and views stay tied), and every worker maps the
-  same copy; the module itself is never moved or changed. CUDA tensors of the model
+- the model: every parameter and buffer storage is copied once into one block of
+  shared memory (each storage once, so tied weights and views stay tied), which
+  crosses as one file descriptor, and every worker maps the same copy; the module
+  itself is never moved or changed. CUDA tensors of the model
   are copied to shared CPU memory too, and each worker moves its model to its device.
 
 Other CUDA tensors go through torch's CUDA IPC. A module that cannot be pickled is
@@ -138,35 +139,67 @@ class _OutputPickler(_IOPickler):
         return _io_reduce(obj)
 
 
-class _ModelPickler(ForkingPickler):
-    """The module: each parameter and buffer storage copied once into shared memory."""
+_ALIGN = 64  # each storage's place in the model's block: a multiple of any element size
 
-    def __init__(self, file: Any, copies: dict[Any, torch.UntypedStorage], tensors: set[int]) -> None:
+
+def _storage_key(t: Tensor) -> tuple[Any, ...]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes(), s.device)
+
+
+def _in_block(t: Tensor) -> bool:
+    return type(t) in _PLAIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+
+
+def _model_block(module: nn.Module) -> tuple[torch.UntypedStorage, dict[Any, int]]:
+    """One shared-memory block holding each parameter and buffer storage of ``module``
+    once (tied weights and views keep sharing theirs), and each one's byte offset in it.
+
+    One block crosses as one file descriptor, fetched once per worker from this
+    process: a descriptor per storage costs each worker a connection per tensor.
+    """
+    places: dict[Any, int] = {}
+    sources = []
+    size = 0
+    for t in (*module.parameters(), *module.buffers()):
+        if _in_block(t) and (key := _storage_key(t)) not in places:
+            places[key] = size
+            sources.append((size, t.untyped_storage()))
+            size += -(-t.untyped_storage().nbytes() // _ALIGN) * _ALIGN
+    block = _shared_storage(size)
+    raw = torch.empty(0, dtype=torch.uint8).set_(block)
+    for at, source in sources:  # from any device: workers move their model themselves
+        raw[at : at + source.nbytes()].copy_(torch.empty(0, dtype=torch.uint8, device=source.device).set_(source))
+    return block, places
+
+
+def _from_block(
+    block: torch.UntypedStorage, offset: int, dtype: torch.dtype, shape: torch.Size,
+    stride: tuple[int, ...], parameter: bool, grad: bool,
+) -> Tensor:
+    t = torch.empty(0, dtype=dtype).set_(block, offset, shape, stride)
+    if parameter:
+        return nn.Parameter(t, requires_grad=grad)
+    return t.requires_grad_(True) if grad else t
+
+
+class _ModelPickler(ForkingPickler):
+    """The module: its parameters and buffers as views of one shared block (pickled
+    once per payload: the pickle's memo holds it), never moved or changed themselves."""
+
+    def __init__(self, file: Any, block: torch.UntypedStorage, places: dict[Any, int], tensors: set[int]) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
-        self._copies, self._tensors = copies, tensors
+        self._block, self._places, self._tensors = block, places, tensors
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, Tensor):
             return without_per_call_hooks(obj) if isinstance(obj, nn.Module) else NotImplemented
-        if (
-            id(obj) not in self._tensors
-            or type(obj) not in _PLAIN
-            or obj.layout != torch.strided
-            or obj.device.type not in ("cpu", "cuda")
-        ):
+        if id(obj) not in self._tensors or not _in_block(obj):
             return _io_reduce(obj)
-        source = obj.untyped_storage()
-        key = (source.data_ptr(), source.nbytes(), source.device)
-        storage = self._copies.get(key)
-        if storage is None:
-            storage = self._copies[key] = _shared_storage(source.nbytes())
-            storage.copy_(source)  # from any device: workers move their model themselves
-        copy = torch.empty(0, dtype=obj.dtype).set_(
-            storage, obj.storage_offset(), obj.shape, obj.stride()
-        )
-        if type(obj) is nn.Parameter:
-            copy = nn.Parameter(copy, requires_grad=obj.requires_grad)
-        return reduce_tensor(copy)
+        offset = self._places[_storage_key(obj)] // obj.element_size() + obj.storage_offset()
+        grad = obj.requires_grad and (type(obj) is nn.Parameter or obj.is_leaf)
+        return (_from_block, (self._block, offset, obj.dtype, obj.shape, obj.stride(),
+                              type(obj) is nn.Parameter, grad))
 
 
 def dumps(obj: Any, *, output: bool = False) -> bytes:
@@ -183,21 +216,22 @@ loads = pickle.loads
 
 
 def model_payloads(module: nn.Module, n: int) -> list[bytes]:
-    """``module`` pickled ``n`` times (a descriptor is fetched once), on one shared copy.
+    """``module`` pickled ``n`` times (a descriptor is fetched once), on one shared copy
+    of its parameters and buffers.
 
     Raises ``TypeError`` naming what cannot be pickled (see :func:`unpicklable`).
     """
     tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
-    copies: dict[Any, torch.UntypedStorage] = {}
+    block, places = _model_block(module)
     payloads = []
     for _ in range(n):
         buf = io.BytesIO()
         try:
-            _ModelPickler(buf, copies, tensors).dump(module)
+            _ModelPickler(buf, block, places, tensors).dump(module)
         except Exception as exc:
             raise TypeError(unpicklable(module, exc)) from exc
         payloads.append(buf.getvalue())
-    return payloads  # the copies may go: each payload holds descriptors of its own
+    return payloads  # the block may go: each payload holds a descriptor of its own
 
 
 class _Probe(pickle.Pickler):

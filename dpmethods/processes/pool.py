@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import multiprocessing
+import os
 import signal
 import threading
 import time
@@ -116,21 +117,30 @@ class Worker:
         self.executor = cf.ProcessPoolExecutor(
             1, mp_context=ctx, initializer=process_worker.init, initargs=(str(self.device), threads)
         )
-        self.process = None
         self.key = None
+        # The executor starts its process with the first job. The child's OpenMP reads
+        # OMP_NUM_THREADS when it imports torch, long before the initializer runs: left
+        # unset, every worker's imports run on all cores at once (measured: 4% slower to
+        # start two workers on two cores). A user's own setting is kept.
+        unset = "OMP_NUM_THREADS" not in os.environ
+        if unset:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            self.executor.submit(int)
+        finally:
+            if unset:
+                os.environ.pop("OMP_NUM_THREADS", None)
+        self.process = next(iter(self.executor._processes.values()), None)
+        if self.process is not None:
+            self.process.name = f"dpmethods-worker-{self.index}"
 
     def submit(self, fn: Callable[[bytes], bytes], data: bytes) -> cf.Future[bytes]:
         if self.executor is None:
             raise self.died()
         try:
-            future = self.executor.submit(fn, data)
+            return self.executor.submit(fn, data)
         except (BrokenProcessPool, RuntimeError):  # broken, or shut down by close()
             raise self.died() from None
-        if self.process is None:  # started by the first submit
-            self.process = next(iter(self.executor._processes.values()), None)
-            if self.process is not None:
-                self.process.name = f"dpmethods-worker-{self.index}"
-        return future
 
     def died(self) -> WorkerDiedError:
         """The error for this worker being gone, with its exit code."""
@@ -173,15 +183,15 @@ class Worker:
         raise add_note(exc, note)
 
 
-def stop_all(workers: Sequence[Worker]) -> None:
-    """Shut every executor down; a worker still busy after a few seconds is terminated."""
+def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
+    """Shut every executor down; a worker still busy after ``grace`` seconds is terminated."""
     procs: list[Any] = []
     for w in workers:
         if w.executor is not None:
             procs += {id(p): p for p in [w.process, *(w.executor._processes or {}).values()] if p}.values()
             w.executor.shutdown(wait=False, cancel_futures=True)
         w.executor = w.process = w.key = None
-    deadline = time.monotonic() + _STOP_S
+    deadline = time.monotonic() + grace
     for p in procs:
         if _reaped(p, max(0.0, deadline - time.monotonic())) is None:
             p.terminate()  # SIGTERM: the worker's normal exit path
@@ -253,12 +263,15 @@ class ProcessPool:
             stale = [w for w in self.workers if w in fresh or (w.key != key and w.executor is not None)]
             if not stale:
                 return 0.0
-            # Pickled before any worker starts: a module that can't be sent fails at once.
-            messages = self._model_messages(module, len(stale), marked)
             threads = max(1, torch.get_num_threads() // len(self.workers))
-            for w in fresh:
+            for w in fresh:  # first: they import while the module is pickled here
                 stop_all([w])
                 w.start(threads)
+            try:
+                messages = self._model_messages(module, len(stale), marked)
+            except BaseException:  # a module that can't be sent fails at once
+                stop_all(fresh, grace=0.0)
+                raise
             futures = [(w, w.submit(process_worker.load, m)) for w, m in zip(stale, messages)]
             messages.clear()
             self._wait_loaded(futures, key, fresh)
