@@ -298,3 +298,10 @@ class SemaphoreNet(Net):
         lock = multiprocessing.get_context("spawn").Lock()
         _LOCKS.append(lock)  # alive until the process exits
         return [str(lock._semlock.name), str(os.getpid())]  # type: ignore[attr-defined]
+
+
+class EnvProbe(nn.Module):
+    """Returns its input and the worker's OMP_NUM_THREADS and torch thread count."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return x, os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()

@@ -27,6 +27,7 @@ import torch
 from _close import transformer_terms
 from _process_helpers import (
     Contract,
+    EnvProbe,
     InBatchLoss,
     Net,
     Unloadable,
@@ -829,3 +830,21 @@ def test_seeded_sampling_is_reproducible_in_process_workers(contract: dict[str, 
     for a, b in zip(alone, other_mapped, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
+
+
+@pytest.mark.parametrize("user_setting", [None, "3"])
+def test_workers_start_with_their_thread_count(monkeypatch: pytest.MonkeyPatch, user_setting: str | None) -> None:
+    # OpenMP reads OMP_NUM_THREADS when a worker imports torch: it is set for the worker's
+    # start only (a user's own setting is kept), and the caller's environment is left as it was.
+    if user_setting is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", user_setting)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # what the workers share
+    dp = dpmethods.DataParallel(EnvProbe(), device_ids=["cpu"] * 2, workers="processes")
+    try:
+        [(_, env, threads)] = list(dp.map("forward", [torch.ones(1)]))
+    finally:
+        dp.close()
+    assert env == (user_setting or "2") and threads == 2
+    assert os.environ.get("OMP_NUM_THREADS") == user_setting
