@@ -67,7 +67,12 @@ _START_HINT = (
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process died (killed, a segfault, out of memory) while the caller waited."""
+    """A worker process died (killed, a segfault, out of memory) while the caller waited;
+    ``what`` says which worker and how, as the message does after its prefix."""
+
+    def __init__(self, message: str, what: str = "") -> None:
+        super().__init__(message)
+        self.what = what
 
 
 def check_workers(value: Any, name: str = "workers") -> str:
@@ -163,8 +168,8 @@ class Worker:
                 why = f" ({signal.Signals(-code).name})"
             except ValueError:
                 pass
-        return WorkerDiedError(f"DataParallel(workers='processes'): {self.describe()} died "
-                               f"with exit code {code}{why}")
+        what = f"{self.describe()} died with exit code {code}{why}"
+        return WorkerDiedError(f"DataParallel(workers='processes'): {what}", what)
 
     def reply(self, future: cf.Future[bytes], raised: str, running: str) -> Any:
         """The output of a finished job; a failure raised with ``raised`` (the job's

@@ -144,7 +144,7 @@ class ProcessRun:
         again; the batch's error once it used up its retries (None while it has some)."""
         timed_out = seq in self.hung
         how = (f"it ran longer than timeout={self.timeout} s on {w.describe()}, which was killed"
-               if timed_out else f"{exc.args[0].split(': ', 1)[-1]} while running it")
+               if timed_out else f"{exc.what or exc} while running it")
         self.hung.discard(seq)
         tries = self.tries[seq] = self.tries.get(seq, 0) + 1
         # Every job the dead worker held failed with it: they go again, in their order.
