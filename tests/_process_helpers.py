@@ -6,8 +6,10 @@ sys.path that spawn hands to its children), so everything here is module-level.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 from typing import Any, ClassVar
 
 import numpy as np
@@ -305,3 +307,28 @@ class EnvProbe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> Any:
         return x, os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+_CYCLES: list[Any] = []  # weak references to the cycles GcProbe's builds left behind
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self  # garbage only the cyclic collector frees
+
+
+class GcProbe(nn.Module):
+    """Returns ``x * scale`` and its worker's collector: enabled, how many objects are
+    frozen, and whether the cyclic garbage its builds made was collected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        _CYCLES.append(weakref.ref(_Cycle()))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return x * self.scale, gc.isenabled(), gc.get_freeze_count(), all(r() is None for r in _CYCLES)
+
+
+def build_gc_probe() -> GcProbe:
+    return GcProbe()

@@ -28,9 +28,11 @@ from _close import transformer_terms
 from _process_helpers import (
     Contract,
     EnvProbe,
+    GcProbe,
     InBatchLoss,
     Net,
     Unloadable,
+    build_gc_probe,
     build_net,
     build_net_doubled,
     count_calls,
@@ -848,3 +850,26 @@ def test_workers_start_with_their_thread_count(monkeypatch: pytest.MonkeyPatch, 
         dp.close()
     assert env == (user_setting or "2") and threads == 2
     assert os.environ.get("OMP_NUM_THREADS") == user_setting
+
+
+def test_the_first_model_is_built_without_the_collector_then_frozen() -> None:
+    # Its build imports the libraries: they are frozen (later collections skip them),
+    # after one collection, so the build's cyclic garbage is not frozen with them.
+    dp = dpmethods.DataParallel(GcProbe(), device_ids=["cpu"] * 2, workers="processes", factory=build_gc_probe)
+    try:
+        [(_, enabled, frozen, collected)] = list(dp.map("forward", [torch.ones(1)]))
+    finally:
+        dp.close()
+    assert enabled and frozen > 0 and collected
+
+
+def test_a_second_model_unfreezes_the_first() -> None:
+    probe = GcProbe()
+    dp = dpmethods.DataParallel(probe, device_ids=["cpu"] * 2, workers="processes")
+    try:
+        list(dp.map("forward", [torch.ones(1)]))
+        probe.scale = 2.0  # a new model goes to the workers
+        [(out, enabled, frozen, _)] = list(dp.map("forward", [torch.ones(1)]))
+    finally:
+        dp.close()
+    assert out.tolist() == [2.0] and enabled and frozen == 0
