@@ -743,6 +743,23 @@ def test_worker_warnings_reach_the_caller_once(contract: dict[str, Any], workers
 
 
 @_KINDS
+def test_a_warning_made_an_error_fails_the_batch_it_came_from(contract: dict[str, Any], workers: str) -> None:
+    dp, x = contract[workers], torch.randn(4, 4)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # as -W error
+        with pytest.raises(UserWarning, match="contract: a plain warning") as call:
+            dp.warns(x)
+        with pytest.raises(UserWarning, match="contract: a plain warning") as mapped:
+            list(dp.map("warns", [x, x]))
+        [yielded, _] = list(dp.map("warns", [x, x], errors="yield"))
+    where = "replica 0" if workers == "threads" else "chunk 0"  # each names where it ran
+    assert any(where in n for n in call.value.__notes__), call.value.__notes__
+    # Both batches warn: the map fails with whichever finished first.
+    assert any(re.search(r"batch [01] on", n) for n in mapped.value.__notes__), mapped.value.__notes__
+    assert isinstance(yielded, UserWarning) and any("batch 0 on" in n for n in yielded.__notes__)
+
+
+@_KINDS
 def test_channels_last_survives_the_trip(contract: dict[str, Any], workers: str) -> None:
     dp = contract[workers]
     x = torch.randn(4, 3, 5, 6).to(memory_format=torch.channels_last)

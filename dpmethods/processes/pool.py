@@ -180,7 +180,10 @@ class Worker:
             raise add_note(self.died(), f"dpmethods: while running {running}; the next map or "
                            "call starts a fresh worker") from None
         msg = loads(data)
-        give(msg[-1])
+        try:
+            give(msg[-1])
+        except Exception as exc:  # a warning the caller's filters make an error (-W error)
+            raise add_note(exc, f"dpmethods: {raised} on {self.describe()}") from None
         if msg[0] == "done":
             return msg[1]
         exc = loads(msg[1])
