@@ -179,7 +179,7 @@ def _uniform(device: torch.device, quick: bool) -> dict[str, Any]:
     ]
     return {
         "model": model, "method": "forward", "batches": batches, "kwargs": {},
-        "items": n * size, "options": None, "rounds": 4 if quick else 12,
+        "items": n * size, "options": None, "rounds": 4 if quick else 20,
         "describe": f"BERT hidden 256, 4 layers; {n} batches of {size} x {seq} tokens",
     }
 
