@@ -182,8 +182,8 @@ class Worker:
         msg = loads(data)
         try:
             give(msg[-1])
-        except Exception as exc:  # a warning the caller's filters make an error (-W error)
-            raise add_note(exc, f"dpmethods: {raised} on {self.describe()}") from None
+        except Exception as warned:  # a warning the caller's filters make an error (-W error)
+            raise add_note(warned, f"dpmethods: {raised} on {self.describe()}") from None
         if msg[0] == "done":
             return msg[1]
         exc = loads(msg[1])
