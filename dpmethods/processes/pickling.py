@@ -151,9 +151,10 @@ def _in_block(t: Tensor) -> bool:
     return type(t) in _PLAIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
 
 
-def _model_block(module: nn.Module) -> tuple[torch.UntypedStorage, dict[Any, int]]:
-    """One shared-memory block holding each parameter and buffer storage of ``module``
-    once (tied weights and views keep sharing theirs), and each one's byte offset in it.
+def _model_block(tensors: list[Tensor]) -> tuple[torch.UntypedStorage, dict[Any, int]]:
+    """One shared-memory block holding the storage of each of a module's ``tensors``
+    (its parameters and buffers) once (tied weights and views keep sharing theirs), and
+    each one's byte offset in it.
 
     One block crosses as one file descriptor, fetched once per worker from this
     process: a descriptor per storage costs each worker a connection per tensor.
@@ -161,7 +162,7 @@ def _model_block(module: nn.Module) -> tuple[torch.UntypedStorage, dict[Any, int
     places: dict[Any, int] = {}
     sources = []
     size = 0
-    for t in (*module.parameters(), *module.buffers()):
+    for t in tensors:
         if _in_block(t) and (key := _storage_key(t)) not in places:
             places[key] = size
             sources.append((size, t.untyped_storage()))
@@ -221,13 +222,14 @@ def model_payloads(module: nn.Module, n: int) -> list[bytes]:
 
     Raises ``TypeError`` naming what cannot be pickled (see :func:`unpicklable`).
     """
-    tensors = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
-    block, places = _model_block(module)
+    tensors = [*module.parameters(), *module.buffers()]
+    block, places = _model_block(tensors)
+    ids = {id(t) for t in tensors}
     payloads = []
     for _ in range(n):
         buf = io.BytesIO()
         try:
-            _ModelPickler(buf, block, places, tensors).dump(module)
+            _ModelPickler(buf, block, places, ids).dump(module)
         except Exception as exc:
             raise TypeError(unpicklable(module, exc)) from exc
         payloads.append(buf.getvalue())
