@@ -91,7 +91,6 @@ class Figure:
     cpu_rounds: list[float] = field(default_factory=list)  # this process's CPU seconds per pass
 
 
-
 class _RowStop:
     """Stop each row at its own length, read from its first prompt token (so a split
     batch keeps every row's length): ``PROMPT + 4 + first_token % spread`` tokens.
