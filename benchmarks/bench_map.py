@@ -14,7 +14,10 @@ Workloads, each a list of batches run to the end by every path:
   ``start_multi_process_pool(["cpu", "cpu"])``;
 - ``checkpoint``, ``sigkill``, ``oom-split``: what ``checkpoint=``, a SIGKILLed worker
   process and ``on_oom="split"`` cost a map (benchmarks/_map_long_runs.py, two CPU replicas
-  whatever ``--device``; drawn in ``map_<device>_long_runs.png``).
+  whatever ``--device``; drawn in ``map_<device>_long_runs.png``);
+- ``batch-cost`` (only when named in ``--only``): what one batch of a map costs on threads
+  and on processes, for models of 2, 200 and 2,000 parameter tensors
+  (benchmarks/_map_batch_cost.py, two CPU replicas whatever ``--device``).
 
 Paths, interleaved round by round (each round in a fresh random order, so drift of the
 shared host hits them alike and no path always follows the same one):
@@ -53,6 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
 import _common
+import _map_batch_cost
 import _map_long_runs
 
 import dpmethods
@@ -431,7 +435,7 @@ def run(
         print(f"{name}: {w['describe']}", file=sys.stderr, flush=True)
         figs, facts[name] = _measure(name, w, ids, device, threads)
         figures += figs
-    for m in _map_long_runs.run(_devices("cpu"), quick, only):
+    for m in [*_map_long_runs.run(_devices("cpu"), quick, only), *_map_batch_cost.run(_devices("cpu"), quick, only)]:
         m.facts["speed_over_one_device"] = speeds(m.times)
         figures += _figures(m.name, m.times, m.cpu, m.items)
         facts[m.name] = m.facts
@@ -476,7 +480,7 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
             rs = x.get("startup_rounds_s", {}).get(pool)
             spread = f" ({_common.quantile(rs, 0.1):.2f}-{_common.quantile(rs, 0.9):.2f}, {len(rs)} rounds)" if rs else ""
             rows.append(f"| {wl} | {pool} | {s:.2f}{spread} |")
-    return "\n".join(rows + _map_long_runs.rows(facts))
+    return "\n".join(rows + _map_long_runs.rows(facts) + _map_batch_cost.rows(facts))
 
 
 def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -> None:
@@ -537,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of the one-device loop on the CPU (default: --threads)",
     )
     parser.add_argument("--from-json", type=Path, help="redraw the table and plot of a saved run")
-    parser.add_argument("--only", nargs="*", help="these workloads only (gil ragged uniform encode checkpoint sigkill oom-split)")
+    parser.add_argument("--only", nargs="*", help="these workloads only (gil ragged uniform encode checkpoint sigkill oom-split "
+                        "batch-cost; batch-cost runs only when named)")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import types
 import weakref
 from typing import Any, ClassVar
 
@@ -124,6 +125,44 @@ def tiny_gpt2() -> Any:
 def count_calls(module: nn.Module, args: Any, output: Any) -> Any:
     """A picklable forward hook that doubles the output (a hook change must be seen)."""
     return output * 2
+
+
+class Watched(nn.Module):
+    """A square layer (``.t()`` keeps its shape), an attribute, an options dict, a
+    config object, a buffer and a head: each is a way to change the module between
+    batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.scale = 1.0
+        self.options = {"shift": 0.0}
+        self.config = types.SimpleNamespace(shift=0.0)
+        self.register_buffer("shift", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale + self.shift + self.options["shift"] + self.config.shift
+        return self.head(y.tanh() if self.training else y)
+
+
+class DoubledLinear(nn.Linear):
+    """``Linear`` whose output is doubled: what ``module.__class__ = DoubledLinear`` gives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+class Holder(nn.Module):
+    """Runs ``self.model``: a test puts a fresh model in it (the workers get it) and
+    changes that one, on one pool of workers for every case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)  # type: ignore[no-any-return]
 
 
 def spawn_gloo(target: Any, world: int, outdir: Any, *args: Any, timeout_s: float = 150) -> list[Any]:

@@ -35,7 +35,8 @@ from dpmethods.core.cpu_broadcast import broadcast_copies
 from dpmethods.core.devices import DeviceLike
 
 __all__ = [
-    "CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "HOOK_DICTS", "cpu_replicas_mode", "fingerprint", "replicate",
+    "CPU_REPLICAS_ENV", "CPU_REPLICAS_MODES", "HOOK_DICTS", "cpu_replicas_mode", "fingerprint",
+    "optimizer_steps", "replicate",
 ]
 
 CPU_REPLICAS_ENV = "DPMETHODS_CPU_REPLICAS"
@@ -247,7 +248,7 @@ def _repoint_flat_weights(rnn: nn.Module) -> None:
 
 # Fused optimizer kernels (``Adam(fused=True)``) update parameters in place without
 # bumping their version counters, so fingerprint() also counts optimizer steps, through
-# a global post-step hook registered the first time a fingerprint is taken.
+# a global post-step hook registered the first time they are asked for.
 _optimizer_steps = 0
 _step_hook: object = None
 
@@ -255,6 +256,25 @@ _step_hook: object = None
 def _count_step(*_: object) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
+
+
+def optimizer_steps() -> int:
+    """The optimizer steps taken in this process by any optimizer since the first call.
+
+    Example:
+        >>> before = optimizer_steps()
+        >>> p = torch.nn.Parameter(torch.ones(1))
+        >>> p.grad = torch.ones(1)
+        >>> torch.optim.SGD([p], lr=0.1).step()
+        >>> optimizer_steps() - before
+        1
+    """
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(_count_step)
+    return _optimizer_steps
 
 
 def fingerprint(module: nn.Module) -> tuple[object, ...]:
@@ -283,12 +303,7 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
         >>> fingerprint(m) == before
         False
     """
-    global _step_hook
-    if _step_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _step_hook = register_optimizer_step_post_hook(_count_step)
-    parts: list[object] = [_optimizer_steps]
+    parts: list[object] = [optimizer_steps()]
     append, extend = parts.append, parts.extend  # this runs on every cached call: keep it lean
     try:
         for m in module.modules():

@@ -8,7 +8,8 @@ share the workers as they share a thread wrapper's replicas: each job has its ow
 ``Future``. The first map or call that needs them starts them; the module goes once,
 as one shared-memory copy of its tensors (or each worker builds it with ``factory``),
 and again when its fingerprint or state digest changed
-(:mod:`~dpmethods.processes.state`).
+(:mod:`~dpmethods.processes.state`): a :class:`~dpmethods.processes.state.Watch` of it
+tells at little cost, before each batch, that nothing changed since the last look.
 
 A worker that dies (killed, a segfault, out of memory) breaks its executor: every job
 it held fails, with an error naming the worker, its device and its exit code, and the
@@ -41,9 +42,9 @@ from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
 from dpmethods.processes.pickling import dumps, loads, model_payloads
-from dpmethods.processes.state import state_digest
+from dpmethods.processes.state import Watch, state_digest
 from dpmethods.processes.worker import give
-from dpmethods.types.coupled_modules import marks
+from dpmethods.types.coupled_modules import class_marks, marks
 
 __all__: list[str] = []
 
@@ -241,6 +242,8 @@ class ProcessPool:
         self.factory = factory
         self._setup = threading.RLock()  # one start-up or model update at a time
         self._seen: list[Any] = []  # what the workers' model was built from (see prepare)
+        # The last look at the module, the key it gave and its marks; every live worker holds it.
+        self._looked: tuple[Watch, Any, dict[type, str]] | None = None
         self._finalizer = weakref.finalize(self, stop_all, self.workers)
 
     def __reduce__(self) -> Any:  # a copy (of a wrapper) gets a fresh pool, not started
@@ -265,11 +268,18 @@ class ProcessPool:
             check_not_in_spawned_main()
             fresh = [w for w in self.workers if not w.usable()] if start else []
             load_pending()  # the integrations' rules for what stays in this process
+            if not fresh and self._current(module):
+                return 0.0
+            self._looked = None
+            watch = Watch(module)  # first: a change made while the module is read shows next time
             marked = marks(module)  # the worker marks them too: its replicas warn as threads do
             state: Any = (fingerprint(module), state_digest(module)) if self.factory is None else "factory"
             key = (state, tuple(marked.items()))
             stale = [w for w in self.workers if w in fresh or (w.key != key and w.executor is not None)]
             if not stale:
+                for w in self.workers:
+                    w.key = key if w.executor is not None else w.key  # the same key, one object
+                self._looked = (watch, key, marked)
                 return 0.0
             threads = max(1, torch.get_num_threads() // len(self.workers))
             for w in fresh:  # first: they import while the module is pickled here
@@ -287,11 +297,23 @@ class ProcessPool:
             # can take an old one's id (and its place in the fingerprint) unnoticed.
             self._seen = [v for m in module.modules() for d in (m.__dict__, m._parameters, m._buffers)
                           for v in d.values()]
+            self._looked = (watch, key, marked)
             if not fresh:
                 return 0.0
             elapsed = time.perf_counter() - t0
             _LOG.debug("dpmethods: started %d worker processes (spawn) in %.2f s", len(fresh), elapsed)
             return elapsed
+
+    def _current(self, module: nn.Module) -> bool:
+        """Whether every live worker holds ``module`` as it is, by the last look's
+        :class:`~dpmethods.processes.state.Watch` (no walk of the module)."""
+        if self._looked is None:
+            return False
+        watch, key, marked = self._looked
+        return (
+            watch.module is module and watch.unchanged() and class_marks(watch.classes) == marked
+            and all(w.key is key for w in self.workers if w.executor is not None)
+        )
 
     def _model_messages(self, module: nn.Module, n: int, marked: dict[type, str]) -> list[bytes]:
         if self.factory is not None:

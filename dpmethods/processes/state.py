@@ -3,6 +3,8 @@
 - :func:`state_digest`: what :func:`~dpmethods.core.replicate.fingerprint` sees only by
   identity (attribute objects edited in place, ``requires_grad`` flags), so a worker's
   copy is sent again when it changed;
+- :class:`Watch`: what one look at a module saw, so that the next look costs no walk of
+  the module when nothing changed (before each batch of a map);
 - :func:`register_process_rule`: what a library keeps per process. Some hooks belong to
   the process (and the call) that installed them, such as transformers' output-capturing
   hooks: they are never sent, and a worker's model installs its own. Some state a
@@ -12,8 +14,10 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
+import operator
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +26,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.replicate import HOOK_DICTS
+from dpmethods.core.replicate import HOOK_DICTS, optimizer_steps
 
-__all__ = ["per_call", "rebuilt", "register_process_rule", "state_digest", "without_per_call_hooks"]
+_dict_version: Callable[[dict[Any, Any]], int] | None
+try:  # a dict's version: new at every change to the dict (its tag, or a dict watcher)
+    from torch._C._dynamo.guards import dict_version as _dict_version
+except ImportError:  # pragma: no cover - a torch without it: every look walks the module
+    _dict_version = None
+
+__all__ = [
+    "Watch", "per_call", "rebuilt", "register_process_rule", "state_digest", "without_per_call_hooks",
+]
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,28 @@ _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, to
 _COVERED = frozenset(vars(nn.Module()))
 
 
+def _frozen(value: Any) -> bool:
+    """Whether ``value`` cannot change in place: an immutable scalar, or a tuple or
+    frozenset of them (a convolution's ``kernel_size``)."""
+    if isinstance(value, _IMMUTABLE):
+        return True
+    return type(value) in (tuple, frozenset) and all(map(_frozen, value))
+
+
+def _attribute_objects(m: nn.Module, into: dict[int, Any], skip: set[str]) -> None:
+    """Add each of ``m``'s attribute objects that can change in place to ``into`` (by id)."""
+    for name, value in m.__dict__.items():
+        if name not in _COVERED and name not in skip and not _frozen(value):
+            into.setdefault(id(value), value)
+
+
+def _pickled(values: list[Any]) -> bytes:
+    """``values`` pickled with their tensors stubbed (raises what pickling raises)."""
+    buf = io.BytesIO()
+    _StatePickler(buf, pickle.HIGHEST_PROTOCOL).dump(values)
+    return buf.getvalue()
+
+
 def state_digest(module: nn.Module) -> Any:
     """A digest of what :func:`~dpmethods.core.replicate.fingerprint` sees only by
     identity: attribute objects edited in place (a config, a generation config, a
@@ -166,13 +200,127 @@ def state_digest(module: nn.Module) -> Any:
     flags: list[bool] = []
     attributes = {a for r in _RULES for a in r.attributes}
     for m in module.modules():
-        for name, value in m.__dict__.items():
-            if name not in _COVERED and name not in attributes and not isinstance(value, _IMMUTABLE):
-                values.setdefault(id(value), value)
+        _attribute_objects(m, values, attributes)
         flags.extend(p is not None and p.requires_grad for p in m._parameters.values())
-    buf = io.BytesIO()
     try:
-        _StatePickler(buf, pickle.HIGHEST_PROTOCOL).dump((flags, list(values.values())))
+        pickled = _pickled([flags, *values.values()])
     except Exception:
         return object()
-    return hashlib.blake2b(buf.getbuffer(), digest_size=16).digest()
+    return hashlib.blake2b(pickled, digest_size=16).digest()
+
+
+_VERSION, _GRAD = operator.attrgetter("_version"), operator.attrgetter("requires_grad")
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+@functools.cache
+def _versions_change() -> bool:
+    """Whether a dict's version changes with every way a module's attributes change,
+    on this interpreter and this torch (else :class:`Watch` never says unchanged)."""
+    if _dict_version is None:
+        return False
+    m = nn.Module()
+    d = m.__dict__
+    changes: list[Callable[[], Any]] = [
+        lambda: setattr(m, "probe", [1]), lambda: setattr(m, "probe", [2]),
+        lambda: object.__setattr__(m, "probe", 3), lambda: d.__setitem__("probe", 4),
+        lambda: d.update(probe=5), lambda: m.train(False), lambda: delattr(m, "probe"),
+        lambda: d.setdefault("probe", 6), lambda: d.pop("probe"),
+    ]
+    try:
+        for change in changes:
+            before = _dict_version(d)
+            change()
+            if _dict_version(d) == before:
+                return False
+    except Exception:
+        return False
+    return True
+
+
+class Watch:
+    """What one look at ``module`` saw, to tell at little cost that none of it changed.
+
+    The look walks the module once; :meth:`unchanged` walks nothing. It reads the
+    version of each non-empty dict of every submodule (its ``__dict__``, parameters,
+    buffers, children and hook dicts: an assignment, a parameter, buffer, child or hook
+    added, replaced or removed each make a new one) and checks that its empty dicts are
+    still empty; it reads each submodule's class, each parameter's and buffer's version
+    counter (in-place updates), data pointer, shape, strides and dtype (``.data =``) and
+    ``requires_grad``, and the optimizer steps taken (fused steps bump no version
+    counter); and it pickles again the attribute objects :func:`state_digest` pickles (a
+    config edited in place). So it sees whatever
+    :func:`~dpmethods.core.replicate.fingerprint` and :func:`state_digest` see. Where
+    dict versions cannot be read, or miss a change (a torch without
+    ``torch._C._dynamo.guards.dict_version``, or whose versions fail a probe at first
+    use), or a tensor has no version counter (an inference tensor), it never says
+    unchanged: every look walks the module.
+
+    Example:
+        >>> m = torch.nn.Linear(2, 2)
+        >>> watch = Watch(m)
+        >>> watch.unchanged()
+        True
+        >>> m.weight.data = m.weight.data.t()
+        >>> watch.unchanged()
+        False
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._rules = list(_RULES)
+        self._modules: list[nn.Module] = []
+        self._dicts: list[dict[Any, Any]] = []
+        self._empty: list[dict[Any, Any]] = []
+        self._tensors: list[Tensor] = []
+        self._objects: list[Any] = []
+        self._seen: tuple[Any, ...] | None = None
+        if _versions_change():
+            try:
+                steps = optimizer_steps()
+                versions = self._walk(module)
+                self._seen = (steps, versions, *self._metadata())
+            except Exception:  # a tensor without a version counter, a module half built
+                self._seen = None
+        self.classes = frozenset(map(type, self._modules))
+
+    def _walk(self, module: nn.Module) -> list[int]:
+        """Collect what :meth:`unchanged` reads; each dict's version is read before what
+        it holds, so a change made after the read shows."""
+        assert _dict_version is not None
+        version, versions = _dict_version, []
+        objects: dict[int, Any] = {}
+        skip = {a for r in self._rules for a in r.attributes}
+        for m in module.modules():  # lazily: a module's children are read after it
+            self._modules.append(m)
+            d = m.__dict__
+            for x in (d, *[v for v in d.values() if isinstance(v, dict)]):
+                if x:
+                    versions.append(version(x))
+                    self._dicts.append(x)
+                else:
+                    self._empty.append(x)
+            for group in (d["_parameters"], d["_buffers"]):
+                self._tensors.extend(t for t in group.values() if t is not None)
+            _attribute_objects(m, objects, skip)
+        self._objects = list(objects.values())
+        return versions
+
+    def _metadata(self) -> tuple[Any, ...]:
+        ts = self._tensors
+        return (
+            list(map(type, self._modules)), list(map(_VERSION, ts)), list(map(_GRAD, ts)),
+            list(map(Tensor.data_ptr, ts)), list(map(_SHAPE, ts)), list(map(Tensor.stride, ts)),
+            list(map(_DTYPE, ts)), _pickled(self._objects),
+        )
+
+    def unchanged(self) -> bool:
+        """Whether nothing the look saw changed since (False when it cannot tell)."""
+        seen = self._seen
+        if seen is None or any(self._empty) or self._rules != _RULES:
+            return False
+        assert _dict_version is not None
+        try:
+            return (optimizer_steps(), list(map(_dict_version, self._dicts)), *self._metadata()) == seen
+        except Exception:
+            return False

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -27,8 +27,8 @@ from dpmethods._warn_once import warn_once
 from dpmethods.types.named_classes import check_class_path, take_imported
 
 __all__ = [
-    "in_split_call", "is_batch_coupled", "mark_batch_coupled", "marks", "resolve_pending",
-    "split_call",
+    "class_marks", "in_split_call", "is_batch_coupled", "mark_batch_coupled", "marks",
+    "resolve_pending", "split_call",
 ]
 
 _state = threading.local()
@@ -82,7 +82,16 @@ def marks(module: nn.Module) -> dict[type, str]:
         >>> marks(nn.Linear(2, 2))
         {}
     """
-    classes = {type(m) for m in module.modules()}
+    return class_marks({type(m) for m in module.modules()})
+
+
+def class_marks(classes: Iterable[type]) -> dict[type, str]:
+    """:func:`marks` of a module whose submodules' classes are ``classes``.
+
+    Example:
+        >>> class_marks({nn.Linear, nn.ReLU})
+        {}
+    """
     return {k: _MARKED[k] for cls in classes for k in cls.__mro__ if k in _MARKED}
 
 
