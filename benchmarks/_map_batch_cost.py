@@ -70,7 +70,7 @@ def commit() -> str:
 
 def _batch_cost(ids: list[Any], quick: bool) -> Measured:
     """Every model's paths in the same interleaved rounds, so that the sizes compare too."""
-    batches_n, rounds = (100, 3) if quick else (400, 9)
+    batches_n, rounds = (100, 3) if quick else (200, 7)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(1, 1, generator=g) for _ in range(batches_n)]
     paths: dict[str, Callable[[], Any]] = {}

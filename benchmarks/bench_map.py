@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -572,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: outputs equal to the one-device loop: {x['outputs_match_one_device']}")
     info = _common.machine_info()
     info.update(threads_per_replica=args.threads, one_device_threads=args.one_device_threads or args.threads,
-                dpmethods=dpmethods.__version__, loadavg_before=load_before,
+                dpmethods=dpmethods.__version__, commit=_map_batch_cost.commit(), host=platform.node(),
+                loadavg_before=load_before,
                 loadavg_after=os.getloadavg(), wall_s=time.perf_counter() - t0)
     title = (f"dpmethods map and calls, threads and processes, {args.device} x{len(_devices(args.device))}, torch "
              f"{torch.__version__}, load {load_before[0]:.1f}")
