@@ -37,8 +37,9 @@ from _map_long_runs import Measured, _equal, _interleave, _ratio
 import dpmethods
 from dpmethods import DataParallel
 
-__all__ = ["SIZES", "Many", "commit", "rows", "run"]
+__all__ = ["NAMES", "SIZES", "Many", "commit", "plot", "rows", "run"]
 
+NAMES = ("batch-cost",)
 SIZES = (2, 200, 2000)  # parameter tensors: a tiny model, a BERT, a large UNet's order
 
 
@@ -74,11 +75,13 @@ def _batch_cost(ids: list[Any], quick: bool) -> Measured:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(1, 1, generator=g) for _ in range(batches_n)]
     paths: dict[str, Callable[[], Any]] = {}
-    pools, startup, tensors = [], {}, {}
+    pools: list[DataParallel[Many]] = []
+    startup: dict[str, float] = {}
+    tensors: dict[str, int] = {}  # str keys, as the JSON has them
     for n in SIZES:
         torch.manual_seed(n)
         model = Many(n).eval()
-        tensors[n] = len(list(model.parameters()))
+        tensors[str(n)] = len(list(model.parameters()))
         dp = DataParallel(model, device_ids=ids, cache_replicas=True)
         dpp = DataParallel(model, device_ids=ids, workers="processes")
         pools.append(dpp)
@@ -98,6 +101,8 @@ def _batch_cost(ids: list[Any], quick: bool) -> Measured:
         "method": "forward", "devices": [str(i) for i in ids], "rounds": rounds,
         "parameter_tensors": tensors, "commit": commit(), "startup_s": startup,
         "per_batch_ms": {p: {k: v * 1e3 / batches_n for k, v in _ms(ts).items()} for p, ts in times.items()},
+        # This process's CPU (all its threads): less moved by other jobs on a shared host.
+        "per_batch_cpu_ms": {p: {k: v * 1e3 / batches_n for k, v in _ms(cs).items()} for p, cs in cpu.items()},
         "targets": targets,
         "outputs_match_one_device": {
             p: _equal(o, outputs[p.replace("map-processes", "one-device").replace("map", "one-device")])
@@ -125,10 +130,49 @@ def rows(facts: dict[str, Any]) -> list[str]:
     x = facts.get("batch-cost")
     if x is None:
         return []
-    out = ["", f"batch-cost, dpmethods {x['commit']}", "",
-           "| parameter tensors | path | ms per batch, median (p10-p90) |", "|---:|---|---:|"]
+    out = ["", f"batch-cost, dpmethods {_short(x['commit'])}", "",
+           "| parameter tensors | path | ms per batch, median (p10-p90) | CPU ms per batch (p10-p90) |",
+           "|---:|---|---:|---:|"]
     for path, s in x["per_batch_ms"].items():
-        n = path.rsplit("-", 1)[1]
-        out.append(f"| {x['parameter_tensors'][int(n)]} | {path.rsplit('-', 1)[0]} | "
-                   f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f}) |")
+        n, c = path.rsplit("-", 1)[1], x["per_batch_cpu_ms"][path]
+        out.append(f"| {x['parameter_tensors'][n]} | {path.rsplit('-', 1)[0]} | "
+                   f"{s['median']:.3f} ({s['p10']:.3f}-{s['p90']:.3f}) | "
+                   f"{c['median']:.3f} ({c['p10']:.3f}-{c['p90']:.3f}) |")
     return out
+
+
+def _short(commit: str) -> str:
+    return commit[:12] + ("+dirty" if commit.endswith("+dirty") else "")
+
+
+def plot(facts: dict[str, Any], path: Path, title: str) -> None:
+    """Milliseconds per batch (median, p10-p90) of each path, per model size."""
+    x = facts.get("batch-cost")
+    if x is None:
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    kinds = ("one-device", "map", "map-processes")
+    colors = {"one-device": "tab:gray", "map": "tab:green", "map-processes": "tab:blue"}
+    for k, kind in enumerate(kinds):
+        ms = [x["per_batch_ms"][f"{kind}-{n}"] for n in SIZES]
+        xs = [i * (len(kinds) + 1) + k for i in range(len(SIZES))]
+        ax.bar(xs, [m["median"] for m in ms], color=colors[kind], label=kind, capsize=3,
+               yerr=[[m["median"] - m["p10"] for m in ms], [m["p90"] - m["median"] for m in ms]])
+    ax.set_yscale("log")
+    ax.set_xticks([i * (len(kinds) + 1) + 1 for i in range(len(SIZES))])
+    ax.set_xticklabels([f"{x['parameter_tensors'][str(n)]} parameter tensors" for n in SIZES], fontsize=8)
+    ax.set_ylabel("ms per batch (median, p10-p90)", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    where = title.split("threads and processes, ", 1)[-1]
+    ax.set_title(f"what one batch of a map costs; dpmethods {_short(x['commit'])}; {where}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

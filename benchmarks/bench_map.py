@@ -497,7 +497,9 @@ def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -
 
     times = {wl: {f.path: f.rounds for f in figures if f.workload == wl} for wl in facts}
     _map_long_runs.plot(facts, times, path.with_name(f"{path.stem}_long_runs.png"), title)
-    workloads = list(dict.fromkeys(f.workload for f in figures if f.workload not in _map_long_runs.NAMES))
+    _map_batch_cost.plot(facts, path.with_name(f"{path.stem}_batch_cost.png"), title)
+    apart = (*_map_long_runs.NAMES, *_map_batch_cost.NAMES)
+    workloads = list(dict.fromkeys(f.workload for f in figures if f.workload not in apart))
     if not workloads:
         return
     fig, axes = plt.subplots(1, len(workloads), figsize=(4.6 * len(workloads), 4.2), squeeze=False)

@@ -427,6 +427,7 @@ UNSHOWN: dict[str, Callable[[Watched], object]] = {
     "requires_grad": lambda m: m.lin.requires_grad_(False),
     "equal_value_of_another_type": lambda m: setattr(m, "scale", 1),
     "new_attribute": lambda m: setattr(m, "extra", [1]),
+    "dict_replaced_by_an_equal_one": lambda m: setattr(m.lin, "__dict__", dict(vars(m.lin))),
     "new_submodule": lambda m: setattr(m, "extra", nn.ReLU()),
     "equal_parameter": lambda m: setattr(m.lin, "bias", nn.Parameter(m.lin.bias.detach().clone())),
     "deleted_parameter": lambda m: delattr(m.lin, "bias"),

@@ -245,7 +245,7 @@ class Watch:
     version of each non-empty dict of every submodule (its ``__dict__``, parameters,
     buffers, children and hook dicts: an assignment, a parameter, buffer, child or hook
     added, replaced or removed each make a new one) and checks that its empty dicts are
-    still empty; it reads each submodule's class, each parameter's and buffer's version
+    still empty and its ``__dict__`` the same object; it reads each submodule's class, each parameter's and buffer's version
     counter (in-place updates), data pointer, shape, strides and dtype (``.data =``) and
     ``requires_grad``, and the optimizer steps taken (fused steps bump no version
     counter); and it pickles again the attribute objects :func:`state_digest` pickles (a
@@ -270,6 +270,7 @@ class Watch:
         self.module = module
         self._rules = list(_RULES)
         self._modules: list[nn.Module] = []
+        self._own: list[dict[str, Any]] = []  # each submodule's __dict__, the object itself
         self._dicts: list[dict[Any, Any]] = []
         self._empty: list[dict[Any, Any]] = []
         self._tensors: list[Tensor] = []
@@ -294,6 +295,7 @@ class Watch:
         for m in module.modules():  # lazily: a module's children are read after it
             self._modules.append(m)
             d = m.__dict__
+            self._own.append(d)
             for x in (d, *[v for v in d.values() if isinstance(v, dict)]):
                 if x:
                     versions.append(version(x))
@@ -318,6 +320,8 @@ class Watch:
         """Whether nothing the look saw changed since (False when it cannot tell)."""
         seen = self._seen
         if seen is None or any(self._empty) or self._rules != _RULES:
+            return False
+        if not all(map(operator.is_, map(vars, self._modules), self._own)):  # __dict__ replaced
             return False
         assert _dict_version is not None
         try:
