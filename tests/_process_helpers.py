@@ -165,6 +165,13 @@ class Holder(nn.Module):
         return self.model(x)  # type: ignore[no-any-return]
 
 
+class MarkedLater(nn.Module):
+    """A class a test marks batch-coupled after the workers hold its instance."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
 def spawn_gloo(target: Any, world: int, outdir: Any, *args: Any, timeout_s: float = 150) -> list[Any]:
     """Run ``target(rank, world, *args)`` on ``world`` gloo ranks on 127.0.0.1 (spawned
     processes); each rank's return value, saved by the rank. Fails the test past ``timeout_s``."""

@@ -32,6 +32,7 @@ from _process_helpers import (
     GcProbe,
     Holder,
     InBatchLoss,
+    MarkedLater,
     Net,
     Unloadable,
     Watched,
@@ -542,6 +543,22 @@ def test_a_parameter_replaced_then_edited_in_place_is_seen(holder: tuple[Holder,
     assert not _close(outs[-1], refs[3])  # the last batch ran after the edit
     assert_close_to_reference(outs[-1], h(xs[-1]), terms=_WATCHED_TERMS)
     assert_close_to_reference(called, h(xs[-1]), terms=_WATCHED_TERMS)
+
+
+def test_a_class_marked_after_the_workers_hold_its_model_warns_there(holder: tuple[Holder, Any]) -> None:
+    h, dp = holder
+    h.model = MarkedLater()
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        dp(x)  # the workers hold it, unmarked
+        mark_batch_coupled(MarkedLater, what="marked by a test")
+        dpmethods._warn_once.reset()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = dp(x)  # split over both workers: the mark warns in them
+    assert_close_to_reference(out, 2 * x, terms=1)
+    assert [str(w.message) for w in seen if "MarkedLater couples the items of its batch (marked by a test)"
+            in str(w.message)], [str(w.message) for w in seen]
 
 
 def test_an_unchanged_module_is_looked_at_once_per_change(holder: tuple[Holder, Any],
