@@ -15,8 +15,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from dpmethods._wrapping import _MethodWrapper, check_argument_names, check_flag, check_module
-from dpmethods.checkpoints import _load_fitted
+from dpmethods.checkpoints import load_fitted
 from dpmethods.core import call as _flow
 from dpmethods.core import devices as _placement
 from dpmethods.core.devices import DeviceLike
@@ -25,16 +24,17 @@ from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.processes.calls import call_chunks
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
-from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.resume import checkpointed
+from dpmethods.wrapper.base import MethodWrapper, check_argument_names, check_flag, check_module
+from dpmethods.wrapper.registry import MethodOptions, MethodsArg
 
 __all__ = ["DataParallel"]
 
 _T = TypeVar("_T", bound=nn.Module)
 
 
-class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
+class DataParallel(MethodWrapper, nn.DataParallel[_T]):
     """Data parallelism for ``forward`` and every parallel method of the module.
 
     A drop-in replacement for ``torch.nn.DataParallel``: ``forward``, ``.module``,
@@ -294,7 +294,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     ) -> Any:
         """Load a state dict saved from this wrapper, the bare module or ``torch.compile``
         (see :func:`dpmethods.load_state_dict`): wrapper prefixes fitted once each."""
-        return _load_fitted(
+        return load_fitted(
             super().load_state_dict, self.state_dict(keep_vars=True).keys(), state_dict,
             strict, assign=assign,
         )

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpmethods import DataParallel
+from dpmethods.data_parallel import DataParallel
 
 __all__ = ["Predictor"]
 

@@ -276,7 +276,7 @@ class Contract(nn.Module):
         import warnings
 
         warnings.warn("contract: a plain warning", UserWarning, stacklevel=1)
-        dpmethods._warn_once.warn_once("contract: a warn-once warning")
+        dpmethods.vocab.warn_once.warn_once("contract: a warn-once warning")
         return self.lin(x)
 
     @dpmethods.parallel_method

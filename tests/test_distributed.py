@@ -32,8 +32,8 @@ from dpmethods.distributed import (
     register_fsdp_methods,
     route,
 )
-from dpmethods.registry import parallel_method
 from dpmethods.testing import assert_close_to_reference as close
+from dpmethods.wrapper.registry import parallel_method
 
 REPO = Path(__file__).resolve().parents[1]
 _PG_TIMEOUT_S = 30  # a rank blocked on a dead peer gives up after this

@@ -10,9 +10,9 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from dpmethods import _warn_once as warn_once
 from dpmethods.parallel import gather
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 
 class Out(NamedTuple):

@@ -208,7 +208,7 @@ def test_caches_of_different_lengths_come_back_per_replica_with_a_warning() -> N
     inputs = _inputs("gpt2", 7)
     eos = _eos_ids(model, inputs, chunk_sizes(7, 3))
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     with torch.no_grad(), pytest.warns(UserWarning, match=r"cache: the replicas stopped at different steps"):
         got = dp.generate(
             **inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0,
@@ -285,7 +285,7 @@ def test_a_cache_passed_to_generate_that_cannot_be_updated_in_place_is_warned_ab
     model = _gpt2().eval()
     inputs = _inputs("gpt2", 7)
     dp = DataParallel(model, device_ids=["cpu"] * 3)
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     # transformers 5 renamed generate's past_key_values to cache (the old name warns).
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = transformers.DynamicCache()

@@ -722,7 +722,7 @@ def test_worker_warnings_reach_the_caller_once(contract: dict[str, Any], workers
     dp, x = contract[workers], torch.randn(4, 4)
     a, b = torch.randn(8, 3), torch.randn(8, 3)
     mark_batch_coupled(InBatchLoss, what="in-batch negatives")  # after the workers started
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         dp.warns(x), dp.warns(x)

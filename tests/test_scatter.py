@@ -107,7 +107,7 @@ def test_tensor_without_the_split_dim_is_an_error() -> None:
 
 
 def test_no_tensor_to_split_runs_one_replica() -> None:
-    from dpmethods import _warn_once as warn_once
+    from dpmethods.vocab import warn_once as warn_once
 
     warn_once.reset()
     with pytest.warns(UserWarning, match=r"scatter: nothing in this call was split along dim 0"):
@@ -169,7 +169,7 @@ def test_a_list_of_images_of_different_sizes_warns_naming_split() -> None:
     import warnings
 
     from dpmethods import DataParallel
-    from dpmethods import _warn_once as warn_once
+    from dpmethods.vocab import warn_once as warn_once
 
     class Model(torch.nn.Module):
         def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,8 +18,8 @@ from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_methods
-from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,7 +116,7 @@ def test_decorations_and_registrations_win_over_builtins() -> None:
 
 def _loss_call(model: nn.Module, kwargs: dict[str, Any], devices: int) -> tuple[Any, Any, list[str]]:
 
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     model.eval()
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from dpmethods.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather import gather
 from dpmethods.core.oom import Fit, run_splitting
@@ -36,8 +35,9 @@ from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
-from dpmethods.gather_modes import BUILTIN_MODES, named_mode
-from dpmethods.options import MethodOptions
+from dpmethods.vocab.call_hooks import Call, check_per_replica, check_prepared
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, named_mode
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "run_plain", "scatter_shares", "share_runner",
            "split_on_oom"]

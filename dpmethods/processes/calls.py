@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.parallel_apply import ThreadState
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.options import MethodOptions
 from dpmethods.processes import worker as process_worker
 from dpmethods.processes.pickling import dumps, loads
 from dpmethods.processes.pool import ProcessPool
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["call_chunks", "drain", "received"]
 
@@ -56,7 +56,7 @@ def call_chunks(
     """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather);
     ``oom``: the method's options, to split a chunk that runs out of memory."""
     pool.prepare(module)
-    state, seed, split = _ThreadState.capture(), draw_seed(), len(inputs) > 1
+    state, seed, split = ThreadState.capture(), draw_seed(), len(inputs) > 1
     futures = []
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):

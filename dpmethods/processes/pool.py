@@ -35,7 +35,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods._loading import load_pending
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
@@ -44,6 +43,7 @@ from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import state_digest
 from dpmethods.processes.worker import give
 from dpmethods.types.coupled_modules import marks
+from dpmethods.vocab.loading import load_pending
 
 __all__: list[str] = []
 

@@ -31,14 +31,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods import _warn_once as warn_once
-from dpmethods._loading import load_pending
 from dpmethods.core.call import split_on_oom
 from dpmethods.core.oom import Fit
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
 from dpmethods.types.coupled_modules import mark_batch_coupled, split_call
 from dpmethods.types.tree import move
+from dpmethods.vocab import warn_once as warn_once
+from dpmethods.vocab.loading import load_pending
 
 __all__ = ["give", "init", "load", "run"]
 

@@ -30,11 +30,11 @@ from torch import Tensor, nn
 
 from dpmethods.core.devices import as_device, check_source_device
 from dpmethods.core.oom import check_on_oom
-from dpmethods.options import MethodOptions
 from dpmethods.processes.pool import ProcessPool
 from dpmethods.streaming.process_map import ProcessRun
 from dpmethods.streaming.threads import Run
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["Indexed", "map_batches", "rank_and_world"]
 

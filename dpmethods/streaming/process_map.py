@@ -15,14 +15,14 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.core.parallel_apply import _ThreadState, add_note
+from dpmethods.core.parallel_apply import ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.options import MethodOptions
 from dpmethods.processes import worker as process_worker
 from dpmethods.processes.calls import drain, received
 from dpmethods.processes.pickling import dumps
 from dpmethods.processes.pool import ProcessPool, Worker, WorkerDiedError
 from dpmethods.streaming.threads import batch_error
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["ProcessRun"]
 
@@ -48,7 +48,7 @@ class ProcessRun:
         self.pool, self.module, self.method, self.output_device = pool, module, method, output_device
         self.retries, self.timeout, self.oom = retries, timeout, oom
         self.width = len(pool.workers)
-        self.state = _ThreadState.capture()  # the caller's modes at map(), as on threads
+        self.state = ThreadState.capture()  # the caller's modes at map(), as on threads
         self.seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
         self.pending: collections.deque[tuple[int, int, Any, Any]] = collections.deque()
         # future -> (worker, seq, index, args, kwargs, sent at); kept to send it again

@@ -6,9 +6,9 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from dpmethods.options import GatherOption
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.options import GatherOption
 
 __all__ = ["leaf_dims", "leaf_modes", "named_leaves"]
 

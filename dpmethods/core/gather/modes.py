@@ -2,7 +2,7 @@
 
 A row says everything the gather does differently for its mode: how it joins a tensor
 leaf, how it joins any other leaf, and which checks of the replicas' shares apply. A new
-built-in mode is a member of :class:`dpmethods.gather_modes.Mode`, a row here, and a
+built-in mode is a member of :class:`dpmethods.vocab.gather_modes.Mode`, a row here, and a
 test; :func:`join_tensor_leaf` and :func:`join_value_leaf` are the only dispatch.
 
 Tensor joins return ``(result, None)`` when the leaf is done, or ``(None, pieces)`` for
@@ -21,12 +21,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Size, Tensor
 
-from dpmethods._warn_once import warn_once
 from dpmethods.core.gather.join import join_same, joinable, pad
 from dpmethods.core.gather.values import all_equal, join_shapes, numpy_arrays, reduce
-from dpmethods.gather_modes import Mode
 from dpmethods.types import tree as _tree
 from dpmethods.types.per_item import Items, Whole, extend
+from dpmethods.vocab.gather_modes import Mode
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["MODES", "UNJOINED", "ModeRow", "join_tensor_leaf", "join_value_leaf", "row"]
 

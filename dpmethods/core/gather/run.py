@@ -17,16 +17,16 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dpmethods.call_hooks import Call
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather.coupled import check_shares
 from dpmethods.core.gather.join import coalesced, joinable
 from dpmethods.core.gather.keys import leaf_dims, leaf_modes, named_leaves
 from dpmethods.core.gather.modes import join_tensor_leaf, join_value_leaf
-from dpmethods.gather_modes import Mode, named_mode
-from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.call_hooks import Call
+from dpmethods.vocab.gather_modes import Mode, named_mode
+from dpmethods.vocab.options import GATHER_MODES, GatherOption, positional_modes
 
 __all__ = ["gather"]
 

@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dpmethods._warn_once import warn_once
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.warn_once import warn_once
 
 __all__: list[str] = []
 

@@ -17,10 +17,10 @@ from typing import Any, TypeVar, Union, overload
 
 from torch import nn
 
-from dpmethods._loading import load_pending
-from dpmethods.call_hooks import CallHooks
-from dpmethods.options import GatherOption, MethodOptions, check_option_names
 from dpmethods.types.owners import method_owner
+from dpmethods.vocab.call_hooks import CallHooks
+from dpmethods.vocab.loading import load_pending
+from dpmethods.vocab.options import GatherOption, MethodOptions, check_option_names
 
 __all__ = [
     "get_options",

@@ -15,8 +15,8 @@ import enum
 from collections.abc import Callable
 from typing import Any
 
-from dpmethods._loading import load_pending
-from dpmethods.call_hooks import Call, check_arity
+from dpmethods.vocab.call_hooks import Call, check_arity
+from dpmethods.vocab.loading import load_pending
 
 __all__ = [
     "BUILTIN_MODES",

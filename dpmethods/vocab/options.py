@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Union
 
-from dpmethods.call_hooks import CallHooks
-from dpmethods.gather_modes import BUILTIN_MODES, Mode, check_mode_name, known_modes
+from dpmethods.vocab.call_hooks import CallHooks
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, check_mode_name, known_modes
 
 __all__ = [
     "GATHER_MODES", "OPTION_NAMES", "GatherMode", "GatherOption", "MethodOptions",

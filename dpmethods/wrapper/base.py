@@ -19,10 +19,10 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.options import MethodOptions
-from dpmethods.registry import MethodsArg, resolve_methods
 from dpmethods.types.coupled_modules import resolve_pending
 from dpmethods.types.owners import method_owner
+from dpmethods.vocab.options import MethodOptions
+from dpmethods.wrapper.registry import MethodsArg, resolve_methods
 
 __all__: list[str] = []
 
@@ -80,7 +80,7 @@ def check_module(module: Any) -> None:
         raise TypeError(f"module: expected an nn.Module, got {type(module).__name__}")
 
 
-class _MethodWrapper(nn.Module):
+class MethodWrapper(nn.Module):
     """Mixin base of the dpmethods wrappers.
 
     Subclasses define ``_run_method(name, args, kwargs)`` and may override
