@@ -32,7 +32,8 @@ from dpmethods.extending import MethodOptions, register_method_finder
 from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
 from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
 from dpmethods.integrations.transformers.generate import gather_generate
-from dpmethods.integrations.transformers.losses import FORWARD_MODE, LOSS_COUNT
+from dpmethods.integrations.transformers.contrastive import returns_pairs
+from dpmethods.integrations.transformers.losses import FORWARD_MODE, LOSS_COUNT, PAIRS
 from dpmethods.integrations.transformers.vision import (
     VISION_ARGUMENTS,
     VISION_SHARES,
@@ -50,6 +51,7 @@ METHODS = (
 _FEATURES = re.compile(r"get_\w+_features\Z")
 _GENERATE = MethodOptions(gather="generate", hooks=CACHE_IN_PLACE.then(PREFIX_OFFSET))
 _FORWARD = MethodOptions(gather=FORWARD_MODE, hooks=CACHE_IN_PLACE.then(LOSS_COUNT))
+_PAIRS_FORWARD = _FORWARD.with_updates(hooks=CACHE_IN_PLACE.then(LOSS_COUNT).then(PAIRS))
 # Encodec's codes are [chunks, batch, quantizers, frames]: encode returns them with the
 # batch in dim 1, and decode takes them so (its audio_scales and audio have it in dim 0).
 _ENCODEC = {
@@ -83,7 +85,7 @@ def _find(cls: type) -> dict[str, MethodOptions]:
     pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
     if pretrained is not None and issubclass(cls, pretrained):
         if _defines(cls, "forward"):
-            found["forward"] = _FORWARD
+            found["forward"] = _PAIRS_FORWARD if returns_pairs(cls) else _FORWARD
         if takes_vision_grids(cls):
             found.update({n: _with_vision(o) for n, o in found.items() if n in ("forward", "generate")})
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):
