@@ -77,3 +77,121 @@ def test_logits_loss_and_gradients_equal_one_device(name: str, n: int, devices: 
         assert_close_to_reference(got[key], want[key], terms=TERMS, scale=scale, msg=f"{name} {key}: ")
     assert got_grads.keys() == want_grads.keys()
     assert_close_to_reference(got_grads, want_grads, terms=GRAD_TERMS, scale=scale, msg=f"{name} grads: ")
+
+
+@pytest.mark.parametrize("name", ["clip", "siglip"])
+def test_return_dict_false_gives_one_devices_tuple(name: str) -> None:
+    model, inputs = models.BUILDERS[name]()
+    x = inputs(8)
+    with torch.no_grad():
+        want = model(**x, return_loss=True, return_dict=False)
+        got = DataParallel(model, device_ids=["cpu"] * 4)(**x, return_loss=True, return_dict=False)
+    assert type(got) is tuple and len(got) == len(want)
+    scale = float(want[2].abs().max())
+    assert_close_to_reference(got[:5], want[:5], terms=TERMS, scale=scale)  # loss, logits, embeds
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_image_text_matching_logits_join_as_one_device(n: int, devices: int) -> None:
+    # BLIP-2's matching head scores each (image, text) pair of a row: nothing couples the
+    # batch, and logits_per_text is the [2, n] transpose of logits_per_image.
+    model, inputs = models.blip2_retrieval()
+    x = inputs(n)
+    with torch.no_grad():
+        want = model(**x, use_image_text_matching_head=True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = DataParallel(model, device_ids=["cpu"] * devices)(**x, use_image_text_matching_head=True)
+    assert _ours(record) == []
+    assert got.logits_per_text.shape == (2, n)
+    for key in ("logits_per_image", "logits_per_text"):
+        assert_close_to_reference(got[key], want[key], terms=GRAD_TERMS, msg=key)
+
+
+UNKNOWN = [
+    pytest.param(models.xclip, True, "logits are not", id="xclip-text-per-video"),
+    pytest.param(lambda: models.clip_subclass(models.SharperCLIP), False, "logits are not", id="other-scale"),
+    pytest.param(lambda: models.clip_subclass(models.SmoothedCLIP), True, "loss is not computed", id="other-loss"),
+]
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+@pytest.mark.parametrize("build,loss,why", UNKNOWN)
+def test_logits_that_cannot_be_computed_again_are_warned_whatever_the_shares(
+    build: Any, loss: bool, why: str, n: int, devices: int
+) -> None:
+    model, inputs = build()
+    x = inputs(n)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = DataParallel(model, device_ids=["cpu"] * devices)(**x, return_loss=loss)
+    ours = [m for m in _ours(record) if m.startswith(f"DataParallel: {type(model).__name__}.forward returns")]
+    assert len(ours) == 1, _ours(record)
+    assert why in ours[0] and "each replica's own" in ours[0], ours[0]
+    if loss:  # one loss per replica, not a mean passed off as the batch's
+        assert got.loss.shape == (devices,)
+
+
+def test_pairs_other_than_the_logits_are_warned_on_equal_shares() -> None:
+    # GroupViT's segmentation_logits [images, texts, h, w] come from each replica's groups.
+    model, inputs = models.groupvit()
+    x = inputs(8)
+    with torch.no_grad():
+        want = model(**x, return_loss=True, output_segmentation=True)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = DataParallel(model, device_ids=["cpu"] * 4)(**x, return_loss=True, output_segmentation=True)
+    assert [m for m in _ours(record) if "returns segmentation_logits" in m], _ours(record)
+    scale = float(want.logits_per_text.abs().max())
+    for key in ("loss", "logits_per_image", "logits_per_text"):
+        assert_close_to_reference(got[key], want[key], terms=TERMS, scale=scale, msg=key)
+
+
+def test_a_gather_given_for_forward_is_checked_on_equal_shares() -> None:
+    model, inputs = models.clip()
+    x = inputs(8)
+    dp = DataParallel(model, device_ids=["cpu"] * 4, methods={"forward": {"gather": {"loss": "mean"}}})
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dp(**x, return_loss=True)
+    assert [m for m in _ours(record) if "with the gather= given for it" in m], _ours(record)
+
+
+def test_a_gather_given_for_forward_that_joins_right_is_not_warned() -> None:
+    # Texts split, every image on every replica: each replica's logits_per_text are its
+    # texts' rows against all images, and logits_per_image hold the texts in dim 1.
+    model, inputs = models.clip()
+    x = {**models._texts(8), **models._images(5)}
+    dp = DataParallel(model, device_ids=["cpu"] * 4, methods={"forward": {
+        "broadcast": ("pixel_values",),
+        "gather_dim": {"logits_per_image": 1},
+        "gather": {"image_embeds": "mean", "vision_model_output": "mean"},
+    }})
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got = dp(**x)
+        want = model(**x)
+    assert _ours(record) == []
+    assert_close_to_reference(got.logits_per_image, want.logits_per_image, terms=TERMS)
+
+
+@pytest.mark.timeout(280)
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_threads_and_processes_give_one_devices_logits_and_loss(workers: str) -> None:
+    model, inputs = models.clip()
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        for n in (7, 8):  # uneven, then equal shares
+            x = inputs(n)
+            with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                want = model(**x, return_loss=True)
+                got = dp(**x, return_loss=True)
+                got_tuple = dp(**x, return_loss=True, return_dict=False)
+            assert _ours(record) == []
+            scale = float(want.logits_per_text.abs().max())
+            for i, key in enumerate(["loss", "logits_per_image", "logits_per_text", "text_embeds", "image_embeds"]):
+                assert_close_to_reference(got[key], want[key], terms=TERMS, scale=scale, msg=key)
+                assert_close_to_reference(got_tuple[i], want[key], terms=TERMS, scale=scale, msg=key)
+    finally:
+        dp.close()
