@@ -7,9 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
-
 import transformers
+from torch import nn
 
 Inputs = Callable[[int], dict[str, Any]]
 
@@ -19,18 +18,18 @@ _TEXT = dict(vocab_size=99, max_position_embeddings=32, bos_token_id=0, eos_toke
 _VISION = dict(image_size=16, patch_size=8, **_BLOCK)
 
 
-def _texts(n: int, length: int = 6) -> dict[str, Any]:
+def texts(n: int, length: int = 6) -> dict[str, Any]:
     g = torch.Generator().manual_seed(n)
     return {"input_ids": torch.randint(3, 99, (n, length), generator=g)}
 
 
-def _images(n: int, size: int = 16) -> dict[str, Any]:
+def images(n: int, size: int = 16) -> dict[str, Any]:
     g = torch.Generator().manual_seed(100 + n)
     return {"pixel_values": torch.randn(n, 3, size, size, generator=g)}
 
 
 def _both(size: int = 16) -> Inputs:
-    return lambda n: {**_texts(n), **_images(n, size)}
+    return lambda n: {**texts(n), **images(n, size)}
 
 
 def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
@@ -60,7 +59,7 @@ def siglip2() -> tuple[nn.Module, Inputs]:
 
     def inputs(n: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(100 + n)
-        return {**_texts(n), "pixel_values": torch.randn(n, 4, 3 * 8 * 8, generator=g),
+        return {**texts(n), "pixel_values": torch.randn(n, 4, 3 * 8 * 8, generator=g),
                 "pixel_attention_mask": torch.ones(n, 4, dtype=torch.long),
                 "spatial_shapes": torch.tensor([[2, 2]] * n)}
 
@@ -86,7 +85,7 @@ def clap() -> tuple[nn.Module, Inputs]:
 
     def inputs(n: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(100 + n)
-        return {**_texts(n), "input_features": torch.randn(n, 1, 32, 16, generator=g)}
+        return {**texts(n), "input_features": torch.randn(n, 1, 32, 16, generator=g)}
 
     return _seeded(lambda: transformers.ClapModel(config)), inputs
 
@@ -179,7 +178,7 @@ def xclip() -> tuple[nn.Module, Inputs]:
 
     def inputs(n: int) -> dict[str, Any]:
         g = torch.Generator().manual_seed(100 + n)
-        return {**_texts(n), "pixel_values": torch.randn(n, 2, 3, 16, 16, generator=g)}
+        return {**texts(n), "pixel_values": torch.randn(n, 2, 3, 16, 16, generator=g)}
 
     return _seeded(lambda: transformers.XCLIPModel(config)), inputs
 

@@ -24,7 +24,7 @@ from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
 
 pytest.importorskip("transformers")
-import _contrastive_models as models  # noqa: E402 (needs transformers)
+import _contrastive_models as models
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 # A tower (2 blocks of width 32, MLP 37, up to 17 tokens), its projection, the
@@ -160,8 +160,8 @@ def test_a_gather_given_for_forward_is_checked_on_equal_shares() -> None:
 def test_a_gather_given_for_forward_that_joins_right_is_not_warned() -> None:
     # Texts split, every image on every replica: each replica's logits_per_text are its
     # texts' rows against all images, and logits_per_image hold the texts in dim 1.
-    model, inputs = models.clip()
-    x = {**models._texts(8), **models._images(5)}
+    model, _ = models.clip()
+    x = {**models.texts(8), **models.images(5)}
     dp = DataParallel(model, device_ids=["cpu"] * 4, methods={"forward": {
         "broadcast": ("pixel_values",),
         "gather_dim": {"logits_per_image": 1},

@@ -32,6 +32,7 @@ import ast
 import builtins
 import dataclasses
 import inspect
+import math
 import textwrap
 import typing
 import weakref
@@ -76,47 +77,53 @@ class _Scale:
                 sim = sim * (value.exp() if self.clamp is None else value.clamp(0.0, self.clamp).exp())
         return sim if bias is None else sim + bias.to(sim.device)
 
+    def factor(self) -> float:
+        """How much the scale multiplies by."""
+        if self.value is None:
+            return 1.0
+        value = float(self.value.detach().float().clamp(0.0, self.clamp) if self.clamp is not None else self.value)
+        return abs(1 / value) if self.divide and value else math.exp(min(value, 80.0))
 
-def _one(model: Any, name: str) -> Tensor | None | bool:
-    """The model's 1-element tensor ``name``; None if it has none, False if it is something else."""
+
+def _one(model: Any, name: str) -> Tensor | str | None:
+    """The model's one-value tensor ``name``; None if it has none, why not if it is another thing."""
     value = getattr(model, name, None)
-    if value is None:
-        return None
-    return value if isinstance(value, Tensor) and value.numel() == 1 else False
+    if value is None or (isinstance(value, Tensor) and value.numel() == 1):
+        return value
+    return f"its {name} is not one value"
 
 
-def _scale(model: Any, side: str) -> _Scale | None:
-    """The scale of ``logits_per_<side>``, from the model's attributes (None: unknown)."""
+def _scale(model: Any, side: str) -> _Scale | str:
+    """The scale of ``logits_per_<side>``, from the model's attributes, or why it is unknown."""
     for end in range(1, len(side) + 1):  # one per tower: CLAP's logit_scale_a, logit_scale_t
         own = _one(model, f"logit_scale_{side[:end]}")
         if own is not None:
-            return _Scale(own) if own is not False else None
+            return own if isinstance(own, str) else _Scale(own)
     shared = _one(model, "logit_scale")
     if shared is not None:
         limit = getattr(model, "max_log_logit_scale", None)
         clamp = float(limit) if isinstance(limit, (int, float)) else None
-        return _Scale(shared, clamp=clamp) if shared is not False else None
+        return shared if isinstance(shared, str) else _Scale(shared, clamp=clamp)
     temperature = _one(model, "temperature")
     if temperature is not None:
-        return _Scale(temperature, divide=True) if temperature is not False else None
+        return temperature if isinstance(temperature, str) else _Scale(temperature, divide=True)
     return _Scale(None)
 
 
 def _logits(model: Any, sides: Sequence[str], embeds: Sequence[Tensor]) -> dict[str, Tensor] | str:
     """``logits_per_<side>`` of both sides from their embeddings, or why they can't be had."""
-    bias = _one(model, "logit_bias")
-    if bias is False:
-        return "its logit_bias is not one value"
-    scales = [_scale(model, side) for side in sides]
-    if scales[0] is None or scales[1] is None:
-        return "its logit scale is not one value"
-    (a, b), (sa, sb) = embeds, scales
+    bias, sa, sb = _one(model, "logit_bias"), _scale(model, sides[0]), _scale(model, sides[1])
+    for why in (bias, sa, sb):
+        if isinstance(why, str):
+            return why
+    assert not isinstance(bias, str) and isinstance(sa, _Scale) and isinstance(sb, _Scale)
+    a, b = embeds
     if a.dim() == 3 and b.dim() == 3:
         return "neither side's embeddings are one vector per item"
     if a.dim() == 3 or b.dim() == 3:  # one side's best query (BLIP-2): one matrix, transposed
         first = 0 if a.dim() == 3 else 1
-        many, single = embeds[first], embeds[1 - first]
-        per = scales[first].apply(torch.matmul(many, single.t()).max(dim=1).values, bias)  # type: ignore[union-attr]
+        many, single, scale = embeds[first], embeds[1 - first], (sa, sb)[first]
+        per = scale.apply(torch.matmul(many, single.t()).max(dim=1).values, bias)
         return {sides[first]: per, sides[1 - first]: per.t()}
     if sa.value is sb.value:  # one scale: one matrix and its transpose, as the models do
         per = sa.apply(torch.matmul(a, b.t()), bias)
@@ -173,16 +180,22 @@ def _run_loss(found: tuple[CodeType, dict[str, Any]], logits: Mapping[str, Tenso
     return names.get("loss")
 
 
-def _near(got: Any, want: Tensor, width: int) -> bool:
+def _near(got: Any, want: Tensor, magnitude: float = 1.0, width: int = 0) -> bool:
+    """Whether ``got`` (computed in float32 from what gave ``want``) is ``want`` up to rounding.
+
+    ``want`` was rounded to its dtype a few times (after the products, after the scale):
+    a few of its eps, against ``magnitude`` (at least the largest value); the float32
+    products of ``width`` terms add theirs. A wrong recipe (another scale, no bias) is
+    off by far more.
+    """
     if not isinstance(got, Tensor) or got.shape != want.shape:
         return False
     if got.numel() == 0:
         return True
-    # Products of `width` terms computed in another order round differently; a wrong
-    # recipe (another scale, no bias) is off by far more.
     eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
-    bound = 8 * eps * (width + 8) * max(1.0, float(want.abs().max()))
-    return float((got.to(want.dtype) - want).abs().max()) <= bound
+    magnitude = max(magnitude, 1.0, float(want.abs().max()))
+    bound = (4 * eps + 4 * torch.finfo(torch.float32).eps * (4 + math.sqrt(width))) * magnitude
+    return float((got.float() - want.float()).abs().max()) <= bound
 
 
 def _check(model: Any, outputs: Sequence[Any], call: Call, sides: list[str]) -> str | None:
@@ -198,15 +211,18 @@ def _check(model: Any, outputs: Sequence[Any], call: Call, sides: list[str]) -> 
     loss = _loss_code(type(model)) if isinstance(outputs[0].get("loss"), Tensor) else None
     if isinstance(outputs[0].get("loss"), Tensor) and loss is None:
         return "its loss is not computed from the logits alone under `if return_loss:` in forward"
+    scales = [_scale(model, side) for side in sides]
+    factor = max((s.factor() for s in scales if isinstance(s, _Scale)), default=1.0)
     with torch.no_grad():
         for o in outputs:
-            logits = _logits(model, sides, [o[k] for k in keys])
+            logits = _logits(model, sides, [o[k].float() for k in keys])
             if isinstance(logits, str):
                 return logits
             width = o[keys[0]].shape[-1]
-            if not all(_near(logits[s], o[_PER + s], width) for s in sides):
+            if not all(_near(logits[s], o[_PER + s], factor, width) for s in sides):
                 return "its logits are not its embeddings' products scaled by its logit_scale or temperature"
-            if loss is not None and not _near(_run_loss(loss, {s: o[_PER + s] for s in sides}), o["loss"], 8):
+            # The model's own statements on the very logits it gave them: the same value.
+            if loss is not None and not _near(_run_loss(loss, {s: o[_PER + s] for s in sides}), o["loss"]):
                 return "its loss is not what the statements under `if return_loss:` give"
     return None
 
