@@ -180,11 +180,12 @@ def _run_loss(found: tuple[CodeType, dict[str, Any]], logits: Mapping[str, Tenso
     return names.get("loss")
 
 
-def _near(got: Any, want: Tensor, magnitude: float = 1.0, width: int = 0) -> bool:
-    """Whether ``got`` (computed in float32 from what gave ``want``) is ``want`` up to rounding.
+def _near(got: Any, want: Tensor, magnitude: float = 1.0, width: int = 0) -> Tensor | bool:
+    """Whether ``got`` (computed in float32 from what gave ``want``) is ``want`` up to
+    rounding: a 0-dim bool tensor on ``want``'s device (read once for all replicas).
 
     ``want`` was rounded to its dtype a few times (after the products, after the scale):
-    a few of its eps, against ``magnitude`` (at least the largest value); the float32
+    a few of its eps, against ``magnitude`` (at least its largest value); the float32
     products of ``width`` terms add theirs. A wrong recipe (another scale, no bias) is
     off by far more.
     """
@@ -193,9 +194,13 @@ def _near(got: Any, want: Tensor, magnitude: float = 1.0, width: int = 0) -> boo
     if got.numel() == 0:
         return True
     eps = torch.finfo(want.dtype).eps if want.is_floating_point() else 0.0
-    magnitude = max(magnitude, 1.0, float(want.abs().max()))
-    bound = (4 * eps + 4 * torch.finfo(torch.float32).eps * (4 + math.sqrt(width))) * magnitude
-    return float((got.float() - want.float()).abs().max()) <= bound
+    rel = 4 * eps + 4 * torch.finfo(torch.float32).eps * (4 + math.sqrt(width))
+    bound = rel * want.detach().float().abs().max().clamp(min=max(magnitude, 1.0))
+    return (got.float() - want.float()).abs().max() <= bound
+
+
+def _all(checks: list[Tensor | bool]) -> bool:
+    return all(c if isinstance(c, bool) else bool(c.cpu()) for c in checks)
 
 
 def _check(model: Any, outputs: Sequence[Any], call: Call, sides: list[str]) -> str | None:
@@ -213,17 +218,21 @@ def _check(model: Any, outputs: Sequence[Any], call: Call, sides: list[str]) -> 
         return "its loss is not computed from the logits alone under `if return_loss:` in forward"
     scales = [_scale(model, side) for side in sides]
     factor = max((s.factor() for s in scales if isinstance(s, _Scale)), default=1.0)
+    same_logits: list[Tensor | bool] = []
+    same_loss: list[Tensor | bool] = []
     with torch.no_grad():
         for o in outputs:
             logits = _logits(model, sides, [o[k].float() for k in keys])
             if isinstance(logits, str):
                 return logits
             width = o[keys[0]].shape[-1]
-            if not all(_near(logits[s], o[_PER + s], factor, width) for s in sides):
-                return "its logits are not its embeddings' products scaled by its logit_scale or temperature"
-            # The model's own statements on the very logits it gave them: the same value.
-            if loss is not None and not _near(_run_loss(loss, {s: o[_PER + s] for s in sides}), o["loss"]):
-                return "its loss is not what the statements under `if return_loss:` give"
+            same_logits += [_near(logits[s], o[_PER + s], factor, width) for s in sides]
+            if loss is not None:  # the model's own statements on the logits it gave them
+                same_loss.append(_near(_run_loss(loss, {s: o[_PER + s] for s in sides}), o["loss"]))
+    if not _all(same_logits):
+        return "its logits are not its embeddings' products scaled by its logit_scale or temperature"
+    if not _all(same_loss):
+        return "its loss is not what the statements under `if return_loss:` give"
     return None
 
 
@@ -283,8 +292,7 @@ def check_pairs(out: Any, name: str) -> Any:
         f"DataParallel: {name}.forward: with the gather= given for it, {', '.join(fields)} are "
         "not what one device returns: each replica scored the items of its own share of the "
         "batch against each other only. Leave gather= out for forward (dpmethods then "
-        "computes them, and the loss, over the whole batch), or compute them from the "
-        "gathered embeddings.",
+        "computes them, and the loss, over the whole batch, or says why it can't).",
         stacklevel=5,
     )
     return out
@@ -295,9 +303,9 @@ def _warn(model: Any, fields: Sequence[str], why: str) -> None:
         f"DataParallel: {type(model).__name__}.forward returns {', '.join(fields)}, which "
         "score items of the batch against each other, and dpmethods can't compute them "
         f"over the whole batch ({why}): they come back as each replica's own, on its share "
-        "of the batch only, and so does a loss computed from them (one per replica). Gather "
-        "the embeddings with dpmethods (get_*_features) and compute the logits and the loss "
-        "on the whole batch.",
+        "of the batch only, and so does a loss computed from them (one per replica). For the "
+        "whole batch's, compute them on one device from the whole batch (where they are "
+        "made from one embedding per item, gather those with dpmethods first).",
         stacklevel=7,
     )
 
