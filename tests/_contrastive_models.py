@@ -102,7 +102,7 @@ def altclip() -> tuple[nn.Module, Inputs]:
 
 
 def groupvit() -> tuple[nn.Module, Inputs]:
-    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=37,
+    vision = dict(image_size=16, patch_size=8, hidden_size=32, intermediate_size=37,
                   num_attention_heads=4, depths=[1, 1], num_group_tokens=[4, 2],
                   num_output_groups=[4, 2], num_hidden_layers=2)
     config = transformers.GroupViTConfig(text_config=_TEXT, vision_config=vision, projection_dim=16,
@@ -149,7 +149,10 @@ def tipsv2() -> tuple[nn.Module, Inputs]:
 
 def aimv2() -> tuple[nn.Module, Inputs]:
     config = transformers.Aimv2Config(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.Aimv2Model(config)), _both()
+    model = _seeded(lambda: transformers.Aimv2Model(config))
+    with torch.no_grad():  # past its clamp: the logits' scale is exp(max_log_logit_scale)
+        model.logit_scale.fill_(model.max_log_logit_scale + 1)
+    return model, _both()
 
 
 def blip2_retrieval() -> tuple[nn.Module, Inputs]:
