@@ -20,7 +20,7 @@ import torch
 from _close import transformer_terms
 
 from dpmethods import DataParallel
-from dpmethods import _warn_once as warn_once
+from dpmethods.vocab import warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
 
 pytest.importorskip("transformers")
