@@ -12,6 +12,7 @@ import pytest
 import torch
 from _close import mlp_terms
 from _long_runs import Faulty, arm_hang, out_of_memory_above, release_hung, rows_run
+from _process_helpers import build_net
 from _tiny_models import tiny_gpt2
 
 import dpmethods
@@ -130,6 +131,28 @@ def test_a_hung_thread_is_a_timeout_error_and_its_replica_is_dropped(tmp_path: P
     fine = [i for i in range(N) if i != 2]
     ref = _reference(model, "encode", batches)
     assert_close_to_reference([outs[i] for i in fine], [ref[i] for i in fine], terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None:
+    # A stopped map's batch still runs on the one worker: the next map's batches wait
+    # behind it, and their timeout counts from when the worker starts them.
+    net = build_net()
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"], workers=workers)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        list(dp.map("sleepy", [x]))  # the worker starts (processes) before anything is timed
+        pool = dp.__dict__["_process_pool"] if workers == "processes" else None
+        pids = [w.process.pid for w in pool.workers] if pool is not None else []
+        stopped = dp.map("sleepy", [x, x], seconds=3.0)
+        next(stopped)  # the second batch is the worker's now
+        stopped.close()
+        outs = list(dp.map("sleepy", [x, 2 * x], timeout=1.5, retries=0))
+        if pool is not None:
+            assert [w.process.pid for w in pool.workers] == pids  # not killed for it
+        want = [net.sleepy(x), net.sleepy(2 * x)]
+    dp.close()
+    assert_close_to_reference(outs, want, terms=mlp_terms(4))
 
 
 # --- out of memory -------------------------------------------------------------------
