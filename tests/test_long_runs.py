@@ -236,6 +236,33 @@ def test_calls_on_worker_processes_split_too(tmp_path: Path) -> None:
     assert_close_to_reference(out, ref, terms=mlp_terms(6))
 
 
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("rows", [4, 5])  # parts of 2 + 2, and of 2 + 1 + 2
+def test_a_0_dim_output_of_a_split_share_is_an_error_naming_its_fix(tmp_path: Path, workers: str, rows: int) -> None:
+    # The share that ran out returns one loss; its parts' losses concatenated would be a
+    # vector that one device never returns, on even parts and uneven ones alike.
+    model = Faulty(tmp_path, limit=2)
+    x = torch.randn(2 * rows, 6, generator=torch.Generator().manual_seed(rows))
+    fix = r"use gather=\{'loss': 'mean'\} if it is a mean over the batch's items"
+    error = r"on_oom='split': output\['loss'\] is 0-dim: the share that ran out of memory returns one value"
+    dp = _dp(model, workers, on_oom="split")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"{error}.*{fix}"):
+            dp.scored(x)  # shares of `rows` on 2 replicas
+        with pytest.raises(ValueError, match=f"{error}.*{fix}"):
+            list(dp.map("scored", [x[:rows]], on_oom="split"))
+    dp.close()
+    # The fix it names gives one device's loss: the parts' means weighted by their rows.
+    fixed = _dp(model, workers, on_oom="split", methods={"scored": {"gather": {"loss": "mean"}}})
+    with torch.no_grad():
+        out = fixed.scored(x)
+        outs = list(fixed.map("scored", [x[:rows]], on_oom="split"))
+        want = [model.unlimited("scored", x), model.unlimited("scored", x[:rows])]
+    fixed.close()
+    assert any(o for _, o in rows_run(tmp_path))
+    assert_close_to_reference([out, *outs], want, terms=mlp_terms(6, rows=2 * rows * 3))
+
+
 # --- the options themselves ------------------------------------------------------------
 
 
