@@ -332,3 +332,15 @@ class GcProbe(nn.Module):
 
 def build_gc_probe() -> GcProbe:
     return GcProbe()
+
+
+class Completer(nn.Module):
+    """A user's own method around a language model's ``generate``; it has no ``generate``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @dpmethods.parallel_method(gather="generate")
+    def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Any:
+        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -29,14 +29,13 @@ from typing import Any
 import torch
 
 from dpmethods.core.devices import DeviceLike, as_device
-from dpmethods.core.gather import gather
+from dpmethods.core.gather import join_outputs
 from dpmethods.core.oom import Fit, run_splitting
 from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
-from dpmethods.vocab.call_hooks import Call, check_per_replica, check_prepared
-from dpmethods.vocab.gather_modes import BUILTIN_MODES, named_mode
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, mode_check, named_mode
 from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "run_plain", "scatter_shares", "share_runner",
@@ -117,6 +116,9 @@ def run_method(
             args, kwargs, Call(wrapper.module, name, args, kwargs, (), opts)
         ), opts.hooks.prepare)
     with _entered(_Call(wrapper, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
+        check = mode_check(opts.gather)  # a named mode refuses what it can't join, before the work
+        if check is not None:
+            check(ctx.seen(wrapper.module))
         # torch's seams, with torch's signatures; the rest of the call is in ctx.
         inputs, kwargs_tup = wrapper.scatter(args, kwargs, wrapper.device_ids)
         if not inputs and not kwargs_tup:
@@ -180,10 +182,10 @@ def scatter_shares(
 
 def gather_outputs(
     module: Any, ctx: _Call | None, opts: MethodOptions, outputs: Sequence[Any],
-    output_device: DeviceLike,
+    output_device: DeviceLike, *, halves: bool = False,
 ) -> Any:
     """The replicas' outputs joined by the method's ``gather`` option (a named mode sees
-    the call).
+    the call); ``halves``: they are the parts of one share that ran out of memory.
 
     Example:
         >>> import torch
@@ -194,10 +196,11 @@ def gather_outputs(
     if ctx is not None and isinstance(opts.gather, str) and opts.gather not in BUILTIN_MODES:
         call = ctx.seen(module)  # a library's named mode sees the call
     sizes = ctx.sizes if ctx is not None else None
-    return gather(
+    return join_outputs(
         outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
         weights=ctx.weights(len(outputs)) if ctx is not None else None, gather_dim=opts.gather_dim,
         sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None, call=call,
+        halves=halves,
     )
 
 
@@ -304,7 +307,7 @@ def split_on_oom(
 
     def join(outs: list[Any], sizes: list[int], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
         part = _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes)
-        return gather_outputs(module, part, opts, outs, device)
+        return gather_outputs(module, part, opts, outs, device, halves=True)
 
     return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), n,
                          halve=halve, join=join, fit=fit, device=device)

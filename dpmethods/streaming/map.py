@@ -13,7 +13,8 @@ order, outputs pass through a reorder buffer that is bounded too.
 
 Closing the iterator (``close()``, ``break``, garbage collection, an exception) stops
 the backend: pending batches are dropped, and each worker finishes at most the batch it
-is running (threads are joined; a process's output is dropped when it arrives).
+is running (threads are joined) or, a process, that batch and the one its executor
+already took (their outputs are dropped when they arrive).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ __all__ = [
     "Mode",
     "check_mode_name",
     "known_modes",
+    "mode_check",
     "named_mode",
     "register_gather_mode",
 ]
@@ -58,15 +59,19 @@ REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})
 
 
 GatherFn = Callable[[list[Any], Any, "Call | None"], Any]
+CheckFn = Callable[["Call"], None]
 _NAMED: dict[str, GatherFn] = {}
+_CHECKS: dict[str, CheckFn] = {}
 
 
-def register_gather_mode(name: str, fn: GatherFn) -> None:
+def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = None) -> None:
     """Add a gather mode ``name``: ``fn(outputs, device, call)`` joins a whole output.
 
     ``outputs`` holds one output per replica, ``device`` is the output device, and
     ``call`` is a :class:`~dpmethods.extending.Call` (``None`` when :func:`dpmethods.parallel.gather` is called
-    directly, outside a wrapper call). Registering a name again replaces its function.
+    directly, outside a wrapper call). ``check(call)``, if given, runs before any replica
+    does, with the call's shares still empty: it raises for a call whose outputs ``fn``
+    could not join, so no work is wasted. Registering a name again replaces both.
 
     Example:
         >>> register_gather_mode("first", lambda outputs, device, call: outputs[0])
@@ -86,7 +91,27 @@ def register_gather_mode(name: str, fn: GatherFn) -> None:
             f"{type(fn).__name__} {fn!r}"
         )
     check_arity("register_gather_mode: fn", fn, "fn(outputs, device, call)")
+    if check is not None and not callable(check):
+        raise TypeError(
+            f"register_gather_mode: check: expected None or a callable check(call), got "
+            f"{type(check).__name__} {check!r}"
+        )
+    if check is not None:
+        check_arity("register_gather_mode: check", check, "check(call)")
     _NAMED[name] = fn
+    _CHECKS.pop(name, None)
+    if check is not None:
+        _CHECKS[name] = check
+
+
+def mode_check(name: Any) -> CheckFn | None:
+    """The ``check`` registered with the named mode ``name``, or None.
+
+    Example:
+        >>> mode_check("cat") is None
+        True
+    """
+    return _CHECKS.get(name) if isinstance(name, str) else None
 
 
 def named_mode(name: str, where: str | None = None) -> GatherFn | None:

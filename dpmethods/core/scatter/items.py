@@ -91,10 +91,6 @@ def batch_size(taken: list[_Taken], tensor_batch: int | None, tensor_name: Calla
             f"dim {dim} have a batch of {tensor_batch} ({tensor_name()} has {tensor_batch}); "
             "they must agree, or name the tensor in broadcast= if every replica needs it whole"
         )
-    if length == 0:
-        raise ValueError(
-            f"split: argument {first.name!r} is empty: expected at least 1 item to split"
-        )
     return length
 
 
