@@ -35,6 +35,7 @@ from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
+from dpmethods.vocab.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, mode_check, named_mode
 from dpmethods.vocab.options import MethodOptions
 
