@@ -311,24 +311,25 @@ def split_on_oom(
     names = names if names is not None else fn
     hooks = opts.hooks
     whole = (tuple(args), dict(kwargs), prepared)
-    whole_cut: list[Any] = []  # counted before it is prepared, the whole share is cut once
+    memo: list[Any] = []  # the whole share's cut: counted first, it is cut once
 
-    def cut(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        if a is whole[0] and k is whole[1] and whole_cut:
-            return whole_cut[0]
-        parts = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
-                             split=opts.split, scatter_dim=opts.scatter_dim)
-        found = list(zip(parts[0], parts[1])), list(parts.sizes)
-        if a is whole[0] and k is whole[1]:
-            whole_cut.append(found)
-        return found
-
-    def halve(piece: tuple[Any, ...]) -> Any:
+    def cut(piece: tuple[Any, ...]) -> Any:
+        """``(args, kwargs, finish, parts, sizes)``: the piece as its halves' call (prepared)."""
+        if piece is whole and memo:
+            return memo[0]
         a, k, ready = piece
         finish = None
         if not ready and hooks is not None and hooks.prepare is not None:
             a, k, finish = check_prepared(hooks.prepare(a, k, Call(module, name, a, k, (), opts)), hooks.prepare)
-        parts, sizes = cut(a, k)
+        parts = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
+                             split=opts.split, scatter_dim=opts.scatter_dim)
+        found = a, k, finish, list(zip(parts[0], parts[1])), list(parts.sizes)
+        if piece is whole:
+            memo.append(found)
+        return found
+
+    def halve(piece: tuple[Any, ...]) -> Any:
+        a, k, finish, parts, sizes = cut(piece)
         if hooks is not None and hooks.per_replica is not None:
             parts = _adapted(hooks.per_replica, Call(module, name, a, k, sizes, opts), parts)
 
@@ -344,5 +345,4 @@ def split_on_oom(
         with split_call(True):  # a module that couples its batch warns, as in a split call
             return fn(*piece[0], **piece[1])
 
-    return run_splitting(run, whole, n, count=lambda piece: sum(cut(piece[0], piece[1])[1]), halve=halve,
-                         fit=fit, device=device)
+    return run_splitting(run, whole, n, count=lambda piece: sum(cut(piece)[4]), halve=halve, fit=fit, device=device)
