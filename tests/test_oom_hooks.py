@@ -16,7 +16,7 @@ import torch
 from _close import transformer_terms
 from _long_runs import Faulty, rows_run
 from _oom_models import InBatch, OnlyMine, TwoMethods, hook_rows, runs
-from _tiny_models import random_sentences, tiny_gpt2, tiny_sentence_transformer
+from _tiny_models import random_sentences, tiny_gpt2, tiny_qwen2_vl, tiny_sentence_transformer
 
 import dpmethods
 from dpmethods.extending import CallHooks
@@ -28,6 +28,8 @@ LIMIT = 2  # rows that fit: 7 rows run as 2 + 2 + 2 + 1
 # tiny_gpt2: 2 blocks of width 16 (MLP 64) over 8 tokens, a 48-token softmax, and the
 # loss's mean over up to 7 x 8 tokens.
 GPT2_TERMS = transformer_terms(width=16, ff=64, seq=8, layers=2) + 48 + 7 * 8
+# tiny_qwen2_vl: a vision block of width 16 and a text block of width 32 over up to 16 tokens.
+VL_TERMS = transformer_terms(width=32, ff=64, seq=16, layers=2) + 64
 
 
 def _dp(model: torch.nn.Module, workers: str, **options: Any) -> Any:
@@ -107,6 +109,25 @@ def test_generate_halves_give_each_item_its_index_in_the_whole_batch(tmp_path: P
     dp.close()
     _ran_in_halves(tmp_path)
     assert [o.tolist() for o in got] == [w.tolist() for w in [*want, want[0]]]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_each_half_gets_the_patches_of_its_rows_images(tmp_path: Path, workers: str) -> None:
+    pytest.importorskip("transformers")
+    model, inputs = tiny_qwen2_vl()  # 7 rows with 0 to 2 images each: per_replica cuts the patches
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        want = model(**inputs)
+        _limit_rows(model, tmp_path)
+        dp = _dp(model, workers)
+        got = [*dp.map("forward", [inputs], on_oom="split"), dp(**inputs)]
+    dp.close()
+    _ran_in_halves(tmp_path)
+    for g in got:
+        assert_close_to_reference(g.logits, want.logits, terms=VL_TERMS)
+        assert len(g.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 6
+        assert_close_to_reference(list(g.image_outputs.pooler_output), list(want.image_outputs.pooler_output),
+                                  terms=VL_TERMS)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
