@@ -66,7 +66,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         factory: with processes, a picklable zero-argument callable that builds the
             module in each worker, instead of sending it (changes to it are then not seen).
         on_oom: ``"raise"`` (default) or ``"split"``: a share that raises ``torch.OutOfMemoryError``
-            runs in halves, cut and joined by the method's own rules (docs/map.md).
+            runs in halves, as a call over two devices would (docs/options.md).
 
     Tensors are split along the method's ``dim``; other arguments go whole to every
     replica (an iterator is read once, each replica getting its own). Without GPUs,

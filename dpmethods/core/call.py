@@ -35,6 +35,7 @@ from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
+from dpmethods.types.coupled_modules import split_call
 from dpmethods.vocab.call_hooks import Call, check_per_replica, check_prepared
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, mode_check, named_mode
 from dpmethods.vocab.options import MethodOptions
@@ -174,9 +175,7 @@ def scatter_shares(
         ctx.sizes = result.sizes
     adapt = opts.hooks.per_replica if opts.hooks is not None else None
     if adapt is not None and ctx is not None and len(result.sizes) > 1:
-        call = ctx.seen(module)
-        starts = accumulate(result.sizes[:-1], initial=0)
-        pairs = [check_per_replica(adapt(a, k, s, call), adapt) for a, k, s in zip(result[0], result[1], starts)]
+        pairs = _adapted(adapt, ctx.seen(module), list(zip(result[0], result[1])))
         return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
     return result[0], result[1]
 
@@ -247,8 +246,9 @@ def apply_on(wrapper: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwarg
 
 def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[..., Any], Any, Any], Any] | None:
     """With ``on_oom="split"``, how replica ``i`` runs its share: halved by the method's
-    scatter rules when it runs out of memory, the halves joined by its gather rule
-    (see :mod:`dpmethods.core.oom`); None otherwise."""
+    scatter rules when it runs out of memory, the halves adapted by its ``per_replica``
+    hook and joined by its gather rule, the share being a call of its own (see
+    :mod:`dpmethods.core.oom`); None otherwise."""
     if ctx is None or getattr(wrapper, "on_oom", "raise") != "split":
         return None
     opts, shares = ctx.options, list(ctx.sizes)
@@ -256,35 +256,48 @@ def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[...
     def run_share(i: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         n = shares[i] if i < len(shares) else 1
         return split_on_oom(wrapper.module, ctx.name, opts, fn, wrapper._devices[i],
-                            _fit(wrapper, i), args, kwargs, n, names=ctx.fn)
+                            _fit(wrapper, i, ctx.name), args, kwargs, n, names=ctx.fn)
 
     return run_share
 
 
 def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A wrapper without devices (no GPU): a plain call, split as one CPU replica's
-    share would be with ``on_oom="split"``."""
+    """A wrapper without devices (no GPU): a plain call, split as a map's batch would be
+    with ``on_oom="split"``."""
     call = wrapper.module if name == "forward" else fn  # forward: the module's hooks run
     if getattr(wrapper, "on_oom", "raise") != "split":
         return call(*args, **kwargs)
-    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", _fit(wrapper, 0),
-                        args, kwargs, names=fn)
+    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", _fit(wrapper, 0, name),
+                        args, kwargs, names=fn, prepared=False)
 
 
-def _fit(wrapper: Any, i: int) -> Fit:
-    """Replica ``i``'s memory record, kept with the wrapper across calls."""
-    return wrapper.__dict__.setdefault("_oom_fits", {}).setdefault(i, Fit())  # type: ignore[no-any-return]
+def _fit(wrapper: Any, i: int, name: str) -> Fit:
+    """Replica ``i``'s memory record for method ``name``, kept with the wrapper across
+    calls: one per method, as the methods' needs differ."""
+    return wrapper.__dict__.setdefault("_oom_fits", {}).setdefault((i, name), Fit())  # type: ignore[no-any-return]
+
+
+def _adapted(adapt: Any, call: Call, parts: list[Any]) -> list[Any]:
+    """Each of a call's parts adapted by ``per_replica``, with its start in the call."""
+    starts = accumulate(call.sizes[:-1], initial=0)
+    return [check_per_replica(adapt(a, k, s, call), adapt) for (a, k), s in zip(parts, starts)]
 
 
 def split_on_oom(
     module: Any, name: str, opts: MethodOptions, fn: Callable[..., Any], device: Any, fit: Fit,
     args: Any, kwargs: Any, n: int | None = None, *, names: Callable[..., Any] | None = None,
+    prepared: bool = True,
 ) -> Any:
     """``fn(*args, **kwargs)`` on one replica, halved by the method's scatter rules when
-    it runs out of memory and the halves joined by its gather rule (:mod:`dpmethods.core.oom`).
+    it runs out of memory, as a call over two devices runs (:mod:`dpmethods.core.oom`).
 
-    ``n`` is the share's items (None: counted by the scatter rules, only if needed);
-    ``names`` the function whose signature names the arguments (default ``fn``).
+    ``prepared``: the arguments are a replica's share of a call, adapted by the method's
+    hooks already: a call of its own, whose halves get ``per_replica`` with their start
+    in it, and whose halves' outputs the gather joins seeing it. False: a whole batch as
+    its method takes it (a map's batch); split, it is first adapted by ``prepare``, and
+    the joined output finished, as a call is. ``n`` is the share's items (None: counted
+    by the scatter rules, only if needed); ``names`` the function whose signature names
+    the arguments (default ``fn``).
 
     Example:
         >>> import torch
@@ -300,15 +313,41 @@ def split_on_oom(
         [5, 3, 2, 1, 2]
     """
     names = names if names is not None else fn
+    hooks = opts.hooks
+    whole = (tuple(args), dict(kwargs), prepared)
+    memo: list[Any] = []  # the whole share's cut: counted first, it is cut once
 
-    def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
-                           split=opts.split, scatter_dim=opts.scatter_dim)
-        return list(zip(cut[0], cut[1])), cut.sizes
+    def cut(piece: tuple[Any, ...]) -> Any:
+        """``(args, kwargs, finish, parts, sizes)``: the piece as its halves' call (prepared)."""
+        if piece is whole and memo:
+            return memo[0]
+        a, k, ready = piece
+        finish = None
+        if not ready and hooks is not None and hooks.prepare is not None:
+            a, k, finish = check_prepared(hooks.prepare(a, k, Call(module, name, a, k, (), opts)), hooks.prepare)
+        parts = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
+                             split=opts.split, scatter_dim=opts.scatter_dim)
+        found = a, k, finish, list(zip(parts[0], parts[1])), list(parts.sizes)
+        if piece is whole:
+            memo.append(found)
+        return found
 
-    def join(outs: list[Any], sizes: list[int], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        part = _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes)
-        return gather_outputs(module, part, opts, outs, device, halves=True)
+    def halve(piece: tuple[Any, ...]) -> Any:
+        a, k, finish, parts, sizes = cut(piece)
+        if hooks is not None and hooks.per_replica is not None:
+            parts = _adapted(hooks.per_replica, Call(module, name, a, k, sizes, opts), parts)
 
-    return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), n,
-                         halve=halve, join=join, fit=fit, device=device)
+        def join(outs: list[Any]) -> Any:
+            out = gather_outputs(module, _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes), opts, outs, device,
+                                 halves=True)
+            return out if finish is None else finish(out)
+
+        return [(pa, pk, True) for pa, pk in parts], sizes, join
+
+    def run(piece: tuple[Any, ...]) -> Any:
+        if piece is whole:
+            return fn(*piece[0], **piece[1])
+        with split_call(True):  # a module that couples its batch warns, as in a split call
+            return fn(*piece[0], **piece[1])
+
+    return run_splitting(run, whole, n, count=lambda piece: sum(cut(piece)[4]), halve=halve, fit=fit, device=device)

@@ -264,8 +264,10 @@ def load(data: bytes) -> bytes:
 
 def run(data: bytes) -> bytes:
     """Run ``(method, args, kwargs, state, seed, split, oom)`` on the model; ``oom``: None
-    (run it whole), or ``(key, options)``: split a batch that runs out of memory by the
-    method's options, with the memory record kept under ``key`` (one per map)."""
+    (run it whole), or ``(key, options, prepared)``: split a batch that runs out of memory
+    by the method's options, with the memory record of the method kept under ``key``
+    (one per map, one for the calls); ``prepared``: a call's chunk, adapted by the
+    method's hooks already (see :func:`dpmethods.core.call.split_on_oom`)."""
 
     def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
         method, args, kwargs, state, seed, split, oom = msg
@@ -280,8 +282,10 @@ def run(data: bytes) -> bytes:
             if oom is None:
                 out = fn(*args, **kwargs)
             else:
-                fit = _FITS.setdefault((method, oom[0]), Fit())
-                out = split_on_oom(_model, method, oom[1], fn, _device, fit, args, kwargs, names=getattr(_model, method))
+                key, options, prepared = oom
+                fit = _FITS.setdefault((method, key), Fit())
+                out = split_on_oom(_model, method, options, fn, _device, fit, args, kwargs,
+                                   names=getattr(_model, method), prepared=prepared)
         try:
             return dumps(("done", out, _warned(seen)), output=True)
         except OutputRequiresGrad as exc:

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from dpmethods.core.devices import as_device, check_source_device
 from dpmethods.core.oom import check_on_oom
+from dpmethods.processes.calls import check_sendable
 from dpmethods.processes.pool import ProcessPool
 from dpmethods.streaming.process_map import ProcessRun
 from dpmethods.streaming.threads import Run
@@ -346,6 +347,8 @@ def map_batches(
     oom = None
     if check_on_oom(on_oom) == "split":  # the method's rules cut and join its halves
         oom = options(method) if options is not None else MethodOptions()
+        if pool is not None:  # before any batch runs, not in the first batch's error
+            check_sendable(oom, "DataParallel.map(workers='processes', on_oom='split')", method)
     _check_method(module, method, list(methods))
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")

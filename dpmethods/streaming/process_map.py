@@ -74,7 +74,7 @@ class ProcessRun:
         self.pool.prepare(self.module, start=False)
         seq, index, args, kwargs = self.pending.popleft()
         try:
-            oom = None if self.oom is None else (self.seed, self.oom)  # a record per map, as on threads
+            oom = None if self.oom is None else (self.seed, self.oom, False)  # a record per map, as on threads
             data = dumps((self.method, args, kwargs, self.state, replica_seed(self.seed, index), False, oom))
         except Exception as exc:
             raise TypeError(

@@ -214,9 +214,11 @@ def _run_cuda(run: Run, fn: Any, device: torch.device, stream: Any, batch: Any) 
 
 
 def _splitting(replica: nn.Module, run: Run, fn: Any, device: Any, fit: Fit, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` with on_oom='split': halved on this replica while it runs out of memory."""
+    """``fn`` with on_oom='split': halved on this replica while it runs out of memory (a
+    batch runs as it is: split, it is adapted by the method's hooks as a call is)."""
     names = getattr(replica, run.method)
-    return split_on_oom(replica, run.method, run.oom, fn, device or "cpu", fit, args, kwargs, names=names)  # type: ignore[arg-type]
+    return split_on_oom(replica, run.method, run.oom, fn, device or "cpu", fit, args, kwargs,  # type: ignore[arg-type]
+                        names=names, prepared=False)
 
 
 def _serve(run: Run, r: int) -> None:

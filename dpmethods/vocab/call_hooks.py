@@ -107,26 +107,57 @@ class CallHooks:
 def _chain_prepare(first: Prepare | None, second: Prepare | None) -> Prepare | None:
     if first is None or second is None:
         return first or second
-
-    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
-        args, kwargs, finish_a = check_prepared(first(args, kwargs, call), first)
-        args, kwargs, finish_b = check_prepared(second(args, kwargs, call), second)
-        if finish_a is None or finish_b is None:
-            return args, kwargs, finish_a or finish_b
-        return args, kwargs, lambda out: finish_a(finish_b(out))
-
-    return prepare
+    return _Chained(first, second)
 
 
 def _chain_per_replica(first: PerReplica | None, second: PerReplica | None) -> PerReplica | None:
     if first is None or second is None:
         return first or second
+    return _ChainedPerReplica(first, second)
 
-    def per_replica(args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
-        args, kwargs = check_per_replica(first(args, kwargs, start, call), first)
-        return check_per_replica(second(args, kwargs, start, call), second)
 
-    return per_replica
+class _Steps:
+    """Two steps run in turn. A class, not a closure: hooks cross to worker processes
+    (``on_oom="split"`` runs them there), so they must pickle by reference."""
+
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and (self.first, self.second) == (other.first, other.second)  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.first, self.second))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.first!r}, {self.second!r})"
+
+
+class _Chained(_Steps):
+    """``prepare`` of :meth:`CallHooks.then`: ``first``'s, then ``second``'s; their
+    finishes run in reverse."""
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+        args, kwargs, finish_a = check_prepared(self.first(args, kwargs, call), self.first)
+        args, kwargs, finish_b = check_prepared(self.second(args, kwargs, call), self.second)
+        if finish_a is None or finish_b is None:
+            return args, kwargs, finish_a or finish_b
+        return args, kwargs, _Finishes(finish_b, finish_a)
+
+
+class _Finishes(_Steps):
+    """``first``'s finish, then ``second``'s."""
+
+    def __call__(self, out: Any) -> Any:
+        return self.second(self.first(out))
+
+
+class _ChainedPerReplica(_Steps):
+    """``per_replica`` of :meth:`CallHooks.then`: ``first``'s, then ``second``'s."""
+
+    def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
+        args, kwargs = check_per_replica(self.first(args, kwargs, start, call), self.first)
+        return check_per_replica(self.second(args, kwargs, start, call), self.second)
 
 
 def _label(fn: Any) -> str:
