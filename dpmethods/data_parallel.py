@@ -197,7 +197,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         options: Any = dict(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, retries=retries,
                        timeout=timeout, errors=errors, on_oom=on_oom)
         if checkpoint is not None:
-            return checkpointed(self.map, method, batches, checkpoint, workers=workers, **options, **kwargs)
+            return checkpointed(self.map, method, batches, checkpoint, self.module, kwargs, workers=workers, **options)
         processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
             self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
