@@ -405,7 +405,7 @@ def test_an_input_in_another_order_is_refused_before_any_batch_runs(setup: Any, 
         log.unlink()
         record = ckpt.read_bytes()
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another input: its batch 0 differs "
-                           r"from the record's batch 0 \(another order, such as a DataLoader with shuffle=True"):
+                           r"from the record's batch 0 \(another order: a DataLoader with shuffle=True reshuffles"):
             list(dp.map("encode", _loader(1), checkpoint=ckpt))  # reshuffled
         assert _lines(log) == [] and ckpt.read_bytes() == record
         rest = list(dp.map("encode", _loader(0), checkpoint=ckpt))  # the same order: resumed
@@ -427,8 +427,11 @@ def test_other_arguments_or_another_model_are_refused_before_any_batch_runs(setu
         log.unlink()
         record = ckpt.read_bytes()
         named = rf"'{ckpt}' records another map: "
-        for kwargs, differs in [({"scale": 3.0}, r"scale \(another value\)"), ({}, r"scale \(not given\)"),
-                                ({"scale": torch.tensor(2.0)}, r"scale \(another value\)")]:
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"scale": 3.0}, r"scale \(another value\)"), ({}, r"scale \(not given\)"),
+            ({"scale": torch.tensor(2.0)}, r"scale \(another value\)"),  # a tensor is not a float
+        ]
+        for kwargs, differs in cases:
             with pytest.raises(ValueError, match=named + "the method's keyword arguments differ: " + differs):
                 dp.map("encode", batches, checkpoint=ckpt, **kwargs)
         torch.manual_seed(1)

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from dpmethods._warn_once import warn_once
 from dpmethods.types.digests import digest, module_identity
+from dpmethods.vocab.warn_once import warn_once
 
 try:
     import fcntl
@@ -41,7 +41,16 @@ SAVE_EVERY_S = 2.0  # how often taken outputs are written while the map runs
 class Identity:
     """What makes a map the same map: its method, a digest of each keyword argument, the
     model's identity (``None``: not checked), the input's ``len()`` (``None``: it has
-    none) and the shard ``(rank, world_size)`` this process runs, if any."""
+    none) and the shard ``(rank, world_size)`` this process runs, if any.
+
+    Example:
+        >>> import torch
+        >>> a = Identity.of("generate", range(8), {"max_new_tokens": 20}, torch.nn.Linear(2, 2))
+        >>> a.length, sorted(a.arguments), a.model["class"]
+        (8, ['max_new_tokens'], 'torch.nn.modules.linear.Linear')
+        >>> a.arguments == Identity.of("generate", range(8), {"max_new_tokens": 50}).arguments
+        False
+    """
 
     method: str
     arguments: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -82,7 +91,8 @@ class Record:
     """
 
     def __init__(self, path: str | os.PathLike[str], identity: Identity) -> None:
-        self.path = Path(path)
+        self.path = Path(path)  # as given, in messages
+        self._file = self.path.absolute()  # the cwd may change while the map runs
         self.identity = identity
         self._rank, self._world = identity.shard or (0, 1)
         self.done: set[int] = set()
@@ -95,7 +105,7 @@ class Record:
         self._written = False
         self._lock = _Lock(self.path)  # checks the folder too
         try:
-            self._original = self.path.read_text() if self.path.exists() else None
+            self._original = self._file.read_text() if self._file.exists() else None
             if self._original is not None:
                 self._load(_parse(self._original, self.path))
         except BaseException:
@@ -139,7 +149,8 @@ class Record:
             if self.digests[position] != crc:
                 raise self.refuse(
                     f"records another input: its batch {index} differs from the record's batch "
-                    f"{index} (another order, such as a DataLoader with shuffle=True, or other data)"
+                    f"{index} (another order: a DataLoader with shuffle=True reshuffles on every run "
+                    f"unless given a seeded generator; or other data)"
                 )
             return
         if self._expected is not None and index >= self._expected:
@@ -182,11 +193,11 @@ class Record:
 
     def _write(self, text: str | None) -> None:
         if text is None:
-            self.path.unlink(missing_ok=True)
+            self._file.unlink(missing_ok=True)
             return
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        tmp = self._file.with_name(f".{self._file.name}.{os.getpid()}.tmp")
         tmp.write_text(text)
-        os.replace(tmp, self.path)
+        os.replace(tmp, self._file)
 
     def refuse(self, reason: str) -> ValueError:
         """The error that refuses this run, naming the file and ``reason``; from now on
@@ -297,7 +308,7 @@ class _Lock:
     holder's pid, and a lock whose process died is free again (the kernel drops it)."""
 
     def __init__(self, record: Path) -> None:
-        self.path = record.with_name(record.name + ".lock")
+        self.path = record.absolute().with_name(record.name + ".lock")  # the cwd may change
         self._fd: int | None = None
         _check_folder(record)
         if fcntl is None:  # pragma: no cover - not POSIX
@@ -305,13 +316,22 @@ class _Lock:
                       "live maps at once is not refused; run one map per record")
             return
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise type(exc)(exc.errno, f"map: checkpoint: cannot create the lock {str(self.path)!r} "
+                                f"beside the record: {exc.strerror}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 pid = os.pread(fd, 32, 0).decode(errors="replace").strip()
                 os.close(fd)
                 raise RuntimeError(_in_use(record, pid)) from None
+            except OSError as exc:  # a file system without locks (some network ones)
+                os.close(fd)
+                warn_once(f"map: checkpoint: {str(self.path)!r} cannot be locked ({exc.strerror}), so "
+                          "a record used by two live maps at once is not refused; run one map per record")
+                return
             try:  # its holder may have removed it between our open and our lock
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
                     break
