@@ -183,7 +183,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             timeout: seconds a batch may run (processes: killed, retried; threads: raised).
             errors: ``"raise"``, or ``"yield"``: a failed batch's exception in its place.
             on_oom: ``"raise"``, or ``"split"``: a batch out of memory runs in halves.
-            checkpoint: a file recording the outputs taken: a rerun skips them.
+            checkpoint: a file recording the map and the outputs taken: its rerun skips them.
             **kwargs: passed to every call (a name clashing with an option: docs/map.md).
 
         Example:

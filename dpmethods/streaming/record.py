@@ -35,6 +35,7 @@ __all__ = ["Identity", "Record"]
 
 _VERSION = 2
 SAVE_EVERY_S = 2.0  # how often taken outputs are written while the map runs
+_WRITE_SHARE = 0.01  # a record whose write takes longer is written less often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Record:
             self._lock.release()
             raise
         self._saved_at = time.monotonic()
+        self._slow = 1.0  # the interval's multiple: a write's time over 1% of SAVE_EVERY_S
 
     def _load(self, record: dict[str, Any]) -> None:
         differences = _differences(record, self.identity)
@@ -168,9 +170,10 @@ class Record:
         self.count = count
 
     def taken(self, index: int) -> None:
-        """The consumer took batch ``index``'s output; written every ``SAVE_EVERY_S``."""
+        """The consumer took batch ``index``'s output; written every ``SAVE_EVERY_S``, or
+        less often where the write would take more than 1% of the time."""
         self.done.add(index)
-        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+        if time.monotonic() - self._saved_at >= SAVE_EVERY_S * self._slow:
             self.save()
 
     def save(self) -> None:
@@ -187,9 +190,11 @@ class Record:
                   "model": identity.model, "len": self.length, "count": self.count,
                   "batches": base64.b64encode(digests.tobytes()).decode(),
                   "done": _ranges(self.done), "finished": self.finished}
+        start = time.monotonic()
         self._write(json.dumps(record))
         self._written = True
         self._saved_at = time.monotonic()
+        self._slow = max(1.0, (self._saved_at - start) / (_WRITE_SHARE * SAVE_EVERY_S or 1.0))
 
     def _write(self, text: str | None) -> None:
         if text is None:

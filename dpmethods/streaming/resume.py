@@ -178,7 +178,7 @@ class Resumable(Iterator[Any]):
 def _stop(outputs: Iterator[Any], record: Record) -> None:
     try:
         close = getattr(outputs, "close", None)
-        if close is not None and not record.finished:
+        if close is not None:
             close()
     finally:
         record.close()

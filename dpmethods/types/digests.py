@@ -97,10 +97,11 @@ def _other(value: Any, kind: type, crc: int, depth: int) -> int:
         return _items(value, crc, depth)
     try:  # bytes, and arrays of numpy or of the standard library
         view = memoryview(value)
-    except TypeError:
+    except (TypeError, ValueError, BufferError):
         return crc
     with view:
-        if not view.c_contiguous:
+        # Not pointers (an array of Python objects): their values differ on every run.
+        if not view.c_contiguous or any(c in view.format for c in "OP&"):
             return crc
         crc = _crc32(repr((view.format, view.shape)).encode(), crc)
         with view.cast("B") as flat:
