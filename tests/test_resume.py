@@ -554,3 +554,74 @@ def test_a_malformed_record_names_the_file_and_what_was_expected(
         dp.map("encode", batches, checkpoint=ckpt)
     dp.close()
     assert _lines(log) == [] and ckpt.read_text() == "{not json"
+
+
+def _digest_cases() -> dict[str, Any]:
+    """Values of every kind a batch or an argument holds, built the same in any process."""
+    import dataclasses as dc
+
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(32, 3, 20, 20, generator=g)
+    point = dc.make_dataclass("Point", [("x", Any), ("y", Any)])
+    return {
+        "small tensor": torch.randn(8, 16, generator=g),
+        "sampled tensor": big,
+        "bf16": big.to(torch.bfloat16),
+        "transposed": big.transpose(1, 3),
+        "tokens": {"input_ids": torch.randint(0, 999, (4, 300), generator=g), "mask": torch.ones(4, 300, dtype=torch.long)},
+        "texts": [f"text {i} " * (i + 1) for i in range(100)],
+        "long text": "a long document " * 5000,
+        "numbers": (1, 2.5, True, None, -3),
+        "numpy": np.arange(12.0).reshape(3, 4),
+        "objects": np.array([1, "a", None], dtype=object),  # pointers: by class only
+        "an object": object(),  # its repr holds an address: by class only
+        "dataclass": point(torch.ones(2), "y"),
+        "bytes": b"\x00\x01" * 5000,
+        "size": torch.Size([3, 4]),
+    }
+
+
+def test_digests_are_the_same_in_another_process_and_differ_where_the_batch_does(tmp_path: Path) -> None:
+    from dpmethods.types.digests import digest
+
+    ours = {k: digest(v) for k, v in _digest_cases().items()}
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_resume import _digest_cases
+        from dpmethods.types.digests import digest
+        print(json.dumps({{k: digest(v) for k, v in _digest_cases().items()}}))
+    """)
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ours
+    assert len(set(ours.values())) == len(ours)
+    cases = _digest_cases()
+    big = cases["sampled tensor"]
+    # Another order of rows, another dtype or shape, another text: another digest.
+    for other in (big[torch.randperm(32, generator=torch.Generator().manual_seed(0))], big.double(),
+                  big.reshape(16, 6, 20, 20), big.transpose(1, 3).contiguous()):
+        assert digest(other) != ours["sampled tensor"]
+    assert digest(big.transpose(1, 3).contiguous()) == ours["transposed"]  # the values, not the layout
+    assert digest(cases["texts"][::-1]) != ours["texts"]
+    assert digest(cases["tokens"]["input_ids"][[1, 0, 2, 3]]) != digest(cases["tokens"]["input_ids"])
+
+
+def test_a_model_is_known_by_its_class_layout_and_weights_through_compile() -> None:
+    from dpmethods.streaming.record import Identity
+    from dpmethods.types.digests import module_identity
+
+    torch.manual_seed(0)
+    model = Counted("unused")
+    same = Counted("unused")
+    same.load_state_dict(model.state_dict())
+    ident = module_identity(model)
+    assert module_identity(same) == ident == Identity.of("encode", [], model=torch.compile(model)).model
+    with torch.no_grad():
+        same.lin.weight[2, 4] += 1  # the last value: sampled
+    assert module_identity(same)["values"] != ident["values"]
+    assert module_identity(same)["tensors"] == ident["tensors"]
+    assert module_identity(nn.LazyLinear(3)) == {"class": "torch.nn.modules.linear.LazyLinear"}
