@@ -534,6 +534,8 @@ def test_a_checkpoint_in_a_missing_folder_is_refused_when_the_map_starts(setup: 
     ({"finished": "yes"}, r"expected \"finished\" to be a bool, got str \"yes\""),
     ({"version": 1}, r"of this version: expected \"version\": 2, got 1 \(a record of an earlier dpmethods"),
     ({"batches": None}, r"expected a field \"batches\" \(a base64 str of 4-byte digests\), but it has none"),
+    ({"batches": "AAAA"}, r"expected \"batches\" to be a base64 str of 4-byte digests$"),
+    ({"done": [[0, 40]]}, r"expected the batches in \"done\" to be among the 3 in \"batches\", got batch 39"),
 ])
 def test_a_malformed_record_names_the_file_and_what_was_expected(
     setup: Any, workers: str, change: dict[str, Any], expected: str,

@@ -121,6 +121,12 @@ class Record:
         self.digests.frombytes(base64.b64decode(record["batches"]))
         if sys.byteorder != "little":
             self.digests.byteswap()
+        if self.done and max(self.done) >= self.extent:
+            raise ValueError(
+                f"map: checkpoint: {str(self.path)!r} is not a map checkpoint of dpmethods: expected "
+                f"the batches in \"done\" to be among the {self.extent} in \"batches\", got batch "
+                f"{max(self.done)}"
+            )
         self.count, self.finished = record["count"], record["finished"]
         if self.length is None:  # this input has no len(): the record's, and its end is checked by it
             self.length = self._expected = record["len"]
@@ -302,9 +308,11 @@ def _parse(text: str, path: Path) -> dict[str, Any]:
             raise ValueError(f"{where}: expected \"{name}\" to be {expected}, got "
                              f"{type(value).__name__} {json.dumps(value)[:60]}")
     try:
-        base64.b64decode(record["batches"], validate=True)
+        digests = base64.b64decode(record["batches"], validate=True)
     except ValueError:
-        raise ValueError(f"{where}: expected \"batches\" to be {_FIELDS['batches'][0]}") from None
+        digests = b"?"
+    if len(digests) % 4:
+        raise ValueError(f"{where}: expected \"batches\" to be {_FIELDS['batches'][0]}")
     return record
 
 

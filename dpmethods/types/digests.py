@@ -5,11 +5,12 @@ resumable map records to know its input, its arguments and its model again.
 tensor's dtype and shape) and of a bounded sample of its content: a tensor's bytes whole
 up to 4 KiB, else about 1,024 of them spread evenly over it and its last; a string's
 characters likewise; the items of a list, tuple or mapping, or 64 of them spread evenly
-over it and its last when it has more. Numbers, ``None``, bytes and other buffers, dataclasses, named tuples
-and the types with a rule (:func:`dpmethods.register_type`, torch's pytree) are walked;
-an object of any other class counts by its class only, never by its ``repr``, which may
-hold a memory address that differs on every run. A tensor on an accelerator is sampled
-there and its sample copied to the host.
+over it and its last when it has more. Numbers, ``None``, bytes and other buffers,
+dataclasses, named tuples and the types with a rule (:func:`dpmethods.register_type`,
+torch's pytree) are walked; an object of any other class counts by its class only, never
+by its ``repr``, which may hold a memory address that differs on every run, nor by the
+pointers of an array of Python objects. A tensor on an accelerator is sampled there and
+its sample copied to the host.
 
 :func:`module_identity` tells models apart where that is cheap: the class, the names,
 shapes and dtypes of the parameters and persistent buffers, and a digest of the
