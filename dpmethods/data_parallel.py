@@ -192,7 +192,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         """
         options: Any = dict(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, retries=retries,
                        timeout=timeout, errors=errors, on_oom=on_oom)
-        per_item = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=window, trim=trim)
+        per_item: Any = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=window, trim=trim)
         items = item_options(batches, **per_item)
         if checkpoint is not None:  # the record counts what is yielded: items in item mode
             return checkpointed(self.map, method, batches, checkpoint, workers=workers, **options, **per_item, **kwargs)

@@ -37,7 +37,7 @@ def _default_length(item: Any, index: int) -> Any:
             return item.shape[0]
     elif isinstance(item, Mapping):
         ids = item.get("input_ids")
-        if isinstance(ids, Tensor) and ids.dim() == 1 or isinstance(ids, (list, tuple)):
+        if (isinstance(ids, Tensor) and ids.dim() == 1) or isinstance(ids, (list, tuple)):
             return len(ids)
     elif isinstance(item, (str, bytes, Sequence)):
         return len(item)

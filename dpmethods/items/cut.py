@@ -14,14 +14,14 @@ its batch dim as with ``"cat"``.
 Two cuts use the batch's padding (:class:`~dpmethods.items.collate.Padding`): a
 ``generate`` output that starts with the batch's left-padded prompt comes back without
 the padding, so equal prompts give equal tokens whatever their batch; and ``trim=True``
-narrows every dim of an item's tensor that has the batch's padded length to the item's
-own positions.
+narrows each item's tensors to its own positions in the dims told to be padding
+(:mod:`dpmethods.items.trim`).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
@@ -65,8 +65,9 @@ def _got(value: Any) -> str:
 class _Cutter:
     """One walk of a batch's flattened output, giving each node's value per item."""
 
-    def __init__(self, leaves: list[Any], rows: int, padding: Padding | None, trim: bool, prompt: Tensor | None) -> None:
-        self.leaves, self.rows, self.padding, self.trim, self.prompt = leaves, rows, padding, trim, prompt
+    def __init__(self, leaves: list[Any], rows: int, padding: Padding | None,
+                 padded: Callable[[str, int], bool] | None, prompt: Tensor | None) -> None:
+        self.leaves, self.rows, self.padding, self.padded, self.prompt = leaves, rows, padding, padded, prompt
 
     def refuse(self, path: str, value: Any, why: str) -> ValueError:
         return ValueError(
@@ -121,7 +122,11 @@ class _Cutter:
             if self.starts_with_prompt(value, dim):
                 return [value[i, s:] for i, (s, _) in enumerate(self.padding.spans)]  # type: ignore[union-attr]
             rows = list(value.unbind(dim))
-            return [self.trimmed(r, span) for r, span in zip(rows, self.padding.spans)] if self.trim and self.padding else rows
+            if self.padded is None or self.padding is None:
+                return rows
+            batch_dim = dim % value.dim()
+            dims = [j for j in range(value.dim() - 1) if self.padded(path, j + (j >= batch_dim))]
+            return [self.trimmed(r, span, dims) for r, span in zip(rows, self.padding.spans)] if dims else rows
         np = sys.modules.get("numpy")  # never imported here: an output can only hold arrays if it is
         if np is not None and isinstance(value, np.ndarray) and -value.ndim <= dim < value.ndim and value.shape[dim] == self.rows:
             return list(np.moveaxis(value, dim, 0))
@@ -137,17 +142,17 @@ class _Cutter:
         width = prompt.shape[1]
         return value.shape[1] >= width and bool((value[:, :width] == prompt.to(value.device)).all())
 
-    def trimmed(self, row: Tensor, span: tuple[int, int]) -> Tensor:
+    @staticmethod
+    def trimmed(row: Tensor, span: tuple[int, int], dims: list[int]) -> Tensor:
         start, end = span
-        for d in range(row.dim()):
-            if row.shape[d] == self.padding.longest:  # type: ignore[union-attr]
-                row = row.narrow(d, start, end - start)
+        for d in dims:
+            row = row.narrow(d, start, end - start)
         return row
 
 
 def cut_output(
     out: Any, rows: int, options: MethodOptions, padding: Padding | None = None, *,
-    trim: bool = False, prompt: Tensor | None = None,
+    padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None,
 ) -> list[Any]:
     """The output of a batch of ``rows`` items as one output per item.
 
@@ -155,7 +160,9 @@ def cut_output(
         out: the method's output for the batch.
         options: the method's options (``dim``, ``gather``, ``gather_dim``).
         padding: each row's own positions in the padded batch, or None.
-        trim: narrow every dim of the padded length to the item's own positions.
+        padded: ``padded(path, dim)`` tells the padded dims of the batch output at ``path``
+            (see :mod:`dpmethods.items.trim`); each item's tensors are narrowed to its own
+            positions there. None: nothing is trimmed.
         prompt: a ``generate`` batch's left-padded prompt ids (``[rows, longest]``): an
             output that starts with them comes back without each row's padding.
 
@@ -176,5 +183,5 @@ def cut_output(
     dim: Any = options.dim if options.gather_dim is None else options.gather_dim
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
-    cutter = _Cutter(leaves, rows, padding, trim, prompt)
+    cutter = _Cutter(leaves, rows, padding, padded, prompt)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

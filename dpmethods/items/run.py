@@ -30,6 +30,7 @@ from dpmethods.items.batches import read_batches
 from dpmethods.items.collate import Padding, check_takes, default_collate, padding_of
 from dpmethods.items.cut import cut_output
 from dpmethods.items.options import ItemOptions
+from dpmethods.items.trim import PaddedDims
 from dpmethods.options import MethodOptions
 from dpmethods.streaming.map import Indexed, rank_and_world
 
@@ -67,20 +68,33 @@ class _Source:
             self.signature = None
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        generate = self.method == "generate"
-        for k, batch in enumerate(read_batches(self.pairs, self.items, self.read)):
-            padding: Padding | None
-            if self.items.collate is None:
-                collated, padding = default_collate(batch.items, batch.indices, self.method, self.options)
-            else:
-                try:
-                    collated = self.items.collate(list(batch.items))
-                except Exception as exc:
-                    raise add_note(exc, f"dpmethods: DataParallel.map: raised by collate= on items {batch.indices}") from None
-                padding = padding_of(collated, batch.lengths, generate, len(batch.items))
-            check_takes(self.signature, self.name, collated, self.kwargs, batch.indices)
-            self.sent[k] = _Sent(batch.indices, padding, _prompt(collated, len(batch.items)) if generate else None)
+        k, probe = 0, self.items.trim  # with trim, a probe follows the first padded batch
+        for batch in read_batches(self.pairs, self.items, self.read):
+            collated, padding = self._collate(batch.items, batch.indices, batch.lengths)
+            self.sent[k] = _Sent(batch.indices, padding, _prompt(collated, len(batch.items)) if self.method == "generate" else None)
             yield k, collated
+            k += 1
+            if probe and padding is not None and any(e - s < padding.longest for s, e in padding.spans):
+                probe = False  # its shortest item alone: measured, never yielded (dpmethods.items.trim)
+                spans = padding.spans
+                j = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+                collated, padding = self._collate([batch.items[j]], [batch.indices[j]], [batch.lengths[j]])
+                self.sent[k] = _Sent([], padding, None)
+                yield k, collated
+                k += 1
+
+    def _collate(self, items: list[Any], indices: list[int], lengths: list[int]) -> tuple[Any, Padding | None]:
+        padding: Padding | None
+        if self.items.collate is None:
+            collated, padding = default_collate(items, indices, self.method, self.options)
+        else:
+            try:
+                collated = self.items.collate(list(items))
+            except Exception as exc:
+                raise add_note(exc, f"dpmethods: DataParallel.map: raised by collate= on items {indices}") from None
+            padding = padding_of(collated, lengths, self.method == "generate", len(items))
+        check_takes(self.signature, self.name, collated, self.kwargs, indices)
+        return collated, padding
 
 
 def _prompt(batch: Any, rows: int) -> Tensor | None:
@@ -97,6 +111,8 @@ class ItemIterator(Iterator[Any]):
         self._outputs, self._source, self._ordered, self._errors = outputs, source, ordered, errors
         self._done: dict[int, Any] = {}  # ordered: outputs waiting for an earlier item
         self._ready: collections.deque[tuple[int, Any]] = collections.deque()  # unordered
+        self._pending: collections.deque[tuple[Any, _Sent]] = collections.deque()  # trim: dims untold
+        self._dims = PaddedDims() if source.items.trim else None
         self._bar_factory, self._bar = bar, [None]  # made on the first next(), as the map's
         self._closed = False
         self._finalizer = weakref.finalize(self, _stop, outputs, self._bar)  # never refers to self
@@ -116,6 +132,7 @@ class ItemIterator(Iterator[Any]):
         self._finalizer()
         self._done.clear()
         self._ready.clear()
+        self._pending.clear()
 
     def __next__(self) -> Any:
         if self._closed:
@@ -135,15 +152,37 @@ class ItemIterator(Iterator[Any]):
                 return self._done.pop(read.popleft())
             if not self._ordered and self._ready:
                 return self._ready.popleft()
-            k, out = next(self._outputs)
+            try:
+                k, out = next(self._outputs)
+            except StopIteration:
+                if self._pending:  # trim: a dim never told from a fixed size
+                    out, sent = self._pending[0]
+                    raise add_note(ValueError(
+                        f"map: trim: {self._dims.untold(out, sent.padding)} had the padded length in "  # type: ignore[union-attr]
+                        "every batch, so it cannot be told from a fixed size; map with trim=False"
+                    ), f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
+                raise
             sent = self._source.sent.pop(k)
-            for index, item_out in zip(sent.indices, self._cut(out, sent)):
-                if self._ordered:
-                    self._done[index] = item_out
-                else:
-                    self._ready.append((index, item_out))
-            if self._bar[0] is not None:
-                self._bar[0].update(len(sent.indices))
+            failed = isinstance(out, BaseException)
+            if self._dims is not None and not failed and sent.padding is not None:
+                self._dims.observe(out, sent.padding.longest)
+            if not sent.indices:  # the probe of trim
+                continue
+            self._pending.append((out, sent))
+            while self._pending and self._told(*self._pending[0]):
+                self._place(*self._pending.popleft())
+
+    def _told(self, out: Any, sent: _Sent) -> bool:
+        return self._dims is None or isinstance(out, BaseException) or self._dims.told(out, sent.padding)
+
+    def _place(self, out: Any, sent: _Sent) -> None:
+        for index, item_out in zip(sent.indices, self._cut(out, sent)):
+            if self._ordered:
+                self._done[index] = item_out
+            else:
+                self._ready.append((index, item_out))
+        if self._bar[0] is not None:
+            self._bar[0].update(len(sent.indices))
 
     def _cut(self, out: Any, sent: _Sent) -> list[Any]:
         if isinstance(out, BaseException):  # errors="yield" underneath: the map's error
@@ -153,7 +192,7 @@ class ItemIterator(Iterator[Any]):
             return [out] * len(sent.indices)
         try:
             return cut_output(out, len(sent.indices), self._source.options, sent.padding,
-                              trim=self._source.items.trim, prompt=sent.prompt)
+                              padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt)
         except ValueError as exc:
             raise add_note(exc, f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
 
