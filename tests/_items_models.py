@@ -76,6 +76,12 @@ class Tokens(nn.Module):
         mask = attention_mask[..., None].to(hidden.dtype)
         return {"hidden": hidden, "pooled": (hidden * mask).sum(1) / mask.sum(1).clamp(min=1)}
 
+    @dpmethods.parallel_method(split=("ids", "names"), gather="extend")
+    def tag(self, ids: list[torch.Tensor], names: list[str]) -> list[dict[str, Any]]:
+        """Per-item lists in, one dict per item out (as detection models take and give)."""
+        self._enter(torch.zeros(len(ids), max(len(i) for i in ids), dtype=torch.long))
+        return [{"name": n, "pooled": self.alone(i)["pooled"]} for i, n in zip(ids, names)]
+
     @dpmethods.parallel_method(gather={"loss": "mean"})
     def with_loss(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         out = self.encode(input_ids, attention_mask)

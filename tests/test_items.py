@@ -96,10 +96,12 @@ def test_each_item_equals_the_item_alone_in_input_order(dp: Any, workers: str) -
     assert sorted(i for i, _ in pairs) == list(range(N))
     assert_close_to_reference([o["pooled"] for _, o in sorted(pairs, key=lambda p: p[0])],
                               [r["pooled"] for r in ref], terms=TERMS)
-    # Sorted longest first: batches of 4 hold items of about one length, not of the input's.
-    runs = batches_run(dp.module.workdir)
-    assert sum(r * n for r, n in runs[:6]) < sum(4 * max(len(i["input_ids"]) for i in items[k:k + 4])
-                                                  for k in range(0, N, 4))
+    # One window, sorted longest first, in batches of 4; and trim's probe: the first
+    # batch's shortest item alone.
+    lengths = sorted((len(i["input_ids"]) for i in items), reverse=True)
+    planned = [(len(lengths[k:k + 4]), lengths[k]) for k in range(0, N, 4)] + [(1, lengths[3])]
+    assert lengths[3] < lengths[0]
+    assert sorted(batches_run(dp.module.workdir)[:len(planned)]) == sorted(planned)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
@@ -150,6 +152,17 @@ def test_a_stream_is_sorted_a_window_at_a_time_and_read_a_bounded_way_ahead(dp: 
     assert all(ls == sorted(ls, reverse=True) for ls in lengths)
     assert_close_to_reference([o["pooled"] for o in outs], [r["pooled"] for r in _alone(dp.module, items)],
                               terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_method_of_per_item_lists_gets_them_and_gives_one_output_per_item(dp: Any, workers: str) -> None:
+    items = [(item["input_ids"], f"item {i}") for i, item in enumerate(token_items(N))]
+    with torch.no_grad():
+        outs = list(dp.map("tag", items, batch_size=5, length=lambda item: len(item[0])))
+    assert [o["name"] for o in outs] == [f"item {i}" for i in range(N)]
+    assert_close_to_reference([o["pooled"] for o in outs], [dp.module.alone(ids)["pooled"] for ids, _ in items],
+                              terms=TERMS)
+    assert sorted(rows for rows, _ in batches_run(dp.module.workdir)) == [3, 5, 5, 5, 5]
 
 
 # --- real models ---------------------------------------------------------------------

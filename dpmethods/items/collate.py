@@ -6,7 +6,8 @@ as 1-D tensors) with 0 to the batch's longest, on the right, or on the left for
 ``generate``, whose prompts must end where generation starts; a mapping with
 ``input_ids`` and no ``attention_mask`` gets one. A method that takes per-item lists
 (one with ``split=``: sentence-transformers ``encode``, detection models) gets the
-items as a plain list, or for mapping items a mapping of per-item lists.
+items as a plain list, mapping items as a mapping of per-item lists, and tuples as a
+tuple of them (``(image, target)`` items: ``forward(images, targets)``).
 """
 
 from __future__ import annotations
@@ -132,9 +133,11 @@ def default_collate(
         >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist(), padding.spans
         ([[5, 6], [7, 0]], [[1, 1], [1, 0]], [(0, 2), (0, 1)])
     """
-    if options.split:  # the method takes per-item lists
+    if options.split:  # the method takes per-item lists: one per argument
         if all(isinstance(item, Mapping) for item in items):
             return {k: [item[k] for item in items] for k in items[0]}, None
+        if all(type(item) is tuple and len(item) == len(items[0]) for item in items):
+            return tuple(list(column) for column in zip(*items)), None
         return list(items), None
     left = method == "generate"
     if not isinstance(items[0], Mapping):
