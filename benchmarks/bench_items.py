@@ -29,7 +29,8 @@ the prompts' for ``generate``) are counted from the batches each path builds (it
 mode's by its own cut, ``dpmethods.items.batches``), beside the real tokens; Ray's
 batches are taken as contiguous runs of rows, and the pool's are in its workers (n/a).
 Every path's per-item outputs are checked against the ``input-order`` path's (the
-``st-pool`` one for ``encode``). Writes ``items_cpu.json`` (with the commit and host).
+``st-pool`` one for ``encode``). Writes ``items_cpu.json`` (with the commit and host);
+``--from-json`` prints a saved run's README text.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_items.py [--quick] [--items N] [--rounds N]
 [--only bert encode generate ray] [--out DIR]``
@@ -38,13 +39,11 @@ Run: ``PYTHONPATH=. python benchmarks/bench_items.py [--quick] [--items N] [--ro
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -61,7 +60,7 @@ from dpmethods import DataParallel
 from dpmethods.items import ItemOptions
 from dpmethods.items.batches import read_batches
 
-__all__ = ["MeanPooled", "main", "mean_pooled_bert"]
+__all__ = ["MeanPooled", "main", "mean_pooled_bert", "report", "table"]
 
 VOCAB, HIDDEN, LAYERS = 1024, 256, 4
 BATCH, MAX_TOKENS, GEN_BATCH, NEW_TOKENS, RAY_BATCH = 32, 2048, 16, 16, 256
@@ -345,16 +344,11 @@ def table(facts: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def _commit() -> dict[str, Any]:
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+def report(saved: dict[str, Any]) -> str:
+    """The README's text of a saved run: what it was measured on, the length mix, then its tables."""
+    mix = saved["lengths"]
+    return (_common.provenance_line(saved["machine"]) + f" {mix['n']:,} items: median {mix['median']:g} tokens, "
+            f"p90 {mix['p90']:g}, p99 {mix['p99']:g}, longest {mix['max']}.\n\n" + table(saved["workloads"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -365,7 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; --quick 2)")
     parser.add_argument("--only", nargs="*", default=["bert", "encode", "generate", "ray"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--from-json", type=Path, help="print the README text of a saved run")
     args = parser.parse_args(argv)
+    if args.from_json:
+        print(report(json.loads(args.from_json.read_text())))
+        return 0
     n = args.items or (512 if args.quick else 4096)
     prompts = args.prompts or (128 if args.quick else 512)
     rounds = args.rounds or (2 if args.quick else 5)
@@ -375,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # and in the worker processes
     torch.set_num_threads(1)
     ids = _item_lengths.token_ids(_item_lengths.lengths(n), VOCAB)
-    load_before, t0 = os.getloadavg(), time.perf_counter()
+    start = _common.started_run()
     builders = {"bert": lambda: _bert(ids, rounds), "encode": lambda: _encode(ids, rounds),
                 "generate": lambda: _generate(ids[:prompts], rounds), "ray": lambda: _ray(ids, rounds)}
     facts = {}
@@ -384,13 +382,12 @@ def main(argv: list[str] | None = None) -> int:
         if w is not None:
             facts[name] = _measure(name, w)
             print(table({name: facts[name]}), flush=True)
-    info = {**_common.machine_info(), **_commit(), "host": platform.node(), "dpmethods": dpmethods.__version__,
-            "threads_per_replica": 1, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-            "wall_s": time.perf_counter() - t0}
+    info = {**_common.machine_info(), **_common.finished_run(start), "dpmethods": dpmethods.__version__,
+            "threads_per_replica": 1}
     result = {"machine": info, "items": n, "prompts": prompts, "lengths": _item_lengths.describe([len(t) for t in ids]),
               "workloads": facts}
     path = _common.write_json(args.out / "items_cpu.json", result)
-    print(table(facts))
+    print(report(result))
     print(f"wrote {path}")
     return 0
 

@@ -20,8 +20,8 @@ import torch
 from _close import transformer_terms
 
 from dpmethods import DataParallel
-from dpmethods.vocab import warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 pytest.importorskip("transformers")
 import _contrastive_models as models

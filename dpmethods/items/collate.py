@@ -15,14 +15,15 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from dpmethods.options import MethodOptions
+from dpmethods.types.cut import Padding
+from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["Padding", "as_call", "check_takes", "default_collate", "measure", "padding_of"]
+__all__ = ["as_call", "check_takes", "default_collate", "measure", "padding_of"]
 
 
 def _got(value: Any) -> str:
@@ -70,19 +71,6 @@ def measure(length: Callable[[Any], Any] | None, item: Any, index: int) -> int:
     if value < 0:
         raise ValueError(f"map: length: expected a non-negative int for item {index}, got {value}")
     return value
-
-
-class Padding(NamedTuple):
-    """Where each row's own positions lie in a padded batch: ``spans[i] = (start, end)``
-    along the padded dim of length ``longest``."""
-
-    longest: int
-    spans: list[tuple[int, int]]
-
-    @classmethod
-    def of(cls, lengths: Sequence[int], left: bool) -> Padding:
-        longest = max(lengths, default=0)
-        return cls(longest, [(longest - n, longest) if left else (0, n) for n in lengths])
 
 
 def _sequence(value: Any, index: int, key: Any) -> Tensor:

@@ -27,12 +27,12 @@ from torch import Tensor, nn
 
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.items.batches import read_batches
-from dpmethods.items.collate import Padding, check_takes, default_collate, padding_of
-from dpmethods.items.cut import cut_output
+from dpmethods.items.collate import check_takes, default_collate, padding_of
 from dpmethods.items.options import ItemOptions
 from dpmethods.items.trim import PaddedDims
-from dpmethods.options import MethodOptions
 from dpmethods.streaming.map import Indexed, rank_and_world
+from dpmethods.types.cut import Padding, cut_output
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["ItemIterator", "map_items"]
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dpmethods.items.collate import Padding
 from dpmethods.types import tree as _tree
+from dpmethods.types.cut import Padding
 
 __all__ = ["PaddedDims"]
 

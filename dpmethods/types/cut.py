@@ -11,7 +11,7 @@ or a string outside a per-item list) belongs to no item and is refused, naming i
 A named mode or a callable gather joins whole outputs: one batch's output is cut by
 its batch dim as with ``"cat"``.
 
-Two cuts use the batch's padding (:class:`~dpmethods.items.collate.Padding`): a
+Two cuts use the batch's padding (:class:`Padding`): a
 ``generate`` output that starts with the batch's left-padded prompt comes back without
 the padding, so equal prompts give equal tokens whatever their batch; and ``trim=True``
 narrows each item's tensors to its own positions in the dims told to be padding
@@ -21,18 +21,35 @@ narrows each item's tensors to its own positions in the dims told to be padding
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from dpmethods.gather_modes import BUILTIN_MODES, Mode
-from dpmethods.items.collate import Padding
-from dpmethods.options import MethodOptions
 from dpmethods.types import tree as _tree
 from dpmethods.types.per_item import top_keys
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode
+from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["cut_output"]
+__all__ = ["Padding", "cut_output"]
+
+class Padding(NamedTuple):
+    """Where each row's own positions lie in a padded batch: ``spans[i] = (start, end)``
+    along the padded dim of length ``longest``.
+
+    Example:
+        >>> Padding.of([3, 1], left=True).spans
+        [(0, 3), (2, 3)]
+    """
+
+    longest: int
+    spans: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], left: bool) -> Padding:
+        longest = max(lengths, default=0)
+        return cls(longest, [(longest - n, longest) if left else (0, n) for n in lengths])
+
 
 _SHARED = (Mode.STACK, Mode.MEAN, Mode.SUM, Mode.SAME, Mode.LIST)  # modes of whole-batch values
 _SEQUENCES = (_tree._TUPLE, _tree._LIST)
