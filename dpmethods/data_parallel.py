@@ -22,6 +22,7 @@ from dpmethods.core.devices import DeviceLike
 from dpmethods.core.oom import check_on_oom
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
+from dpmethods.items import item_options, map_items
 from dpmethods.processes.calls import call_chunks
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
 from dpmethods.streaming.map import map_batches
@@ -151,21 +152,11 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         return self._run_method("forward", inputs, kwargs)
 
     def map(
-        self,
-        method: str,
-        batches: Iterable[Any],
-        /,
-        *,
-        ordered: bool = True,
-        progress: bool | str = False,
-        prefetch: int = 2,
-        shard: bool = False,
-        workers: str | None = None,
-        retries: int = 1,
-        timeout: float | None = None,
-        errors: str = "raise",
-        on_oom: str = "raise",
-        checkpoint: str | os.PathLike[str] | None = None,
+        self, method: str, batches: Iterable[Any], /, *, ordered: bool = True, progress: bool | str = False,
+        prefetch: int = 2, shard: bool = False, workers: str | None = None, retries: int = 1, timeout: float | None = None,
+        errors: str = "raise", on_oom: str = "raise", checkpoint: str | os.PathLike[str] | None = None,
+        batch_size: int | None = None, max_tokens: int | None = None, length: Callable[[Any], int] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None, window: int | str | None = "auto", trim: bool = False,
         **kwargs: Any,
     ) -> Iterator[Any]:
         """Run ``method`` over many batches, each whole on whichever replica is free: an
@@ -184,6 +175,11 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             errors: ``"raise"``, or ``"yield"``: a failed batch's exception in its place.
             on_oom: ``"raise"``, or ``"split"``: a batch out of memory runs in halves.
             checkpoint: a file recording the map and the outputs taken: its rerun skips them.
+            batch_size: item mode (docs/map.md#items-of-mixed-lengths): ``batches`` are items, sorted by length, this many a batch at most.
+            max_tokens: item mode: at most this many padded positions (rows x longest) a batch.
+            length: an item's cost (an int); collate: a list of items -> one batch.
+            window: items sorted together (``"auto"``: 64 batches' worth; None: all).
+            trim: each item's output cut to its own length where it has the padded length.
             **kwargs: passed to every call (a name clashing with an option: docs/map.md).
 
         Example:
@@ -196,8 +192,12 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         """
         options: Any = dict(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, retries=retries,
                        timeout=timeout, errors=errors, on_oom=on_oom)
-        if checkpoint is not None:
-            return checkpointed(self.map, method, batches, checkpoint, self.module, kwargs, workers=workers, **options)
+        per_item: Any = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=window, trim=trim)
+        items = item_options(batches, **per_item)
+        if checkpoint is not None:  # the record counts what is yielded: items in item mode
+            return checkpointed(self.map, method, batches, checkpoint, self.module, kwargs, workers=workers, **options, **per_item)
+        if items is not None:
+            return map_items(self.map, method, batches, items, self._options, self.module, {**options, "workers": workers}, kwargs)
         processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
             self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,

@@ -29,7 +29,8 @@ _FLOORS: list[tuple[str, ...]] = [
     ("core", "wrapper", "checkpoints"),
     ("processes", "distributed", "parallel", "testing"),
     ("streaming", "extending"),
-    ("data_parallel", "integrations"),
+    ("items", "integrations"),
+    ("data_parallel",),
     ("ray", "__init__"),
     ("__main__",),
 ]
