@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from dpmethods.checkpoints import load_fitted
-from dpmethods.core import call as _flow
 from dpmethods.core import devices as _placement
+from dpmethods.core.call import current, gather_outputs, scatter_shares
 from dpmethods.core.devices import DeviceLike
-from dpmethods.core.oom import check_on_oom
+from dpmethods.core.oom import Fit, check_on_oom
+from dpmethods.core.parallel_apply import WorkerPool
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.items import item_options, map_items
@@ -27,6 +28,7 @@ from dpmethods.processes.calls import call_chunks
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.resume import checkpointed
+from dpmethods.wrapper import call as _flow
 from dpmethods.wrapper.base import MethodWrapper, check_argument_names, check_flag, check_module
 from dpmethods.wrapper.registry import MethodOptions, MethodsArg
 
@@ -118,6 +120,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         self.on_oom = check_on_oom(on_oom)
         self._devices = _placement._resolve_devices(device_ids)
         self.__dict__["_process_pool"] = ProcessPool(self._devices, check_factory(factory))
+        self._init_call_state()
         self._init_methods(module, methods)
         check_argument_names(self.module, self._dpm_methods)
         self._replica_cache: CachedReplicas | None = None
@@ -132,6 +135,20 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
             self.module.to(self.src_device_obj)
+
+    def _init_call_state(self) -> None:
+        """The state kept across calls (:mod:`dpmethods.wrapper.call`), empty."""
+        self._workers: WorkerPool | None = None  # cache_replicas: the replicas' threads, kept
+        self._oom_fits: dict[tuple[int, str], Fit] = {}  # on_oom: (replica, method) -> its record
+        self._warned_small: set[tuple[int, int]] = set()  # (items, devices) warned as too few
+        self._dim_options: MethodOptions | None = None  # an undecorated forward's, for self.dim
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A wrapper pickled by release 0.1.0 has neither the call state nor on_oom: the
+        # state starts empty, and its calls raise out-of-memory errors, as they did then.
+        self._init_call_state()
+        self.on_oom = "raise"
+        super().__setstate__(state)
 
     def _undecorated_warning(self, name: str) -> str | None:
         return None if len(self._devices) < 2 else (
@@ -211,9 +228,9 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         if opts is not None:
             return opts
         # Undecorated forward: ``self.dim`` as it is now (torch reads it per call too).
-        cached = self.__dict__.get("_dim_options")
+        cached = self._dim_options
         if cached is None or cached.dim != self.dim:
-            cached = self.__dict__["_dim_options"] = MethodOptions(dim=self.dim)
+            cached = self._dim_options = MethodOptions(dim=self.dim)
         return cached
 
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -243,9 +260,9 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         Returns ``(inputs, kwargs)``: per replica, a tuple of positional arguments and
         a dict of keyword arguments, as torch's ``DataParallel.scatter``.
         """
-        ctx = _flow._current(self)
+        ctx = current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        return _flow.scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
+        return scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
 
     def _caching(self) -> bool:
         return self.cache_replicas and not torch.is_grad_enabled()
@@ -257,7 +274,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_replica_cache"] = None  # rebuilt on demand; threads can't be copied
-        state.pop("_workers", None)  # a copy's ProcessPool is a fresh one, not started
+        state["_workers"] = None  # threads can't be copied; a copy starts its own
         return state
 
     def close(self) -> None:
@@ -285,9 +302,9 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
 
     def gather(self, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.parallel.gather`."""
-        ctx = _flow._current(self)
+        ctx = current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        return _flow.gather_outputs(self.module, ctx, opts, outputs, output_device)
+        return gather_outputs(self.module, ctx, opts, outputs, output_device)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
