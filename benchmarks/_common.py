@@ -15,24 +15,35 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 __all__ = [
+    "CODE",
     "copy_bandwidth",
     "cuda_sync",
+    "finished_run",
     "interleave",
     "machine_info",
     "plot_ratios",
+    "provenance",
+    "provenance_line",
     "quantile",
+    "started_run",
     "summarize",
     "time_fn",
     "write_json",
 ]
+
+_ROOT = Path(__file__).resolve().parent.parent
+# What a benchmark measures: a result is of a commit only if none of these differed from it.
+CODE = ("dpmethods", "csrc", "setup.py", "pyproject.toml", "benchmarks/*.py", "benchmarks/*.sh")
 
 
 def _quantile(sorted_xs: Sequence[float], q: float) -> float:
@@ -200,9 +211,86 @@ def copy_bandwidth(
     }
 
 
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def provenance() -> dict[str, Any]:
+    """What a result was measured on: ``commit`` (git HEAD of this checkout, None outside
+    one), ``uncommitted_code`` (code files, :data:`CODE`, that differ from that commit: a
+    run with any measured code of no commit), ``host`` (the machine's name) and
+    ``cpu_model``.
+
+    Example:
+        >>> sorted(provenance())
+        ['commit', 'cpu_model', 'host', 'uncommitted_code']
+    """
+    head = _git("rev-parse", "HEAD")
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
+    return {
+        "commit": head.strip() if head else None,
+        "uncommitted_code": None if changed is None else [line[3:] for line in changed.splitlines()],
+        "host": platform.node(),
+        "cpu_model": _cpu_model(),
+    }
+
+
+def started_run() -> dict[str, Any]:
+    """The start of a run: its UTC time and load average (read by :func:`finished_run`)."""
+    return {"started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "loadavg_before": list(os.getloadavg()), "t0": time.perf_counter()}
+
+
+def finished_run(start: dict[str, Any]) -> dict[str, Any]:
+    """``started``, ``loadavg_before``, ``loadavg_after`` and ``wall_s`` of a run begun with
+    :func:`started_run`, to merge into its ``machine`` record."""
+    return {"started": start["started"], "loadavg_before": start["loadavg_before"],
+            "loadavg_after": list(os.getloadavg()), "wall_s": time.perf_counter() - start["t0"]}
+
+
+def provenance_line(machine: dict[str, Any]) -> str:
+    """One paragraph naming the commit, the host and the conditions of a saved run, for
+    the README beside the tables drawn from it.
+
+    Example:
+        >>> provenance_line({"commit": "0123456789abcdef", "host": "box", "cpu_model": "CPU X",
+        ...                  "cpu_count": 2, "torch": "2.4.0", "wall_s": 61.0,
+        ...                  "loadavg_before": [0.5, 0, 0], "loadavg_after": [1.25, 0, 0]})
+        'Measured at commit 0123456 on box (CPU X, 2 CPUs, torch 2.4.0), in 61 s, load average 0.5 at its start and 1.2 at its end.'
+    """
+    host = machine.get("host") or "an unnamed host"
+    facts = ", ".join(filter(None, [machine.get("cpu_model"), f"{machine.get('cpu_count')} CPUs",
+                                    f"torch {machine.get('torch')}"]))
+    parts = [f"Measured at commit {str(machine.get('commit'))[:7]} on {host} ({facts})"]
+    if machine.get("started"):
+        parts.append(f"started {machine['started']}")
+    if machine.get("wall_s") is not None:
+        parts.append(f"in {machine['wall_s']:.0f} s")
+    loads = [f"{machine[k][0]:.1f} at its {w}" for k, w in (("loadavg_before", "start"), ("loadavg_after", "end"))
+             if machine.get(k)]
+    if loads:
+        parts.append(f"load average {' and '.join(loads)}")
+    return ", ".join(parts) + "."
+
+
 def machine_info() -> dict[str, Any]:
-    """Platform, CPU count, torch version and GPU names, for benchmark JSON."""
+    """Platform, CPU count, torch version, GPU names and :func:`provenance`, for benchmark JSON."""
     info: dict[str, Any] = {
+        **provenance(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),

@@ -129,7 +129,8 @@ def _ratio(times: dict[str, list[float]], slow: str, fast: str, **bound: float) 
     """``slow``'s time over ``fast``'s, paired per round; ``at_most=`` or ``at_least=`` a target."""
     rs = sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
     out: dict[str, Any] = {"faster": fast, "slower": slow, **bound, "median": statistics.median(rs),
-                           "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9)}
+                           "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
+                           "rounds": len(rs)}
     med = out["median"]
     out["met"] = (med <= bound["at_most"]) if "at_most" in bound else (med >= bound["at_least"]) if bound else None
     return out

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -45,7 +44,7 @@ import dpmethods.core.devices as devices_module
 import dpmethods.data_parallel as dp_module
 from dpmethods import DataParallel, parallel_method
 
-__all__ = ["Figure", "main", "run"]
+__all__ = ["Figure", "main", "report", "run", "table", "targets", "targets_table"]
 
 # machine_info and write_json come from benchmarks/_common.py; its time_fn times one
 # callable at a time, so the interleaved round-robin below is this file's own.
@@ -113,7 +112,6 @@ def machine_info() -> dict[str, Any]:
     """``_common.machine_info()`` plus what these figures also depend on."""
     info = _common.machine_info()
     info["dpmethods"] = dpmethods.__version__
-    info["loadavg"] = os.getloadavg()  # other work on the host inflates every figure
     ext = getattr(dpmethods, "extension_info", None)
     info["extension_info"] = ext() if callable(ext) else None
     return info
@@ -375,6 +373,32 @@ def table(figures: list[Figure]) -> str:
     return "\n".join(rows)
 
 
+def targets_table(figures: list[Figure]) -> str:
+    """A markdown table of the two targets, per configuration: the paired ratios and verdicts."""
+    status = targets(figures)
+    rows = ["| target | configuration | paired ratio (p10-p90) | verdict |", "|---|---|---:|---|"]
+    for name, key in (("dp.method / dp.forward <= 1.05", "method_over_forward<=1.05"),
+                      ("uncached / cached time >= 2", "tiny_cache_speedup>=2")):
+        for config, v in status[key].items():
+            value = v.get("ratio", v.get("speedup"))
+            rows.append(f"| {name} | {config} | {value:.3f} ({v['p10']:.2f}-{v['p90']:.2f}) | "
+                        f"{'met' if v['met'] else 'NOT met'} |")
+    return "\n".join(rows)
+
+
+def report(saved: dict[str, Any]) -> str:
+    """The README's text of a saved run: what it was measured on, the per-call table, the
+    targets and where the time of a tiny call goes."""
+    figures = [Figure(**f) for f in saved["figures"]]
+    stages = "\n".join(f"{key}: " + ", ".join(f"{k} {v:.1f}" for k, v in st.items())
+                       for key, st in saved["breakdown_us"].items())
+    return "\n\n".join([
+        _common.provenance_line(saved["machine"]), table(figures), targets_table(figures),
+        "Where the time of a tiny call goes (each stage timed by wrapping it, mean us):",
+        f"```\n{stages}\n```",
+    ])
+
+
 def plot(figures: list[Figure], path: Path) -> None:
     """Grouped bars (median, p10-p90 whiskers) per configuration, one panel per model."""
     import matplotlib
@@ -432,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         figures = [Figure(**f) for f in saved["figures"]]
-        print(table(figures))
+        print(report(saved))
         try:
             plot(figures, args.from_json.with_suffix(".png"))
         except ModuleNotFoundError as exc:  # the table is what --from-json is mostly for
@@ -440,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
+    clock = _common.started_run()
     figures, breakdowns = run(args.quick)
     status = targets(figures)
     print(table(figures))
@@ -457,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if torch.cuda.is_available() else "cpu"
     result = {
-        "machine": {**machine_info(), "loadavg_before": load_before},
+        "machine": {**machine_info(), **_common.finished_run(clock)},
         "quick": args.quick,
         "models": {
             k: dict(zip(("width", "layers", "batch"), v, strict=True)) for k, v in MODELS.items()

@@ -1,10 +1,12 @@
 """Benchmark the fused gather (dpmethods.ops.gather_coalesced) against the baselines.
 
-CPU: per-leaf ``torch.cat`` of ``.to(device)`` pieces (what the gather did before),
-with inputs requiring grad. CUDA: ``torch.nn.parallel.gather`` with every replica
-on one GPU. Each case reports medians and p10/p90 of both, their ratio, and the
-fused gather's GB/s (output bytes written per second) against the clone
-bandwidth measured in the same run.
+CPU: per-leaf ``torch.cat`` of ``.to(device)`` pieces (what the gather does without the
+extension), with inputs requiring grad. CUDA: ``torch.nn.parallel.gather`` with every
+replica on one GPU. Each case runs in paired rounds (a block of fused calls and one of
+baseline calls back to back, the order alternating by round) and reports both paths'
+per-call medians with p10/p90, the ratio baseline / fused of each round (its median and
+p10-p90), and the fused gather's GB/s (output bytes written per second) against the
+copy bandwidth measured in the same run.
 
 Usage:
     python benchmarks/bench_gather.py                  # full CPU grid
@@ -33,20 +35,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _common import (
     copy_bandwidth,
+    finished_run,
     machine_info,
     plot_ratios,
+    provenance_line,
+    started_run,
     summarize,
-    time_fn,
     write_json,
 )
 
 from dpmethods import ops
 
-__all__ = ["Case", "main", "run_case"]
+__all__ = ["ROUNDS", "Case", "main", "markdown", "paired", "run_case"]
 
 # Leaf shapes per size class; "large" pieces are sized so a case moves 64 MiB.
 _SHAPES = {"tiny": (8, 16), "medium": (32, 128)}
 _LARGE_BYTES = 64 << 20
+ROUNDS = 15  # paired rounds per case
 _MIXED = [torch.float32, torch.float16, torch.int64, torch.bool, torch.bfloat16, torch.float64]
 
 
@@ -115,48 +120,77 @@ def _fused(tensors: list[torch.Tensor], n: int, dim: int, device: torch.device) 
 
 def _runner(
     gather: Callable[..., list], sets: list[list[torch.Tensor]], case: Case, device: torch.device
-) -> tuple[Callable[[], Any], Callable[[int], None]]:
-    state: dict[str, Any] = {"inputs": sets[0], "grads": None}
+) -> Callable[[int], Any]:
+    """One gather of the ``i``-th input set (rotating, so caches do not flatter a path),
+    with the backward too for ``fwd+bwd``."""
+    grads: list[torch.Tensor] | None = None
 
-    def setup(i: int) -> None:
-        state["inputs"] = sets[i % len(sets)]
-
-    def run() -> Any:
-        outs = gather(state["inputs"], case.replicas, case.dim, device)
+    def run(i: int) -> Any:
+        nonlocal grads
+        outs = gather(sets[i % len(sets)], case.replicas, case.dim, device)
         if case.mode == "fwd+bwd":
             diff = [o for o in outs if o.requires_grad]
-            if state["grads"] is None:
-                state["grads"] = [torch.ones_like(o) for o in diff]
-            torch.autograd.backward(diff, state["grads"])
+            if grads is None:
+                grads = [torch.ones_like(o) for o in diff]
+            torch.autograd.backward(diff, grads)
         return outs
 
-    return run, setup
+    return run
+
+
+def paired(
+    a: Callable[[int], Any], b: Callable[[int], Any], rounds: int, calls: int,
+    sync: Callable[[], Any] = lambda: None,
+) -> dict[str, Any]:
+    """``rounds`` rounds, each a block of ``calls`` calls of ``a`` and one of ``b``, back to
+    back in an order that alternates by round, so drift of the host hits both alike.
+    Returns each path's per-call seconds (one per round, :func:`summarize`d) and the
+    per-round ratio ``b / a`` (above 1: ``a`` is faster): its median and p10-p90 come from
+    the rounds' own ratios, never from dividing quantiles of independent samples.
+
+    Example:
+        >>> out = paired(lambda i: None, lambda i: None, rounds=3, calls=2)
+        >>> sorted(out), len(out["ratios"])
+        (['a', 'b', 'ratio', 'ratios'], 3)
+    """
+    times: dict[str, list[float]] = {"a": [], "b": []}
+    for r in range(rounds):
+        for name, fn in ((("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))):
+            sync()
+            t0 = time.perf_counter()
+            for i in range(calls):
+                fn(i)
+            sync()
+            times[name].append((time.perf_counter() - t0) / calls)
+    ratios = [tb / ta for ta, tb in zip(times["a"], times["b"], strict=True)]
+    return {"a": summarize(times["a"]), "b": summarize(times["b"]), "ratio": summarize(ratios), "ratios": ratios}
 
 
 def run_case(case: Case, device: torch.device, budget_s: float) -> dict[str, Any]:
-    """Time the fused gather and the baseline for ``case``; returns a JSON-able dict."""
+    """Time the fused gather and the baseline for ``case`` in paired rounds; returns a JSON-able dict."""
     is_cuda = device.type == "cuda"
     nsets = 2 if case.size == "large" else 3
     sets = [_make_inputs(case, device, seed) for seed in range(nsets)]
     nbytes = sum(t.numel() * t.element_size() for t in sets[0])
     baseline_fn = _nn_parallel_gather if is_cuda else _per_leaf_cat
-    sync = torch.cuda.synchronize if is_cuda else None
-    results: dict[str, dict[str, float]] = {}
-    for label, gather in (("fused", _fused), ("baseline", baseline_fn)):
-        run, setup = _runner(gather, sets, case, device)
-        # Calibrate the repeat count to the time budget, then measure.
-        t0 = time.perf_counter()
-        run()
-        if sync is not None:
+    sync = torch.cuda.synchronize if is_cuda else (lambda: None)
+    fused_run = _runner(_fused, sets, case, device)
+    base_run = _runner(baseline_fn, sets, case, device)
+    # Warm up both, then size the blocks: ROUNDS rounds of both paths fill the budget.
+    est = 0.0
+    for run in (fused_run, base_run):
+        for i in range(2):
             sync()
-        est = max(time.perf_counter() - t0, 1e-6)
-        repeat = int(min(200, max(5, budget_s / 2 / est)))
-        warmup = min(10, max(1, repeat // 5))
-        results[label] = time_fn(run, warmup, repeat, sync, cuda_events=is_cuda, setup=setup)
-        for s in sets:
-            for t in s:
-                t.grad = None
-    fused, base = results["fused"], results["baseline"]
+            t0 = time.perf_counter()
+            run(i)
+            sync()
+        est += max(time.perf_counter() - t0, 1e-6)
+    calls = int(min(200, max(1, budget_s / ROUNDS / est)))
+    out = paired(fused_run, base_run, ROUNDS, calls, sync)
+    for s in sets:
+        for t in s:
+            t.grad = None
+    fused, base, ratio = out["a"], out["b"], out["ratio"]
     return {
         "case": case.name,
         "leaves": case.leaves,
@@ -167,11 +201,14 @@ def run_case(case: Case, device: torch.device, budget_s: float) -> dict[str, Any
         "mode": case.mode,
         "mixed_dtypes": case.mixed,
         "bytes": nbytes,
+        "rounds": ROUNDS,
+        "calls_per_round": calls,
         "fused": fused,
         "baseline": base,
-        "ratio": base["median"] / fused["median"],
-        "ratio_p10": base["p10"] / fused["p90"],
-        "ratio_p90": base["p90"] / fused["p10"],
+        "ratio": ratio["median"],
+        "ratio_p10": ratio["p10"],
+        "ratio_p90": ratio["p90"],
+        "ratios": out["ratios"],
         "fused_gbps": nbytes / fused["median"] / 1e9,
         "baseline_gbps": nbytes / base["median"] / 1e9,
     }
@@ -198,24 +235,6 @@ def _grid(quick: bool) -> list[Case]:
     return cases
 
 
-def _interleaved(
-    a: Callable[[], Any], b: Callable[[], Any], rounds: int, inner: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Alternate batches of ``a`` and ``b`` so machine-load drift hits both alike."""
-    for _ in range(2):
-        a()
-        b()
-    sa: list[float] = []
-    sb: list[float] = []
-    for _ in range(rounds):
-        for fn, acc in ((a, sa), (b, sb)):
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            acc.append((time.perf_counter() - t0) / inner)
-    return summarize(sa), summarize(sb)
-
-
 def cpu_targets(quick: bool = False) -> dict[str, Any]:
     """The two CPU acceptance figures, measured with interleaved rounds.
 
@@ -235,30 +254,24 @@ def cpu_targets(quick: bool = False) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for name, ts in kinds.items():
-        fused_s, base_s = _interleaved(
-            lambda ts=ts: ops.gather_coalesced(ts, 4, 0, cpu),  # type: ignore[misc]
-            lambda ts=ts: _per_leaf_cat(ts, 4, 0, cpu),  # type: ignore[misc]
+        p = paired(
+            lambda i, ts=ts: ops.gather_coalesced(ts, 4, 0, cpu),  # type: ignore[misc]
+            lambda i, ts=ts: _per_leaf_cat(ts, 4, 0, cpu),  # type: ignore[misc]
             rounds,
             20,
         )
-        out[name] = {
-            "fused": fused_s,
-            "per_leaf_cat": base_s,
-            "speedup": base_s["median"] / fused_s["median"],
-        }
+        out[name] = {"fused": p["a"], "per_leaf_cat": p["b"], "speedup": p["ratio"]["median"],
+                     "ratio": p["ratio"], "ratios": p["ratios"]}
     big = [torch.randn(4096, 1024) for _ in range(4)]
     for dim in (0, 1):
-        fused_l, cat_l = _interleaved(
-            lambda d=dim: ops.gather_coalesced(big, 4, d, cpu),  # type: ignore[misc]
-            lambda d=dim: torch.cat(big, d),  # type: ignore[misc]
+        p = paired(
+            lambda i, d=dim: ops.gather_coalesced(big, 4, d, cpu),  # type: ignore[misc]
+            lambda i, d=dim: torch.cat(big, d),  # type: ignore[misc]
             max(4, rounds // 3),
             3,
         )
-        out[f"large_64MiB_dim{dim}"] = {
-            "fused": fused_l,
-            "torch_cat": cat_l,
-            "speed_vs_cat": cat_l["median"] / fused_l["median"],
-        }
+        out[f"large_64MiB_dim{dim}"] = {"fused": p["a"], "torch_cat": p["b"], "speed_vs_cat": p["ratio"]["median"],
+                                        "ratio": p["ratio"], "ratios": p["ratios"]}
     return out
 
 
@@ -288,38 +301,37 @@ def cuda_targets(
     out: dict[str, Any] = {}
     for name, ts in kinds.items():
 
-        def fused(ts: list[torch.Tensor] = ts) -> None:
+        def fused(i: int, ts: list[torch.Tensor] = ts) -> None:
             ops.gather_coalesced(ts, 4, 0, device)
             sync()
 
-        def base(ts: list[torch.Tensor] = ts) -> None:
+        def base(i: int, ts: list[torch.Tensor] = ts) -> None:
             baseline(ts, 4, 0, device)
             sync()
 
-        fused_s, base_s = _interleaved(fused, base, rounds, 20)
-        out[name] = {
-            "fused": fused_s,
-            "baseline": base_s,
-            "speedup": base_s["median"] / fused_s["median"],
-        }
+        p = paired(fused, base, rounds, 20)
+        out[name] = {"fused": p["a"], "baseline": p["b"], "speedup": p["ratio"]["median"],
+                     "ratio": p["ratio"], "ratios": p["ratios"]}
     big = [torch.randn(16384, 1024, device=device) for _ in range(4)]
     nbytes = sum(t.numel() * t.element_size() for t in big)
     for dim in (0, 1):
 
-        def fused_l(d: int = dim) -> None:
+        def fused_l(i: int, d: int = dim) -> None:
             ops.gather_coalesced(big, 4, d, device)
             sync()
 
-        def cat_l(d: int = dim) -> None:
+        def cat_l(i: int, d: int = dim) -> None:
             torch.cat(big, d)
             sync()
 
-        fused_s, cat_s = _interleaved(fused_l, cat_l, max(4, rounds // 3), 3)
-        gbps = nbytes / fused_s["median"] / 1e9
+        p = paired(fused_l, cat_l, max(4, rounds // 3), 3)
+        gbps = nbytes / p["a"]["median"] / 1e9
         out[f"large_256MiB_dim{dim}"] = {
-            "fused": fused_s,
-            "torch_cat": cat_s,
-            "speed_vs_cat": cat_s["median"] / fused_s["median"],
+            "fused": p["a"],
+            "torch_cat": p["b"],
+            "speed_vs_cat": p["ratio"]["median"],
+            "ratio": p["ratio"],
+            "ratios": p["ratios"],
             "fused_gbps": gbps,
             "fraction_of_copy": gbps / copy_gbps if copy_gbps else None,
         }
@@ -333,7 +345,7 @@ def _fmt_us(s: float) -> str:
 def _targets_table(targets: dict[str, Any]) -> list[str]:
     """Rows of the targets table (CPU runs)."""
     lines = [
-        "| target | fused us [p10, p90] | baseline us [p10, p90] | ratio |",
+        "| target | fused us [p10, p90] | baseline us [p10, p90] | ratio, paired (p10-p90) |",
         "|---|---:|---:|---:|",
     ]
     for name, t in targets.items():
@@ -345,13 +357,14 @@ def _targets_table(targets: dict[str, Any]) -> list[str]:
             for v in (fused, base)
         ]
         share = t.get("fraction_of_copy")
-        note = f" ({100 * share:.0f}% of copy bandwidth)" if share else ""
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x{note} |")
+        note = f", {100 * share:.0f}% of copy bandwidth" if share else ""
+        spread = f" ({t['ratio']['p10']:.2f}-{t['ratio']['p90']:.2f}{note})" if "ratio" in t else ""
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {ratio:.2f}x{spread} |")
     return lines
 
 
 def _summary_table(cases: list[dict[str, Any]]) -> list[str]:
-    """One row per leaf size and autograd mode: the spread of the cases' median ratios."""
+    """One row per leaf size and autograd mode: the spread of the cases' paired median ratios."""
     groups: dict[tuple[str, str], list[float]] = {}
     for r in cases:
         mode = r["mode"] + ("-mixed" if r.get("mixed_dtypes") else "")
@@ -374,7 +387,7 @@ def _grid_table(data: dict[str, Any]) -> list[str]:
     """Rows of the full grid: one per case."""
     bw = data["copy_bandwidth"]["gbps"]
     lines = [
-        "| case | fused us | baseline us | ratio | ratio p10-p90 | fused GB/s | % of copy BW |",
+        "| case | fused us | baseline us | ratio, paired | its p10-p90 | fused GB/s | % of copy BW |",
         "|---|---:|---:|---:|---|---:|---:|",
     ]
     for r in data["cases"]:
@@ -388,13 +401,15 @@ def _grid_table(data: dict[str, Any]) -> list[str]:
 
 
 def markdown(data: dict[str, Any], full_grid: bool = False) -> str:
-    """The README tables of a results file: the targets (CPU runs), a summary per leaf
-    size and mode, and with ``full_grid`` every case."""
-    lines: list[str] = []
+    """The README text of a results file: what it was measured on, the targets (CPU runs),
+    a summary per leaf size and mode, the copy bandwidth, and with ``full_grid`` every case."""
+    lines: list[str] = [provenance_line(data["machine"]), ""]
     targets = data.get("targets") or {}
     if targets:
         lines += [*_targets_table(targets), ""]
     lines += _summary_table(data["cases"])
+    bw = data["copy_bandwidth"]
+    lines += ["", f"Copy bandwidth (`copy_` into preallocated memory) in this run: {bw['gbps']:.1f} GB/s."]
     if full_grid:
         lines += ["", *_grid_table(data)]
     return "\n".join(lines)
@@ -426,6 +441,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_gather: CUDA requested but not available", file=sys.stderr)
         raise SystemExit(2)
+    clock = started_run()
     budget = args.budget if args.budget is not None else (0.15 if args.quick else 0.25)
     copy_bytes = (256 << 20) if device.type == "cuda" else (64 << 20)
     bw = copy_bandwidth(device, copy_bytes)
@@ -483,7 +499,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "device": str(device),
         "baseline": baseline,
         "quick": args.quick,
-        "machine": machine_info(),
+        "machine": {**machine_info(), **finished_run(clock)},
         "extension_info": ops.extension_info(),
         "copy_bandwidth": bw,
         "elapsed_s": elapsed,

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -63,9 +62,10 @@ import _map_long_runs
 import dpmethods
 from dpmethods import DataParallel
 
-__all__ = ["Figure", "main", "run"]
+__all__ = ["Figure", "main", "report", "run", "speeds", "table", "target_rounds"]
 
 PROMPT, PAD, VOCAB = 8, 1, 4096
+MIN_ROUNDS = 5  # fewer paired rounds than this give a median, but no verdict on a target
 # (workload, faster path, slower path, at least): slower's time / faster's time, paired per round.
 TARGETS = [
     ("gil", "map-processes", "map", 2.0),
@@ -156,7 +156,7 @@ def _ragged(device: torch.device, quick: bool) -> dict[str, Any]:
     return {
         "model": model, "method": "generate", "batches": batches, "kwargs": kwargs,
         "items": n * size, "options": {"generate": {"gather": "pad", "pad_value": PAD}},
-        "rounds": 3,
+        "rounds": 3 if quick else 6,
         "describe": f"GPT-2 n_embd 512, 4 layers, vocab {VOCAB}; {n} batches of {size} "
         f"prompts of {PROMPT} tokens, greedy, each row stopping after 4..{3 + stop.spread} "
         "new tokens",
@@ -382,7 +382,7 @@ def _measure(
             targets.append({
                 "faster": fast, "slower": slow, "at_least": least, "median": statistics.median(rs),
                 "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
-                "met": statistics.median(rs) >= least,
+                "rounds": len(rs), "met": statistics.median(rs) >= least,
             })
     facts = {
         "workload": w["describe"],
@@ -466,14 +466,16 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
             f"| {f.workload} | {f.path} | {f.median_s:.3f} ({f.p10_s:.3f}-{f.p90_s:.3f}) | "
             f"{f.items_per_s:.1f} | {'-' if speed is None else f'{speed:.2f}x'} |"
         )
-    rows += ["", "| workload | target | paired ratio (p10-p90) | verdict |", "|---|---|---:|---|"]
+    rows += ["", "| workload | target | paired ratio (p10-p90) | rounds | verdict |", "|---|---|---:|---:|---|"]
     for wl, x in facts.items():
         for t in x["targets"]:
-            verdict = "no target" if t["met"] is None else "met" if t["met"] else "NOT met"
+            n = target_rounds(x, t)
+            verdict = ("no target" if t["met"] is None else "too few rounds" if n < MIN_ROUNDS
+                       else "met" if t["met"] else "NOT met")
             bound = f" >= {t['at_least']}" if "at_least" in t else f" <= {t['at_most']}" if "at_most" in t else ""
             rows.append(
                 f"| {wl} | {t['slower']} time / {t['faster']} time{bound} | "
-                f"**{t['median']:.2f}x** ({t['p10']:.2f}-{t['p90']:.2f}) | {verdict} |"
+                f"**{t['median']:.2f}x** ({t['p10']:.2f}-{t['p90']:.2f}) | {n} | {verdict} |"
             )
     rows += ["", "| workload | pool | start-up s |", "|---|---|---:|"]
     for wl, x in facts.items():
@@ -482,6 +484,22 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
             spread = f" ({_common.quantile(rs, 0.1):.2f}-{_common.quantile(rs, 0.9):.2f}, {len(rs)} rounds)" if rs else ""
             rows.append(f"| {wl} | {pool} | {s:.2f}{spread} |")
     return "\n".join(rows + _map_long_runs.rows(facts) + _map_batch_cost.rows(facts))
+
+
+def target_rounds(facts: dict[str, Any], target: dict[str, Any]) -> int:
+    """How many paired rounds a target's ratio is the median of (a run saved before
+    targets recorded it: the start-up rounds, or the workload's)."""
+    if "rounds" in target:
+        return int(target["rounds"])
+    return len(facts.get("startup_rounds_s", {}).get(target["slower"], [])) or int(facts["rounds"])
+
+
+def report(saved: dict[str, Any]) -> str:
+    """The README's text of a saved run: what it was measured on, then its tables."""
+    figures = [Figure(**f) for f in saved["figures"]]
+    for wl, x in saved["workloads"].items():  # paired, also for a run saved unpaired
+        x["speed_over_one_device"] = speeds({f.path: f.rounds for f in figures if f.workload == wl})
+    return _common.provenance_line(saved["machine"]) + "\n\n" + table(figures, saved["workloads"])
 
 
 def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -> None:
@@ -549,11 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
-        figures = [Figure(**f) for f in saved["figures"]]
-        for wl, x in saved["workloads"].items():  # paired, also for a run saved unpaired
-            x["speed_over_one_device"] = speeds({f.path: f.rounds for f in figures if f.workload == wl})
-        print(table(figures, saved["workloads"]))
-        plot(figures, saved["workloads"], args.from_json.with_suffix(".png"), saved["title"])
+        print(report(saved))
+        plot([Figure(**f) for f in saved["figures"]], saved["workloads"], args.from_json.with_suffix(".png"),
+             saved["title"])
         return 0
     try:
         import transformers
@@ -567,19 +583,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.device == "cpu" and args.threads > 0:
         torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
+    clock = _common.started_run()
     figures, facts = run(args.device, args.quick, (args.threads, args.one_device_threads), args.only)
     print(table(figures, facts))
     for name, x in facts.items():
         print(f"{name}: outputs equal to the one-device loop: {x['outputs_match_one_device']}")
     info = _common.machine_info()
     info.update(threads_per_replica=args.threads, one_device_threads=args.one_device_threads or args.threads,
-                dpmethods=dpmethods.__version__, commit=_map_batch_cost.commit(), host=platform.node(),
-                loadavg_before=load_before,
-                loadavg_after=os.getloadavg(), wall_s=time.perf_counter() - t0)
+                dpmethods=dpmethods.__version__, **_common.finished_run(clock))
     title = (f"dpmethods map and calls, threads and processes, {args.device} x{len(_devices(args.device))}, torch "
-             f"{torch.__version__}, load {load_before[0]:.1f}")
+             f"{torch.__version__}, load {info['loadavg_before'][0]:.1f}")
     result = {"machine": info, "quick": args.quick, "title": title, "workloads": facts,
               "figures": [asdict(f) for f in figures]}
     json_path = args.out / f"map_{args.device}.json"

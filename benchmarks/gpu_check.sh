@@ -6,8 +6,10 @@
 # Expects torch (CUDA build), nvcc, ninja and pytest to be installed already
 # (no network); bench_map also needs transformers. Budget: about 10 minutes;
 # every step has its own timeout and a failing step does not stop the later
-# ones. Without a GPU the build and the CPU tests still run, and the GPU steps
-# are reported as skipped.
+# ones, but the script exits 1 at the end, naming every step that failed (or
+# timed out) in its last line and in $OUT/status.txt. Without a GPU the build
+# and the CPU tests still run, and the GPU steps are reported as skipped; where
+# nvidia-smi sees a GPU that torch cannot use, that is a failure.
 #
 # Usage: OUT=out bash benchmarks/gpu_check.sh
 set -u
@@ -19,6 +21,7 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 STATUS="$OUT/status.txt"
 : > "$STATUS"
+FAILED=()
 
 step() {  # step NAME TIMEOUT_S CMD...
   local name="$1" limit="$2"
@@ -27,6 +30,11 @@ step() {  # step NAME TIMEOUT_S CMD...
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "$name rc=$rc ${SECONDS}s-total $((SECONDS - t0))s" | tee -a "$STATUS"
+  if [ "$rc" -eq 124 ]; then
+    FAILED+=("$name (timed out after ${limit}s)")
+  elif [ "$rc" -ne 0 ]; then
+    FAILED+=("$name (rc=$rc, see $name.log)")
+  fi
   return $rc
 }
 
@@ -41,9 +49,19 @@ step() {  # step NAME TIMEOUT_S CMD...
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || echo "nvidia-smi unavailable" > "$OUT/nvidia-smi.txt"
 
 HAS_GPU=$(python -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+if [ "$HAS_GPU" != "1" ] && nvidia-smi -L 2>/dev/null | grep -q "^GPU"; then
+  step torch_sees_the_gpu 60 python -c "import torch; assert torch.cuda.is_available(), 'nvidia-smi lists a GPU, torch.cuda.is_available() is False'"
+fi
 
 step build 300 env FORCE_CUDA=1 python setup.py build_ext --inplace
-step info 60 python -c "import json, dpmethods._C; from dpmethods import ops; print(json.dumps(ops.extension_info(), indent=2))"
+# The extension must be in use (not the pure-PyTorch fallback), with its CUDA kernels.
+step info 60 python -c "
+import json, dpmethods._C
+from dpmethods import ops
+info = ops.extension_info()
+print(json.dumps(info, indent=2))
+assert info['available'] and info['in_use'] == 'compiled' and info['cuda'], info
+"
 cp "$OUT/info.log" "$OUT/extension_info.json" 2>/dev/null
 
 if [ "$HAS_GPU" = "1" ]; then
@@ -60,3 +78,7 @@ else
   step pytest_cpu 120 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
 fi
 echo "done in ${SECONDS}s; results in $OUT" | tee -a "$STATUS"
+if [ "${#FAILED[@]}" -gt 0 ]; then
+  echo "FAILED: ${FAILED[*]}" | tee -a "$STATUS"
+  exit 1
+fi

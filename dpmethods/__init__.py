@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 # Importing dpmethods loads torch and the compiled extension (so its op exists once
@@ -24,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     "DataParallel": "dpmethods.data_parallel",
     "DistributedDataParallel": "dpmethods.distributed",
-    "MethodOptions": "dpmethods.options",
+    "MethodOptions": "dpmethods.vocab.options",
     "fully_shard": "dpmethods.distributed",
-    "get_options": "dpmethods.registry",
+    "get_options": "dpmethods.wrapper.registry",
     "load_state_dict": "dpmethods.checkpoints",
-    "parallel_method": "dpmethods.registry",
-    "parallel_methods": "dpmethods.registry",
-    "register": "dpmethods.registry",
+    "parallel_method": "dpmethods.wrapper.registry",
+    "parallel_methods": "dpmethods.wrapper.registry",
+    "register": "dpmethods.wrapper.registry",
     "register_type": "dpmethods.types.rules",
     "route": "dpmethods.distributed",
     "unwrap": "dpmethods.checkpoints",
@@ -54,9 +55,9 @@ if TYPE_CHECKING:
     from dpmethods.checkpoints import load_state_dict, unwrap
     from dpmethods.data_parallel import DataParallel
     from dpmethods.distributed import DistributedDataParallel, fully_shard, route
-    from dpmethods.options import MethodOptions
-    from dpmethods.registry import get_options, parallel_method, parallel_methods, register
     from dpmethods.types.rules import register_type
+    from dpmethods.vocab.options import MethodOptions
+    from dpmethods.wrapper.registry import get_options, parallel_method, parallel_methods, register
 
 __version__ = "0.1.0"
 
@@ -112,3 +113,9 @@ def __dir__() -> list[str]:
 # imported (dpmethods.integrations); none imports its library itself.
 from dpmethods import integrations as _integrations  # noqa: E402, F401
 from dpmethods import ops as _ops  # noqa: E402, F401
+
+# A wrapper pickled by release 0.1.0 names its classes by these module paths; pickle
+# imports them by name, so each old path is the module that holds them now.
+_PICKLED_PATHS = {"dpmethods._wrapping": "dpmethods.wrapper.base", "dpmethods.options": "dpmethods.vocab.options"}
+for _old, _new in _PICKLED_PATHS.items():
+    sys.modules.setdefault(_old, importlib.import_module(_new))

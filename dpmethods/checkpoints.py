@@ -212,7 +212,7 @@ def _torch_load(source: Any, given: Any) -> Any:
         ) from exc
 
 
-def _load_fitted(
+def load_fitted(
     loader: Callable[..., Any],
     target_keys: Iterable[str],
     state_dict: Any,
@@ -260,6 +260,6 @@ def load_state_dict(
         >>> torch.equal(a.weight, b.weight)
         True
     """
-    return _load_fitted(
+    return load_fitted(
         model.load_state_dict, model.state_dict(keep_vars=True).keys(), state_dict, strict
     )

@@ -15,26 +15,29 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from dpmethods._wrapping import _MethodWrapper, check_argument_names, check_flag, check_module
-from dpmethods.checkpoints import _load_fitted
-from dpmethods.core import call as _flow
+from dpmethods.checkpoints import load_fitted
 from dpmethods.core import devices as _placement
+from dpmethods.core.call import current, gather_outputs, scatter_shares
 from dpmethods.core.devices import DeviceLike
-from dpmethods.core.oom import check_on_oom
+from dpmethods.core.oom import Fit, check_on_oom
+from dpmethods.core.parallel_apply import WorkerPool
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
+from dpmethods.items import item_options, map_items
 from dpmethods.processes.calls import call_chunks
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
-from dpmethods.registry import MethodOptions, MethodsArg
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.resume import checkpointed
+from dpmethods.wrapper import call as _flow
+from dpmethods.wrapper.base import MethodWrapper, check_argument_names, check_flag, check_module
+from dpmethods.wrapper.registry import MethodOptions, MethodsArg
 
 __all__ = ["DataParallel"]
 
 _T = TypeVar("_T", bound=nn.Module)
 
 
-class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
+class DataParallel(MethodWrapper, nn.DataParallel[_T]):
     """Data parallelism for ``forward`` and every parallel method of the module.
 
     A drop-in replacement for ``torch.nn.DataParallel``: ``forward``, ``.module``,
@@ -66,7 +69,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         factory: with processes, a picklable zero-argument callable that builds the
             module in each worker, instead of sending it (changes to it are then not seen).
         on_oom: ``"raise"`` (default) or ``"split"``: a share that raises ``torch.OutOfMemoryError``
-            runs in halves, cut and joined by the method's own rules (docs/map.md).
+            runs in halves, as a call over two devices would (docs/options.md).
 
     Tensors are split along the method's ``dim``; other arguments go whole to every
     replica (an iterator is read once, each replica getting its own). Without GPUs,
@@ -117,6 +120,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.on_oom = check_on_oom(on_oom)
         self._devices = _placement._resolve_devices(device_ids)
         self.__dict__["_process_pool"] = ProcessPool(self._devices, check_factory(factory))
+        self._init_call_state()
         self._init_methods(module, methods)
         check_argument_names(self.module, self._dpm_methods)
         self._replica_cache: CachedReplicas | None = None
@@ -131,6 +135,20 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
             self.module.to(self.src_device_obj)
+
+    def _init_call_state(self) -> None:
+        """The state kept across calls (:mod:`dpmethods.wrapper.call`), empty."""
+        self._workers: WorkerPool | None = None  # cache_replicas: the replicas' threads, kept
+        self._oom_fits: dict[tuple[int, str], Fit] = {}  # on_oom: (replica, method) -> its record
+        self._warned_small: set[tuple[int, int]] = set()  # (items, devices) warned as too few
+        self._dim_options: MethodOptions | None = None  # an undecorated forward's, for self.dim
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A wrapper pickled by release 0.1.0 has neither the call state nor on_oom: the
+        # state starts empty, and its calls raise out-of-memory errors, as they did then.
+        self._init_call_state()
+        self.on_oom = "raise"
+        super().__setstate__(state)
 
     def _undecorated_warning(self, name: str) -> str | None:
         return None if len(self._devices) < 2 else (
@@ -151,21 +169,11 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         return self._run_method("forward", inputs, kwargs)
 
     def map(
-        self,
-        method: str,
-        batches: Iterable[Any],
-        /,
-        *,
-        ordered: bool = True,
-        progress: bool | str = False,
-        prefetch: int = 2,
-        shard: bool = False,
-        workers: str | None = None,
-        retries: int = 1,
-        timeout: float | None = None,
-        errors: str = "raise",
-        on_oom: str = "raise",
-        checkpoint: str | os.PathLike[str] | None = None,
+        self, method: str, batches: Iterable[Any], /, *, ordered: bool = True, progress: bool | str = False,
+        prefetch: int = 2, shard: bool = False, workers: str | None = None, retries: int = 1, timeout: float | None = None,
+        errors: str = "raise", on_oom: str = "raise", checkpoint: str | os.PathLike[str] | None = None,
+        batch_size: int | None = None, max_tokens: int | None = None, length: Callable[[Any], int] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None, window: int | str | None = "auto", trim: bool = False,
         **kwargs: Any,
     ) -> Iterator[Any]:
         """Run ``method`` over many batches, each whole on whichever replica is free: an
@@ -183,7 +191,12 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
             timeout: seconds a batch may run (processes: killed, retried; threads: raised).
             errors: ``"raise"``, or ``"yield"``: a failed batch's exception in its place.
             on_oom: ``"raise"``, or ``"split"``: a batch out of memory runs in halves.
-            checkpoint: a file recording the outputs taken: a rerun skips them.
+            checkpoint: a file recording the map and the outputs taken: its rerun skips them.
+            batch_size: item mode (docs/map.md#items-of-mixed-lengths): ``batches`` are items, sorted by length, this many a batch at most.
+            max_tokens: item mode: at most this many padded positions (rows x longest) a batch.
+            length: an item's cost (an int); collate: a list of items -> one batch.
+            window: items sorted together (``"auto"``: 64 batches' worth; None: all).
+            trim: each item's output cut to its own length where it has the padded length.
             **kwargs: passed to every call (a name clashing with an option: docs/map.md).
 
         Example:
@@ -196,8 +209,12 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         """
         options: Any = dict(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, retries=retries,
                        timeout=timeout, errors=errors, on_oom=on_oom)
-        if checkpoint is not None:
-            return checkpointed(self.map, method, batches, checkpoint, workers=workers, **options, **kwargs)
+        per_item: Any = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=window, trim=trim)
+        items = item_options(batches, **per_item)
+        if checkpoint is not None:  # the record counts what is yielded: items in item mode
+            return checkpointed(self.map, method, batches, checkpoint, self.module, kwargs, workers=workers, **options, **per_item)
+        if items is not None:
+            return map_items(self.map, method, batches, items, self._options, self.module, {**options, "workers": workers}, kwargs)
         processes = check_workers(self.workers if workers is None else workers) == "processes"
         return map_batches(
             self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
@@ -211,9 +228,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         if opts is not None:
             return opts
         # Undecorated forward: ``self.dim`` as it is now (torch reads it per call too).
-        cached = self.__dict__.get("_dim_options")
+        cached = self._dim_options
         if cached is None or cached.dim != self.dim:
-            cached = self.__dict__["_dim_options"] = MethodOptions(dim=self.dim)
+            cached = self._dim_options = MethodOptions(dim=self.dim)
         return cached
 
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -243,9 +260,9 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
         Returns ``(inputs, kwargs)``: per replica, a tuple of positional arguments and
         a dict of keyword arguments, as torch's ``DataParallel.scatter``.
         """
-        ctx = _flow._current(self)
+        ctx = current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        return _flow.scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
+        return scatter_shares(self.module, ctx, opts, inputs, kwargs, device_ids)
 
     def _caching(self) -> bool:
         return self.cache_replicas and not torch.is_grad_enabled()
@@ -257,7 +274,7 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_replica_cache"] = None  # rebuilt on demand; threads can't be copied
-        state.pop("_workers", None)  # a copy's ProcessPool is a fresh one, not started
+        state["_workers"] = None  # threads can't be copied; a copy starts its own
         return state
 
     def close(self) -> None:
@@ -285,16 +302,16 @@ class DataParallel(_MethodWrapper, nn.DataParallel[_T]):
 
     def gather(self, outputs: Any, output_device: DeviceLike) -> Any:  # type: ignore[override]
         """Gather replica outputs by the method's ``gather`` option; see :func:`dpmethods.parallel.gather`."""
-        ctx = _flow._current(self)
+        ctx = current(self)
         opts = ctx.options if ctx is not None else self._options("forward")
-        return _flow.gather_outputs(self.module, ctx, opts, outputs, output_device)
+        return gather_outputs(self.module, ctx, opts, outputs, output_device)
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load a state dict saved from this wrapper, the bare module or ``torch.compile``
         (see :func:`dpmethods.load_state_dict`): wrapper prefixes fitted once each."""
-        return _load_fitted(
+        return load_fitted(
             super().load_state_dict, self.state_dict(keep_vars=True).keys(), state_dict,
             strict, assign=assign,
         )

@@ -37,16 +37,16 @@ Example:
 
 from __future__ import annotations
 
-from dpmethods._warn_once import warn_once
-from dpmethods.call_hooks import Call, CallHooks
-from dpmethods.gather_modes import Mode, known_modes, register_gather_mode
-from dpmethods.options import MethodOptions
 from dpmethods.parallel import gather
 from dpmethods.processes.state import register_process_rule
-from dpmethods.registry import register_method_finder
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
 from dpmethods.types.owners import unwrap_compiled
 from dpmethods.types.rules import register_type
+from dpmethods.vocab.call_hooks import Call, CallHooks
+from dpmethods.vocab.gather_modes import Mode, known_modes, register_gather_mode
+from dpmethods.vocab.options import MethodOptions
+from dpmethods.vocab.warn_once import warn_once
+from dpmethods.wrapper.registry import register_method_finder
 
 # The one door of an integration: it imports these names from here and nothing else of
 # dpmethods (tests/test_architecture.py checks it), so the modules behind them can move.

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dpmethods import DataParallel
+from dpmethods.data_parallel import DataParallel
 
 __all__ = ["Predictor"]
 
@@ -214,6 +214,35 @@ def _rows(value: Any, name: str, n: int) -> Any:
     )
 
 
+def _cells(values: Any) -> list[Any]:
+    """A column's values, one per row, as items: numeric arrays as tensors, numpy scalars as Python's."""
+    if not isinstance(values, np.ndarray) and hasattr(values, "to_numpy"):  # a pandas Series
+        values = values.to_numpy()
+    cells = []
+    for v in values:
+        if isinstance(v, np.ndarray) and v.dtype.kind in _NUMERIC:
+            v = torch.from_numpy(v if v.flags.writeable else v.copy())
+        cells.append(v.item() if isinstance(v, np.generic) else v)
+    return cells
+
+
+def _join_rows(outs: list[Any]) -> Any:
+    """Per-row outputs as one output of a row each: tensors (arrays) of one shape stacked,
+    others listed, fields and tuple positions joined one by one."""
+    first = outs[0]
+    if isinstance(first, (torch.Tensor, np.ndarray)):
+        if all(type(o) is type(first) and o.shape == first.shape for o in outs):
+            return torch.stack(outs) if isinstance(first, torch.Tensor) else np.stack(outs)
+        return list(outs)
+    parts = _fields(first)
+    if parts is None:
+        return list(outs)
+    if isinstance(first, tuple) and not hasattr(first, "_fields"):
+        return tuple(_join_rows([o[i] for o in outs]) for i in range(len(first)))
+    fields = [dict(_fields(o) or ()) for o in outs]
+    return {k: None if v is None else _join_rows([f[k] for f in fields]) for k, v in parts}
+
+
 def _output_columns(out: Any, name: str, n: int, top: bool = True) -> dict[str, Any]:
     """The method's output as columns: see :class:`Predictor`."""
     parts = _fields(out)
@@ -248,6 +277,10 @@ class Predictor:
         keep: input columns copied unchanged into the output (an id column).
         output: the column name of a tensor (or list) output, and the stem of a tuple's
             columns ``{output}_0``, ``{output}_1``, ...; default: the method's name.
+        batch_size, max_tokens, length, collate: item mode, as ``DataParallel.map`` takes
+            them (docs/map.md#items-of-mixed-lengths): each row is an item, a dict of the
+            arguments ``columns`` gives it; a batch's rows are sorted by length, run in
+            sub-batches over the devices and returned in their order.
         device_ids: the devices to split each batch over, through
             :class:`dpmethods.DataParallel` with the method's own options (replicas
             cached between batches); on one device the method runs there as it is.
@@ -281,6 +314,10 @@ class Predictor:
         keep: Sequence[str] = (),
         output: str | None = None,
         device_ids: Sequence[Any] | None = None,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        length: Callable[[Any], int] | None = None,
+        collate: Callable[[list[Any]], Any] | None = None,
         **method_kwargs: Any,
     ) -> None:
         if not callable(factory):
@@ -315,6 +352,11 @@ class Predictor:
         self._call = target if method == "forward" else getattr(target, method)
         self._name = output if output is not None else method
         self._kwargs = method_kwargs
+        self._items: dict[str, Any] | None = None
+        if batch_size is not None or max_tokens is not None:
+            self._items = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=None)
+            with torch.inference_mode():  # the map checks them (on no items) now, not at the first batch
+                self._dp.map(method, [], **self._items, **method_kwargs).close()  # type: ignore[attr-defined]
 
     def __call__(self, batch: Any) -> Any:
         """Run the method on ``batch``; returns its columns (and the kept ones)."""
@@ -326,8 +368,14 @@ class Predictor:
         inputs = {a: _column(table, c, "columns") for a, c in arguments.items()}
         n = len(next(iter(table.values()))) if table else 0
         with torch.inference_mode():
-            kwargs = {a: _argument(v, self._device) for a, v in inputs.items()}
-            columns = _output_columns(self._call(**kwargs, **self._kwargs), self._name, n)
+            if self._items is None:
+                kwargs = {a: _argument(v, self._device) for a, v in inputs.items()}
+                columns = _output_columns(self._call(**kwargs, **self._kwargs), self._name, n)
+            else:  # each row an item: sorted, batched and run by the map, in their order again
+                cells = {a: _cells(v) for a, v in inputs.items()}
+                rows = [{a: c[r] for a, c in cells.items()} for r in range(n)]
+                outs = list(self._dp.map(self._method, rows, **self._items, **self._kwargs))
+                columns = _output_columns(_join_rows(outs), self._name, n) if outs else {}
         clash = sorted(set(columns) & set(kept))
         if clash:
             raise ValueError(

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpmethods.core.parallel_apply import _REPLICA_CONTEXTS
+from dpmethods.core.parallel_apply import REPLICA_CONTEXTS
 
 __all__ = ["IsolationReport", "assert_close_to_reference", "assert_replicas_isolated"]
 
@@ -155,7 +155,7 @@ def assert_replicas_isolated(*, require_checks: bool = True) -> Iterator[Isolati
         (2, [])
     """
     report = IsolationReport()
-    hooks = _REPLICA_CONTEXTS
+    hooks = REPLICA_CONTEXTS
     hooks.append(report._record)
     try:
         yield report

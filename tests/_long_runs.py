@@ -93,6 +93,13 @@ class Faulty(nn.Module):
         return [(n, float(v)) for n, v in zip(names, self.lin(x).sum(1))]
 
     @dpmethods.parallel_method
+    def scored(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A batch output beside a 0-dim loss (a mean over the rows)."""
+        self._enter(x.shape[0], -1, None, -1)
+        y = self.lin(x)
+        return {"y": y, "loss": y.pow(2).mean()}
+
+    @dpmethods.parallel_method
     def scaled(self, x: torch.Tensor, timeout: float) -> torch.Tensor:
         """A parameter named as an option of map (``timeout``)."""
         return self.lin(x) * timeout

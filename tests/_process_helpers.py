@@ -322,7 +322,7 @@ class Contract(nn.Module):
         import warnings
 
         warnings.warn("contract: a plain warning", UserWarning, stacklevel=1)
-        dpmethods._warn_once.warn_once("contract: a warn-once warning")
+        dpmethods.vocab.warn_once.warn_once("contract: a warn-once warning")
         return self.lin(x)
 
     @dpmethods.parallel_method
@@ -378,3 +378,15 @@ class GcProbe(nn.Module):
 
 def build_gc_probe() -> GcProbe:
     return GcProbe()
+
+
+class Completer(nn.Module):
+    """A user's own method around a language model's ``generate``; it has no ``generate``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @dpmethods.parallel_method(gather="generate")
+    def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Any:
+        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -79,3 +79,42 @@ def tiny_gpt2(**config: Any) -> Any:
         bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
     )
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**base, **config}))
+
+
+def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
+    """A random Qwen2-VL and a batch of 7 rows with 0 to 2 images each, of different
+    sizes: the patches of all images in one tensor, as its processor makes them."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
+        pytest.skip("this transformers has no Qwen2-VL")
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=1, in_channels=3),
+        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    # Images per row 1, 0, 2, 1, 1, 0, 1, of different sizes; each stands in the text as
+    # prod(t, h, w) / merge**2 image tokens between vision start and end.
+    grids_per_row = [[(1, 4, 4)], [], [(1, 2, 4), (1, 4, 2)], [(1, 2, 2)], [(1, 4, 4)], [], [(1, 2, 6)]]
+    g = torch.Generator().manual_seed(0)
+    rows, grids = [], []
+    for row in grids_per_row:
+        tokens = torch.randint(1, 50, (3,), generator=g).tolist()
+        for t, h, w in row:
+            tokens += [62] + [60] * (t * h * w // 4) + [63]
+            grids.append((t, h, w))
+        rows.append(tokens + torch.randint(1, 50, (2,), generator=g).tolist())
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left padding
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2, generator=g)  # all images' patches
+    return model, dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == 60).int())

@@ -17,9 +17,9 @@ from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
 from dpmethods import DataParallel, parallel_method
-from dpmethods import _warn_once as warn_once
 from dpmethods.extending import is_batch_coupled, mark_batch_coupled
 from dpmethods.testing import assert_close_to_reference as close
+from dpmethods.vocab import warn_once as warn_once
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ here a record in a temporary folder stands in for it (the package folder is not 
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import logging
@@ -33,6 +34,9 @@ def _running() -> str:
 @pytest.fixture
 def reload(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     """Load the extension again, as a fresh process would, with ``record`` as the build record."""
+
+    # A record is read only when the extension is not disabled on purpose.
+    monkeypatch.delenv(extension.DISABLE_ENV, raising=False)
 
     def run(record: dict[str, Any] | None) -> extension._State:
         path = tmp_path / "_build_info.json"
@@ -102,7 +106,11 @@ def test_info_command_says_the_same(reload: Any, capsys: pytest.CaptureFixture[s
     assert "  torch_built_against: 0.0.1+fake" in ext and f"  torch_runtime: {torch.__version__}" in ext
 
 
-def test_a_failed_import_names_both_torches_and_the_fix() -> None:
+def test_a_failed_import_names_both_torches_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A library that is there but fails to load (installed or not, here).
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        importlib.machinery.ModuleSpec(name, None) if name == "dpmethods._C" else find_spec(name, *args)))
     record = {"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}
     exc = OSError("libc10_cuda.so: cannot open shared object file: No such file or directory")
     reason = extension._import_failure(exc, record)

@@ -66,13 +66,13 @@ class Counter:
 def calls(monkeypatch: pytest.MonkeyPatch) -> Counter:
     """Counts ``dpmethods.core.replicate.replicate`` calls made by DataParallel."""
     counter = Counter()
-    real = dpmethods.core.call.replicate
+    real = dpmethods.wrapper.call.replicate
 
     def counting(*args: object, **kwargs: object) -> list[nn.Module]:
         counter.n += 1
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(dpmethods.core.call, "replicate", counting)
+    monkeypatch.setattr(dpmethods.wrapper.call, "replicate", counting)
     return counter
 
 

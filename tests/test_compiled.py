@@ -259,7 +259,7 @@ def test_route_on_a_model_without_module() -> None:
 def test_route_warns_about_a_patched_forward() -> None:
     model = Net()
     model.forward = model.forward  # type: ignore[method-assign]
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     with pytest.warns(UserWarning, match="instance-level forward"):
         dpmethods.route(model)
 
@@ -286,8 +286,8 @@ def test_replicas_take_turns_in_the_callers_thread_where_torch_cannot_compile_in
 ) -> None:
     import threading
 
-    from dpmethods import _warn_once as warn_once
     from dpmethods.core import compiled as compiled_module
+    from dpmethods.vocab import warn_once as warn_once
 
     monkeypatch.setattr(compiled_module, "_CONCURRENT_COMPILE", False)  # as on torch 2.11
     warn_once.reset()

@@ -10,12 +10,14 @@ import threading
 import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from _close import mlp_terms
+from _long_runs import Faulty, rows_run
 from torch import nn
 
 import dpmethods
@@ -256,10 +258,26 @@ def test_small_batch_runs_fewer_replicas_and_warns_once() -> None:
     assert sorted(calls) == [2, 2, 2, 3]
 
 
-def test_empty_batch_is_a_clear_error() -> None:
-    _, _, dp = _ref_and_dp()
-    with pytest.raises(ValueError, match="empty batch"):
-        dp.encode(torch.randn(0, 8))
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_an_empty_batch_runs_once_as_on_one_device(tmp_path: Path, workers: str) -> None:
+    model = Faulty(tmp_path, limit=2)
+    empty = torch.randn(0, 6)
+    calls = [("forward", (empty,)), ("encode", (empty,)), ("label", (empty, []))]
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    one = DataParallel(model, device_ids=["cpu"], workers=workers, on_oom="split")
+    with torch.no_grad():
+        want = [model.unlimited(m, *a) for m, a in calls]
+        (tmp_path / "rows").unlink()
+        got = [dp(*a) if m == "forward" else getattr(dp, m)(*a) for m, a in calls]
+        assert rows_run(tmp_path) == [(0, False)] * 3  # each call ran once, on one replica
+        mapped = list(dp.map("encode", [empty, torch.randn(2, 6), empty]))
+        # A map that ran out of memory cuts larger batches up front; an empty one runs whole.
+        split = list(one.map("encode", [torch.randn(3, 6), empty], on_oom="split"))
+    dp.close()
+    one.close()
+    assert_close_to_reference(got, want, terms=mlp_terms(6))
+    for out in (got[1], mapped[0], mapped[2], split[1]):
+        assert out["y"].shape == (0, 3) and out["norm"].shape == (0,)
 
 
 # --- threads, modes, errors -------------------------------------------------------------

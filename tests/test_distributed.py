@@ -26,14 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dpmethods.checkpoints import unwrap
 from dpmethods.distributed import (
     DistributedDataParallel,
     fully_shard,
     register_fsdp_methods,
     route,
 )
-from dpmethods.registry import parallel_method
 from dpmethods.testing import assert_close_to_reference as close
+from dpmethods.wrapper.registry import parallel_method
 
 REPO = Path(__file__).resolve().parents[1]
 _PG_TIMEOUT_S = 30  # a rank blocked on a dead peer gives up after this
@@ -221,12 +222,7 @@ def _suite_features(rank: int, world: int) -> dict[str, Any]:
     net = _make_net()
     ddp = DistributedDataParallel(net, methods=["plain_step"])
     out["methods_arg"] = _train(ddp.plain_step, net, rank, world)
-    try:
-        from dpmethods.checkpoints import unwrap
-    except ImportError:
-        out["unwrap"] = None
-    else:
-        out["unwrap"] = unwrap(ddp) is net
+    out["unwrap"] = unwrap(ddp) is net
     return out
 
 
@@ -289,21 +285,32 @@ def _fsdp_reference() -> dict[str, torch.Tensor]:
 
 
 def _suite_fsdp(rank: int, world: int) -> dict[str, Any]:
-    # Setup fails the same way on every rank where FSDP2 on CPU is unsupported,
-    # so catching it here cannot leave a peer waiting.
+    """dpmethods' fully_shard on two ranks; a skip only where torch's own fully_shard
+    cannot run on CPU with gloo (it fails alike on every rank, so no peer is left waiting),
+    and dpmethods' errors as the run's result, which fails the FSDP test alone."""
     try:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
-        net = _make_fsdp_net()
-        fully_shard(net.layer, mesh=mesh)
-        fully_shard(net, mesh=mesh)
+        torch_fully_shard(_make_fsdp_net(), mesh=mesh)
     except Exception as e:
-        return {"fsdp_skip": f"FSDP2 on CPU with gloo fails in torch {torch.__version__}: {e!r}"}
+        return {"fsdp_skip": f"torch's own FSDP2 fully_shard fails on CPU with gloo in torch "
+                f"{torch.__version__}: {e!r}"}
+    try:
+        return _fsdp_run(mesh, rank, world)
+    except Exception:
+        return {"fsdp_skip": None, "fsdp_error": traceback.format_exc()}
+
+
+def _fsdp_run(mesh: Any, rank: int, world: int) -> dict[str, Any]:
+    net = _make_fsdp_net()
+    fully_shard(net.layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     # fully_shard registered the method (an instance attribute); registering again
     # must not wrap it a second time.
     first = net.__dict__.get("training_step")
-    out: dict[str, Any] = {"fsdp_skip": None, "registered": register_fsdp_methods(net)}
+    out: dict[str, Any] = {"fsdp_skip": None, "fsdp_error": None, "registered": register_fsdp_methods(net)}
     out["registered_once"] = first is not None and net.__dict__.get("training_step") is first
     opt = torch.optim.SGD(net.parameters(), lr=_LR)
     for step in range(_STEPS):
@@ -393,9 +400,13 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 def _differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two runs' parameters differ by more than rounding. They must be the same
+    parameters (names, shapes, dtypes): a mismatch there fails, it is not a difference."""
+    assert a.keys() == b.keys()
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
     try:
         close(a, b, terms=_TRAIN_TERMS)
-    except AssertionError:
+    except AssertionError:  # the structure matches: values differ
         return True
     return False
 
@@ -541,8 +552,6 @@ def test_methods_argument_and_attribute_forwarding(features: list[dict[str, Any]
 @pytest.mark.distributed
 @needs_gloo
 def test_unwrap(features: list[dict[str, Any]]) -> None:
-    if features[0]["unwrap"] is None:
-        pytest.skip("dpmethods.checkpoints.unwrap is not there yet")
     assert all(r["unwrap"] for r in features)
 
 
@@ -563,6 +572,8 @@ def test_failing_rank_does_not_hang(world3: tuple[list[dict[str, Any]], str]) ->
 def test_fsdp2_methods_match_single_process(features: list[dict[str, Any]]) -> None:
     if features[0]["fsdp"]["fsdp_skip"]:
         pytest.skip(features[0]["fsdp"]["fsdp_skip"])
+    errors = [f"rank {r}: {f['fsdp']['fsdp_error']}" for r, f in enumerate(features) if f["fsdp"]["fsdp_error"]]
+    assert not errors, "\n".join(errors)
     ref = _fsdp_reference()
     for r in features:
         assert r["fsdp"]["registered"] == ["training_step", "layer.linear"]

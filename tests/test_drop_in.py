@@ -265,7 +265,7 @@ def test_a_one_device_wrapper_keeps_0_dim_outputs_0_dim() -> None:
 def test_an_input_with_no_batch_dim_keeps_0_dim_outputs_0_dim() -> None:
     m = Scalar()
     dp = DataParallel(m, CPU3)
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     with pytest.warns(UserWarning, match=r"Scalar\.forward: nothing in this call was split along dim 0"):
         assert dp(3.0).shape == m(3.0).shape == ()
     assert dp(torch.tensor(3.0)).shape == ()

@@ -107,6 +107,36 @@ def test_extension_functions_check_what_they_are_given_when_given() -> None:
         register_type(Scores(torch.ones(1), "x"), len, len)  # type: ignore[arg-type]
 
 
+def test_a_named_modes_check_refuses_a_call_before_any_replica_runs() -> None:
+    with pytest.raises(TypeError, match=r"^register_gather_mode: check: expected None or a callable check\(call\), got int 3$"):
+        register_gather_mode("checked_first", _best, check=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^register_gather_mode: check: expected a function called as check\(call\)"):
+        register_gather_mode("checked_first", _best, check=lambda call, extra: None)
+    seen: list[str] = []
+
+    def check(call: Any) -> None:
+        seen.append(call.method)
+        if call.kwargs.get("bad"):
+            raise ValueError("checked_first: a bad call")
+
+    ran: list[int] = []
+
+    class Model(torch.nn.Module):
+        @dpmethods.parallel_method(gather="checked_first")
+        def score(self, x: torch.Tensor, bad: bool = False) -> torch.Tensor:
+            ran.append(len(x))
+            return x
+
+    register_gather_mode("checked_first", lambda outputs, device, call: outputs[0], check=check)
+    dp = DataParallel(Model(), device_ids=["cpu"] * 2)
+    with pytest.raises(ValueError, match="checked_first: a bad call"):
+        dp.score(torch.ones(3, 1), bad=True)
+    assert ran == []
+    assert dp.score(torch.ones(3, 1)).shape == (2, 1) and sorted(ran) == [1, 2] and seen == ["score", "score"]
+    register_gather_mode("checked_first", lambda outputs, device, call: outputs[0])  # the check goes too
+    dp.score(torch.ones(3, 1), bad=True)
+
+
 def test_a_named_class_that_its_imported_module_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match=r"^mark_batch_coupled: cls: expected a class of torch.nn \(imported\), got "
                        r"'torch.nn:CrossEntropyLosss', which it lacks: did you mean 'torch.nn:CrossEntropyLoss'\?$"):

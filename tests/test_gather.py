@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+from _close import mlp_terms
+from _long_runs import Faulty
 
-from dpmethods import _warn_once as warn_once
+from dpmethods import DataParallel
 from dpmethods.parallel import gather
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 
 class Out(NamedTuple):
@@ -141,9 +145,45 @@ def test_mapping_of_modes_and_callable() -> None:
 
 
 def test_zero_dim_under_cat_warns_and_stacks() -> None:
-    with pytest.warns(UserWarning, match=r"output\['loss'\] is 0-dim on every replica.*gather='mean'"):
+    with pytest.warns(UserWarning, match=r"output\['loss'\] is 0-dim on every replica.*gather=\{'loss': 'mean'\}"):
         g = gather([{"loss": torch.tensor(1.0)}, {"loss": torch.tensor(2.0)}], "cpu")
     assert torch.equal(g["loss"], torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_call_stacks_a_0_dim_loss_on_even_and_uneven_shares_alike(tmp_path: Path, workers: str) -> None:
+    # As torch's DataParallel: one value per replica, with a warning whose fix is right.
+    model = Faulty(tmp_path)
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers)
+    fixed = DataParallel(model, device_ids=["cpu"] * 3, workers=workers, methods={"scored": {"gather": {"loss": "mean"}}})
+    warning = (r"gather: output\['loss'\] is 0-dim on every replica, so it was stacked into a vector of 3 "
+               r"values; use gather=\{'loss': 'mean'\} if it is a mean over the batch's items")
+    g = torch.Generator().manual_seed(0)
+    for rows in (6, 4):  # shares of 2 + 2 + 2, and of 2 + 1 + 1
+        x = torch.randn(rows, 6, generator=g)
+        with torch.no_grad():
+            with pytest.warns(UserWarning, match=warning):
+                out = dp.scored(x)
+            assert out["loss"].shape == (3,)
+            assert_close_to_reference(fixed.scored(x), model.scored(x), terms=mlp_terms(6, rows=rows * 3))
+    dp.close()
+    fixed.close()
+
+
+@pytest.mark.parametrize(("outputs", "mode", "fix"), [
+    ([torch.tensor(1.0)] * 2, "cat", "use gather='mean' if"),
+    ([(torch.ones(2), torch.tensor(1.0))] * 2, "cat", "use gather={1: 'mean'} if"),
+    ([{"y": torch.ones(2, 1), "loss": torch.tensor(1.0)}] * 2, "pad", "use gather={'y': 'pad', 'loss': 'mean'} if"),
+    ([{"y": torch.ones(2), "loss": torch.tensor(1.0)}] * 2, {"y": "extend"},
+     "use gather={'y': 'extend', 'loss': 'mean'} if"),
+    ([{"a": {"y": torch.ones(2), "loss": torch.tensor(1.0)}}] * 2, "cat",
+     "a gather mapping names only top-level keys, fields and positions: return it as one of its own"),
+])
+def test_a_0_dim_leaf_is_told_the_option_that_gives_it_alone_a_mode(outputs: list[Any], mode: Any, fix: str) -> None:
+    # Never gather='mean' for a whole output that has other leaves: it would average them too.
+    with pytest.warns(UserWarning) as seen:
+        gather(outputs, "cpu", mode=mode)
+    assert fix in str(seen[0].message), seen[0].message
 
 
 class P(NamedTuple):

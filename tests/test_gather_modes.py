@@ -213,7 +213,7 @@ def test_the_generate_mode_named_before_transformers_is_imported() -> None:
 def test_every_builtin_mode_is_one_row_of_the_table() -> None:
     # A built-in mode is a Mode member and a row of MODES; nothing else dispatches on it.
     from dpmethods.core.gather.modes import MODES, ModeRow
-    from dpmethods.gather_modes import Mode
+    from dpmethods.vocab.gather_modes import Mode
 
     assert set(MODES) == {m.value for m in Mode}
     assert all(isinstance(row, ModeRow) for row in MODES.values())

@@ -10,6 +10,7 @@ and non-zero, left-padded prompts, 7 items on 3 replicas and 8 on 4.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections import Counter
@@ -18,10 +19,12 @@ from typing import Any
 import pytest
 import torch
 from _close import transformer_terms
+from _process_helpers import Completer
 from _tiny_models import tiny_gpt2
 
 import dpmethods
 from dpmethods import DataParallel
+from dpmethods.integrations.transformers import gather_generate
 from dpmethods.parallel import chunk_sizes
 from dpmethods.testing import assert_close_to_reference
 
@@ -208,7 +211,7 @@ def test_caches_of_different_lengths_come_back_per_replica_with_a_warning() -> N
     inputs = _inputs("gpt2", 7)
     eos = _eos_ids(model, inputs, chunk_sizes(7, 3))
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 3)
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     with torch.no_grad(), pytest.warns(UserWarning, match=r"cache: the replicas stopped at different steps"):
         got = dp.generate(
             **inputs, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0,
@@ -227,15 +230,61 @@ def test_gather_generate_plain_and_errors() -> None:
         dpmethods.gather_generate([a, b], "cpu", fill_token_id=None)
     with pytest.raises(ValueError, match="mode: 'generate' needs the generate call"):
         dpmethods.gather([a, a], "cpu", mode="generate")
+    ran: list[int] = []
+
     class Custom(torch.nn.Module):
         @dpmethods.parallel_method(gather="generate")
         def generate(self, x: torch.Tensor) -> torch.Tensor:
+            ran.append(len(x))
             return x
 
-    with pytest.raises(ValueError, match="Custom has no generation_config"):
+    with pytest.raises(ValueError, match="Custom has no generation_config and was given none"):
         DataParallel(Custom(), device_ids=["cpu"] * 2).generate(torch.ones(3, 2))
+    assert ran == []  # refused before any replica ran
     with pytest.raises(ValueError, match=r"gather\['x'\]: expected one of"):
         dpmethods.MethodOptions(gather={"x": "generate"})
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_the_generate_gather_on_a_method_without_generate_says_what_it_needs(workers: str) -> None:
+    # A user's method around lm.generate: the mode cannot know the generate call's fill
+    # token, so it refuses the call before any replica runs, naming what it needs.
+    torch.manual_seed(0)
+    lm = _gpt2().eval()
+    n, replicas = 7, 3
+    inputs = _inputs("gpt2", n)
+    kwargs: dict[str, Any] = dict(max_new_tokens=NEW, eos_token_id=_eos_ids(lm, inputs, chunk_sizes(n, replicas)),
+                                  pad_token_id=2, do_sample=False)
+    ran: list[int] = []
+    hook = lm.register_forward_pre_hook(lambda m, a: ran.append(1))
+    dp = DataParallel(Completer(lm), device_ids=["cpu"] * replicas, workers=workers)
+    with torch.no_grad(), pytest.raises(ValueError) as info:
+        dp.complete(**inputs, **kwargs)
+    hook.remove()
+    assert ran == [] and not dp.__dict__["_process_pool"].started()  # before the work
+    text = str(info.value)
+    assert text.startswith("gather='generate' pads the replicas' generate outputs"), text
+    assert "(pad_token_id, eos_token_id, num_beams, num_return_sequences)" in text
+    assert "got a call of Completer.complete, and Completer has no generate" in text
+    assert "DataParallel(<your Completer>.lm, ...).generate(...)" in text
+    assert "gather=functools.partial(dpmethods.integrations.transformers.gather_generate, fill_token_id=..." in text
+    # Both fixes it gives return one device's sequences (rows that stop at different steps).
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = lm.generate(**inputs, **kwargs)
+        whole = DataParallel(lm, device_ids=["cpu"] * replicas, workers=workers)
+        by_model = whole.generate(**inputs, **kwargs)
+        given = functools.partial(gather_generate, fill_token_id=2, num_beams=1, num_return_sequences=1)
+        fixed = DataParallel(Completer(lm), device_ids=["cpu"] * replicas, workers=workers,
+                             methods={"complete": {"gather": given}})
+        by_fill = fixed.complete(**inputs, **kwargs)
+    for wrapper in (dp, whole, fixed):
+        wrapper.close()
+    assert torch.equal(by_model, want) and torch.equal(by_fill, want)
+    # A model's method other than generate: its arguments are not generate's.
+    other = DataParallel(lm, device_ids=["cpu"] * replicas, methods={"forward": {"gather": "generate"}})
+    with pytest.raises(ValueError, match=r"got a call of GPT2LMHeadModel\.forward, whose arguments are not generate's"):
+        other(**inputs)
 
 
 def test_caches_of_equal_lengths_are_joined() -> None:
@@ -285,7 +334,7 @@ def test_a_cache_passed_to_generate_that_cannot_be_updated_in_place_is_warned_ab
     model = _gpt2().eval()
     inputs = _inputs("gpt2", 7)
     dp = DataParallel(model, device_ids=["cpu"] * 3)
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     # transformers 5 renamed generate's past_key_values to cache (the old name warns).
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = transformers.DynamicCache()

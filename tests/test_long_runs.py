@@ -12,6 +12,7 @@ import pytest
 import torch
 from _close import mlp_terms
 from _long_runs import Faulty, arm_hang, out_of_memory_above, release_hung, rows_run
+from _process_helpers import build_net
 from _tiny_models import tiny_gpt2
 
 import dpmethods
@@ -132,6 +133,28 @@ def test_a_hung_thread_is_a_timeout_error_and_its_replica_is_dropped(tmp_path: P
     assert_close_to_reference([outs[i] for i in fine], [ref[i] for i in fine], terms=mlp_terms(6))
 
 
+@pytest.mark.parametrize("workers", WORKERS)
+def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None:
+    # A stopped map's batch still runs on the one worker: the next map's batches wait
+    # behind it, and their timeout counts from when the worker starts them.
+    net = build_net()
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"], workers=workers)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        list(dp.map("sleepy", [x]))  # the worker starts (processes) before anything is timed
+        pool = dp.__dict__["_process_pool"] if workers == "processes" else None
+        pids = [w.process.pid for w in pool.workers] if pool is not None else []
+        stopped = dp.map("sleepy", [x, x], seconds=3.0)
+        next(stopped)  # the second batch is the worker's now
+        stopped.close()
+        outs = list(dp.map("sleepy", [x, 2 * x], timeout=1.5, retries=0))
+        if pool is not None:
+            assert [w.process.pid for w in pool.workers] == pids  # not killed for it
+        want = [net.sleepy(x), net.sleepy(2 * x)]
+    dp.close()
+    assert_close_to_reference(outs, want, terms=mlp_terms(4))
+
+
 # --- out of memory -------------------------------------------------------------------
 
 
@@ -211,6 +234,33 @@ def test_calls_on_worker_processes_split_too(tmp_path: Path) -> None:
     dp.close()
     assert any(o for _, o in rows_run(tmp_path))
     assert_close_to_reference(out, ref, terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("rows", [4, 5])  # parts of 2 + 2, and of 2 + 1 + 2
+def test_a_0_dim_output_of_a_split_share_is_an_error_naming_its_fix(tmp_path: Path, workers: str, rows: int) -> None:
+    # The share that ran out returns one loss; its parts' losses concatenated would be a
+    # vector that one device never returns, on even parts and uneven ones alike.
+    model = Faulty(tmp_path, limit=2)
+    x = torch.randn(2 * rows, 6, generator=torch.Generator().manual_seed(rows))
+    fix = r"use gather=\{'loss': 'mean'\} if it is a mean over the batch's items"
+    error = r"on_oom='split': output\['loss'\] is 0-dim: the share that ran out of memory returns one value"
+    dp = _dp(model, workers, on_oom="split")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"{error}.*{fix}"):
+            dp.scored(x)  # shares of `rows` on 2 replicas
+        with pytest.raises(ValueError, match=f"{error}.*{fix}"):
+            list(dp.map("scored", [x[:rows]], on_oom="split"))
+    dp.close()
+    # The fix it names gives one device's loss: the parts' means weighted by their rows.
+    fixed = _dp(model, workers, on_oom="split", methods={"scored": {"gather": {"loss": "mean"}}})
+    with torch.no_grad():
+        out = fixed.scored(x)
+        outs = list(fixed.map("scored", [x[:rows]], on_oom="split"))
+        want = [model.unlimited("scored", x), model.unlimited("scored", x[:rows])]
+    fixed.close()
+    assert any(o for _, o in rows_run(tmp_path))
+    assert_close_to_reference([out, *outs], want, terms=mlp_terms(6, rows=2 * rows * 3))
 
 
 # --- the options themselves ------------------------------------------------------------

@@ -11,8 +11,8 @@ import torch
 from _close import transformer_terms
 
 from dpmethods import DataParallel
-from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 

@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -672,6 +673,68 @@ def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
     assert "Traceback" not in run.stderr and "leaked" not in run.stderr, run.stderr
 
 
+_ORPHAN_SCRIPT = """
+import sys, time, torch, dpmethods
+sys.path.insert(0, {tests!r})
+from _long_runs import Faulty
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dp = dpmethods.DataParallel(Faulty(sys.argv[1]), device_ids=["cpu"] * 2, workers="processes")
+    x = torch.randn(3, 6)
+    with torch.no_grad():
+        dp.encode(x)
+        print(*[w.process.pid for w in dp.__dict__["_process_pool"].workers], flush=True)
+        if sys.argv[2] == "busy":  # batch 0 hangs in one worker; the other goes idle
+            list(dp.map("encode", [{{"x": x, "tag": i}} for i in range(4)], fault="hang", at=0))
+        time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc to tell a zombie from a process")
+@pytest.mark.parametrize("state", ["busy", "idle"])
+def test_workers_leave_when_their_caller_is_killed(tmp_path: Path, state: str) -> None:
+    # SIGKILL leaves the caller no time to stop its workers: they must see it themselves.
+    script = tmp_path / "script.py"
+    script.write_text(_ORPHAN_SCRIPT.format(tests=str(Path(__file__).resolve().parent)))
+    root = str(Path(dpmethods.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), state], cwd=tmp_path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pids: list[int] = []
+    try:
+        assert caller.stdout is not None
+        pids = [int(p) for p in caller.stdout.readline().split()]
+        assert len(pids) == 2, "the caller did not start its workers"
+        end = time.monotonic() + 60
+        while state == "busy" and not (tmp_path / "hang").exists() and time.monotonic() < end:
+            time.sleep(0.05)  # until a worker runs the batch that hangs
+        assert all(map(_running, pids))
+        caller.kill()
+        caller.wait()
+        end = time.monotonic() + 60  # generous: they leave within seconds
+        while any(map(_running, pids)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not [p for p in pids if _running(p)], "workers outlived their killed caller"
+    finally:
+        caller.kill()
+        caller.wait()
+        if caller.stdout is not None:
+            caller.stdout.close()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 _UNGUARDED_SCRIPT = """
 import torch, dpmethods
 
@@ -944,7 +1007,7 @@ def test_worker_warnings_reach_the_caller_once(contract: dict[str, Any], workers
     dp, x = contract[workers], torch.randn(4, 4)
     a, b = torch.randn(8, 3), torch.randn(8, 3)
     mark_batch_coupled(InBatchLoss, what="in-batch negatives")  # after the workers started
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         dp.warns(x), dp.warns(x)

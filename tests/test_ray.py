@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from _close import transformer_terms
+from _close import mlp_terms, transformer_terms
+from _items_models import batches_run, build_tokens
 from _ray_models import FEATURES, HIDDEN, encoder, gpt2
 from _tiny_models import random_sentences, tiny_sentence_transformer
 
@@ -184,6 +185,39 @@ def test_arguments_are_checked_when_the_predictor_is_built() -> None:
             {**_rows(2), "mean": np.zeros(2)})
 
 
+def _ragged(lengths: list[int], seed: int = 5) -> Any:
+    """A column of token ids of these lengths, as Ray gives a variable-shaped one: an
+    object array of arrays."""
+    g = torch.Generator().manual_seed(seed)
+    column = np.empty(len(lengths), dtype=object)
+    for i, n in enumerate(lengths):
+        column[i] = torch.randint(4, 40, (n,), generator=g).numpy()
+    return column
+
+
+@pytest.mark.parametrize("items", [dict(max_tokens=12), dict(batch_size=2, length=lambda row: len(row["input_ids"]))])
+def test_items_rows_are_sorted_batched_and_returned_in_their_order(tmp_path: Path, items: dict[str, Any]) -> None:
+    lengths = [3, 9, 1, 5, 7, 2, 12, 4]
+    column = _ragged(lengths)
+    predict = Predictor(functools.partial(build_tokens, str(tmp_path)), "encode", columns=["input_ids"],
+                        keep=["id"], device_ids=["cpu"] * 2, **items)
+    out = predict({"id": np.arange(len(lengths)), "input_ids": column})
+    model = build_tokens(str(tmp_path))
+    with torch.no_grad():
+        want = [model.alone(torch.from_numpy(ids))["pooled"].numpy() for ids in column]
+    assert sorted(out) == ["hidden", "id", "pooled"] and out["id"].tolist() == list(range(len(lengths)))
+    assert_close_to_reference(out["pooled"], np.stack(want), terms=mlp_terms(8) + 12)
+    runs = batches_run(tmp_path)
+    assert len(runs) > 1  # sub-batches, not the Ray batch whole
+    if "max_tokens" in items:
+        assert all(rows * longest <= 12 or rows == 1 for rows, longest in runs)
+
+
+def test_items_options_are_checked_when_the_predictor_is_built(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"map: max_tokens: expected None or an int >= 1 .*, got int 0"):
+        Predictor(functools.partial(build_tokens, str(tmp_path)), "encode", max_tokens=0, device_ids=["cpu"])
+
+
 def test_devices_are_the_gpus_ray_gave_the_actor() -> None:
     assert _devices_for(None, 0) == ["cpu"]  # outside Ray, without GPUs
     assert _devices_for(None, 2) == [0, 1]  # outside Ray: every visible GPU
@@ -208,20 +242,6 @@ def test_importing_dpmethods_does_not_import_ray() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=120)
     assert out.stdout.strip() == "False"
-
-
-def test_the_benchmark_table_is_the_committed_result() -> None:
-    """benchmarks/README.md shows the table bench_ray.py draws from results/ray_cpu.json."""
-    import json
-
-    root = _TESTS.parent
-    sys.path.insert(0, str(root / "benchmarks"))
-    try:
-        import bench_ray
-    finally:
-        sys.path.remove(str(root / "benchmarks"))
-    saved = json.loads((root / "benchmarks" / "results" / "ray_cpu.json").read_text())
-    assert bench_ray.table(saved["workloads"]) in (root / "benchmarks" / "README.md").read_text()
 
 
 # --- on a local Ray cluster ------------------------------------------------------------
@@ -303,6 +323,23 @@ def test_sentence_transformers_encode_of_a_text_column_equals_one_device(
     # another order for another batch size.
     terms = transformer_terms(width=32, ff=37, seq=7, layers=2) + 7
     assert_close_to_reference(np.stack([r["embedding"] for r in rows]), want, terms=terms)
+
+
+@pytest.mark.timeout(240)
+def test_generate_with_max_tokens_in_a_pipeline_equals_each_prompt_alone(ray: Any) -> None:
+    pytest.importorskip("transformers")
+    lengths = [2, 9, 4, 1, 7, 3, 6, 5, 8, 2]
+    column = _ragged(lengths, seed=6)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    items = [{"id": i, "input_ids": column[i]} for i in range(N)]
+    rows = _run(ray, items, factory=gpt2, method="generate", columns=["input_ids"], output="tokens",
+                keep=["id"], device_ids=["cpu"] * 2, max_tokens=16, **kwargs)
+    model = gpt2()
+    with torch.no_grad():
+        for row, ids in zip(rows, column):
+            prompt = torch.from_numpy(ids)[None]
+            want = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **kwargs)[0]
+            assert row["tokens"].tolist() == want.tolist()
 
 
 @pytest.mark.timeout(240)

@@ -15,8 +15,8 @@ from _tiny_models import random_sentences, tiny_sentence_transformer
 from torch import nn
 
 from dpmethods import DataParallel
-from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 # The terms summed on the path to one output (see dpmethods.testing.assert_close_to_reference).

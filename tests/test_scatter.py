@@ -96,9 +96,16 @@ def test_size_mismatch_names_arguments_and_suggests_broadcast() -> None:
     assert "broadcast=" in text
 
 
-def test_empty_batch_is_an_error() -> None:
-    with pytest.raises(ValueError, match="empty batch: .*size 0 along dim 0; expected at least 1"):
-        scatter(torch.randn(0, 3), ["cpu"] * 2)
+def test_an_empty_batch_goes_whole_to_the_first_device() -> None:
+    # As one device runs it: once, with the empty batch (a split list empty too).
+    x = torch.randn(0, 3)
+    parts = scatter({"x": x, "scale": torch.tensor(2.0)}, ["cpu"] * 2)
+    assert len(parts) == 1 and parts[0]["x"].shape == (0, 3)
+
+    def label(x: torch.Tensor, names: list[str]) -> None: ...
+
+    r = scatter_call((x, []), {}, ["cpu"] * 2, fn=label, split=("names",))
+    assert r.sizes == [0] and len(r[0]) == 1 and r[0][0][0].shape == (0, 3) and r[0][0][1] == []
 
 
 def test_tensor_without_the_split_dim_is_an_error() -> None:
@@ -107,7 +114,7 @@ def test_tensor_without_the_split_dim_is_an_error() -> None:
 
 
 def test_no_tensor_to_split_runs_one_replica() -> None:
-    from dpmethods import _warn_once as warn_once
+    from dpmethods.vocab import warn_once as warn_once
 
     warn_once.reset()
     with pytest.warns(UserWarning, match=r"scatter: nothing in this call was split along dim 0"):
@@ -169,7 +176,7 @@ def test_a_list_of_images_of_different_sizes_warns_naming_split() -> None:
     import warnings
 
     from dpmethods import DataParallel
-    from dpmethods import _warn_once as warn_once
+    from dpmethods.vocab import warn_once as warn_once
 
     class Model(torch.nn.Module):
         def forward(self, images: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -18,9 +18,9 @@ from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, MethodOptions, parallel_method
-from dpmethods import _warn_once as warn_once
 from dpmethods.core.gather import gather
 from dpmethods.testing import assert_close_to_reference as close
+from dpmethods.vocab import warn_once as warn_once
 
 SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 
@@ -242,7 +242,7 @@ def test_options_validate_split_and_gather_dim() -> None:
         MethodOptions(split="a", broadcast="a")
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['splits'\]"):
         MethodOptions().with_updates(splits=("a",))
-    assert "extend" in dpmethods.options.GATHER_MODES
+    assert "extend" in dpmethods.vocab.options.GATHER_MODES
 
     class M(nn.Module):
         @parallel_method(split="xs", gather_dim=1)

@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 import torch
 from _close import transformer_terms
-from _tiny_models import batch_sizes_seen, shares
+from _tiny_models import batch_sizes_seen, shares, tiny_qwen2_vl
 from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_methods
-from dpmethods import _warn_once as warn_once
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,7 +116,7 @@ def test_decorations_and_registrations_win_over_builtins() -> None:
 
 def _loss_call(model: nn.Module, kwargs: dict[str, Any], devices: int) -> tuple[Any, Any, list[str]]:
 
-    dpmethods._warn_once.reset()
+    dpmethods.vocab.warn_once.reset()
     model.eval()
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -584,45 +584,10 @@ def test_llama_hidden_states_and_attentions_when_the_wrapper_runs_first(batch: i
 # --- the Qwen2-VL family: patches of all images, split by row ------------------------
 
 
-def _tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
-    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
-        pytest.skip("this transformers has no Qwen2-VL")
-    config = transformers.Qwen2VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
-                           spatial_merge_size=2, temporal_patch_size=1, in_channels=3),
-        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    # Images per row 1, 0, 2, 1, 1, 0, 1, of different sizes; each stands in the text as
-    # prod(t, h, w) / merge**2 image tokens between vision start and end.
-    grids_per_row = [[(1, 4, 4)], [], [(1, 2, 4), (1, 4, 2)], [(1, 2, 2)], [(1, 4, 4)], [], [(1, 2, 6)]]
-    g = torch.Generator().manual_seed(0)
-    rows, grids = [], []
-    for row in grids_per_row:
-        tokens = torch.randint(1, 50, (3,), generator=g).tolist()
-        for t, h, w in row:
-            tokens += [62] + [60] * (t * h * w // 4) + [63]
-            grids.append((t, h, w))
-        rows.append(tokens + torch.randint(1, 50, (2,), generator=g).tolist())
-    width = max(map(len, rows))
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):  # left padding
-        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
-    grid = torch.tensor(grids)
-    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2, generator=g)  # all images' patches
-    return model, dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
-                       mm_token_type_ids=(ids == 60).int())
-
-
 @pytest.mark.parametrize("devices", [3, 4])
 def test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration(devices: int) -> None:
 
-    model, inputs = _tiny_qwen2_vl()
+    model, inputs = tiny_qwen2_vl()
     dp = DataParallel(model, device_ids=["cpu"] * devices)
     kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
     with torch.no_grad(), warnings.catch_warnings():

@@ -15,9 +15,9 @@ from torch import nn
 
 import dpmethods
 from dpmethods import DataParallel, parallel_method
-from dpmethods import _warn_once as warn_once
 from dpmethods.core.gather import gather
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
 
 
 @pytest.fixture(autouse=True)

@@ -1,50 +1,46 @@
-"""One method call through a wrapper: its context, and the flow between the seams.
+"""One method call, as the stages see it: its context, and what the scatter and gather
+seams do for a method.
 
 ``DataParallel`` calls ``self.scatter(inputs, kwargs, device_ids)``,
 ``self.replicate(module, device_ids)``, ``self.parallel_apply(replicas, inputs, kwargs)``
 and ``self.gather(outputs, output_device)`` with exactly torch's signatures, so a
 subclass that overrides a seam as it would for ``torch.nn.DataParallel`` keeps
 working. What a method call adds (the method's name and options, the replica-cache
-key, the batch share of each replica) travels in a :class:`_Call` held by a
+key, the batch share of each replica) travels in a :class:`CallContext` held by a
 ``ContextVar``: each thread sees only its own calls, and a call made from inside
 another (re-entrant) stacks on top of it and is popped when it returns.
 
-:func:`run_method` is the flow of one call (prepare hook, scatter, replicate and apply,
-gather, finish), each stage through the wrapper's seam; :func:`scatter_shares` and
-:func:`gather_outputs` are what the scatter and gather seams do for a method. The public
-:class:`~dpmethods.extending.Call` that hooks and named gather modes see is built once
-the shares are known, once per call (and, with its empty shares, for ``prepare``).
+:func:`scatter_shares` and :func:`gather_outputs` are what the scatter and gather seams
+do for a method; :func:`split_on_oom` runs one share, halved when it runs out of memory.
+The flow of a call through a wrapper's seams is the wrapper's own
+(:mod:`dpmethods.wrapper.call`). The public :class:`~dpmethods.extending.Call` that hooks
+and named gather modes see is built once the shares are known, once per call (and, with
+its empty shares, for ``prepare``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-import torch
-
-from dpmethods.call_hooks import Call, check_per_replica, check_prepared
-from dpmethods.core.devices import DeviceLike, as_device
-from dpmethods.core.gather import gather
+from dpmethods.core.devices import DeviceLike
+from dpmethods.core.gather import join_outputs
 from dpmethods.core.oom import Fit, run_splitting
-from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
-from dpmethods.core.replica_cache import CachedReplicas
-from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.core.scatter import scatter_call
-from dpmethods.gather_modes import BUILTIN_MODES, named_mode
-from dpmethods.options import MethodOptions
+from dpmethods.types.coupled_modules import split_call
+from dpmethods.vocab.call_hooks import Call, check_per_replica, check_prepared
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, named_mode
+from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["apply_on", "gather_outputs", "replicas_for", "run_method", "run_plain", "scatter_shares", "share_runner",
-           "split_on_oom"]
+__all__ = ["CallContext", "current", "entered", "gather_outputs", "scatter_shares", "split_on_oom"]
 
 
 @dataclass
-class _Call:
+class CallContext:
     """One method call through a wrapper, as its seams see it."""
 
     owner: Any  # the wrapper; seams of another wrapper ignore this call
@@ -77,13 +73,13 @@ class _Call:
         return [s / total for s in self.sizes]
 
 
-_CURRENT: contextvars.ContextVar[_Call | None] = contextvars.ContextVar(
+_CURRENT: contextvars.ContextVar[CallContext | None] = contextvars.ContextVar(
     "dpmethods_call", default=None
 )
 
 
 @contextlib.contextmanager
-def _entered(call: _Call) -> Iterator[_Call]:
+def entered(call: CallContext) -> Iterator[CallContext]:
     token = _CURRENT.set(call)
     try:
         yield call
@@ -91,67 +87,14 @@ def _entered(call: _Call) -> Iterator[_Call]:
         _CURRENT.reset(token)
 
 
-def _current(owner: Any) -> _Call | None:
+def current(owner: Any) -> CallContext | None:
     """The call in progress in this thread through ``owner``, or None (a direct seam call)."""
     call = _CURRENT.get()
     return call if call is not None and call.owner is owner else None
 
 
-def run_method(
-    wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
-    kwargs: dict[str, Any], opts: MethodOptions, key: Any,
-    remote: Callable[[Sequence[Any], Sequence[Any]], list[Any]] | None,
-) -> Any:
-    """Run method ``name`` of ``wrapper.module`` through the wrapper's torch seams.
-
-    Args:
-        wrapper: the wrapper (``scatter``, ``replicate``, ``parallel_apply``, ``gather``,
-            ``module``, ``device_ids``, ``output_device``).
-        fn: the bound method (``forward`` runs through the module's ``__call__``).
-        key: the replica-cache fingerprint, or None.
-        remote: runs the shares in worker processes instead of replicas, or None.
-    """
-    finish = None
-    if opts.hooks is not None and opts.hooks.prepare is not None:
-        args, kwargs, finish = check_prepared(opts.hooks.prepare(
-            args, kwargs, Call(wrapper.module, name, args, kwargs, (), opts)
-        ), opts.hooks.prepare)
-    with _entered(_Call(wrapper, name, opts, fn, key, args=args, kwargs=kwargs)) as ctx:
-        # torch's seams, with torch's signatures; the rest of the call is in ctx.
-        inputs, kwargs_tup = wrapper.scatter(args, kwargs, wrapper.device_ids)
-        if not inputs and not kwargs_tup:
-            inputs, kwargs_tup = ((),), ({},)
-        _warn_small(wrapper, ctx.sizes, len(inputs))
-        if remote is not None:
-            outputs = remote(inputs, kwargs_tup)
-        elif len(wrapper.device_ids) == 1:
-            call = wrapper.module if name == "forward" else fn  # forward: hooks run
-            run = share_runner(wrapper, ctx)
-            outputs = [call(*inputs[0], **kwargs_tup[0]) if run is None else run(0, call, inputs[0], kwargs_tup[0])]
-        else:
-            replicas = wrapper.replicate(wrapper.module, wrapper.device_ids[: len(inputs)])
-            outputs = wrapper.parallel_apply(replicas, inputs, kwargs_tup)
-        out = wrapper.gather(outputs, wrapper.output_device)
-    return out if finish is None else finish(out)
-
-
-def _warn_small(wrapper: Any, sizes: list[int], n: int) -> None:
-    if n >= len(wrapper.device_ids) or sum(sizes) == 0:
-        return
-    small = (sum(sizes), len(wrapper.device_ids))
-    warned: set[tuple[int, int]] = wrapper.__dict__.setdefault("_warned_small", set())
-    if small not in warned:
-        warned.add(small)
-        warnings.warn(
-            f"DataParallel: a batch of {small[0]} items on {small[1]} devices: only "
-            f"{n} replicas run, the other devices stay idle",
-            UserWarning,
-            stacklevel=5,
-        )
-
-
 def scatter_shares(
-    module: Any, ctx: _Call | None, opts: MethodOptions, inputs: tuple[Any, ...],
+    module: Any, ctx: CallContext | None, opts: MethodOptions, inputs: tuple[Any, ...],
     kwargs: dict[str, Any] | None, device_ids: Sequence[DeviceLike],
 ) -> tuple[tuple[Any, ...], tuple[dict[str, Any], ...]]:
     """Each device's share of a call's arguments by the method's options, adapted by its
@@ -171,19 +114,17 @@ def scatter_shares(
         ctx.sizes = result.sizes
     adapt = opts.hooks.per_replica if opts.hooks is not None else None
     if adapt is not None and ctx is not None and len(result.sizes) > 1:
-        call = ctx.seen(module)
-        starts = accumulate(result.sizes[:-1], initial=0)
-        pairs = [check_per_replica(adapt(a, k, s, call), adapt) for a, k, s in zip(result[0], result[1], starts)]
+        pairs = _adapted(adapt, ctx.seen(module), list(zip(result[0], result[1])))
         return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
     return result[0], result[1]
 
 
 def gather_outputs(
-    module: Any, ctx: _Call | None, opts: MethodOptions, outputs: Sequence[Any],
-    output_device: DeviceLike,
+    module: Any, ctx: CallContext | None, opts: MethodOptions, outputs: Sequence[Any],
+    output_device: DeviceLike, *, halves: bool = False,
 ) -> Any:
     """The replicas' outputs joined by the method's ``gather`` option (a named mode sees
-    the call).
+    the call); ``halves``: they are the parts of one share that ran out of memory.
 
     Example:
         >>> import torch
@@ -194,93 +135,35 @@ def gather_outputs(
     if ctx is not None and isinstance(opts.gather, str) and opts.gather not in BUILTIN_MODES:
         call = ctx.seen(module)  # a library's named mode sees the call
     sizes = ctx.sizes if ctx is not None else None
-    return gather(
+    return join_outputs(
         outputs, output_device, opts.dim, mode=opts.gather, pad_value=opts.pad_value,
         weights=ctx.weights(len(outputs)) if ctx is not None else None, gather_dim=opts.gather_dim,
         sizes=sizes if sizes is not None and len(sizes) == len(outputs) else None, call=call,
+        halves=halves,
     )
 
 
-def replicas_for(wrapper: Any, module: Any, device_ids: Sequence[DeviceLike]) -> list[Any]:
-    """What the replicate seam does: fresh replicas, or (``cache_replicas`` under
-    ``no_grad``, of the wrapped module on a prefix of its devices) a loan of cached ones."""
-    devices = [as_device(d) for d in device_ids]
-    grad = torch.is_grad_enabled()
-    own = wrapper._devices
-    if not (wrapper.cache_replicas and not grad and module is wrapper.module and devices == own[: len(devices)]):
-        return replicate(module, devices, not grad, cpu_replicas=wrapper.cpu_replicas)
-    ctx = _current(wrapper)
-    key = ctx.key if ctx is not None and ctx.key is not None else fingerprint(module)
-    cached, loan = CachedReplicas.lend_or_build(
-        wrapper._replica_cache, key, module, own, len(devices),
-        lambda devs: replicate(module, devs, True, cpu_replicas=wrapper.cpu_replicas),
-    )
-    wrapper._replica_cache = cached
-    return loan
-
-
-def apply_on(wrapper: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
-    """What the parallel_apply seam does: the current method on every replica, as
-    torch's seam takes its arguments (``kwargs`` None, bare inputs); with
-    ``cache_replicas`` the worker threads are kept between calls."""
-    n = len(replicas)
-    inputs = [x if isinstance(x, (tuple, list)) else (x,) for x in inputs]
-    kwargs = [{}] * n if kwargs is None else kwargs
-    ctx = _current(wrapper)
-    workers = None
-    if wrapper.cache_replicas and len(wrapper._devices) > 1:
-        workers = wrapper.__dict__.get("_workers")
-        if workers is None:
-            workers = wrapper.__dict__["_workers"] = WorkerPool(len(wrapper._devices) - 1)
-    try:
-        return parallel_apply(
-            replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
-            wrapper._devices[:n], workers, call_share=share_runner(wrapper, ctx),
-        )
-    finally:
-        CachedReplicas.give_back(replicas)
-
-
-def share_runner(wrapper: Any, ctx: _Call | None) -> Callable[[int, Callable[..., Any], Any, Any], Any] | None:
-    """With ``on_oom="split"``, how replica ``i`` runs its share: halved by the method's
-    scatter rules when it runs out of memory, the halves joined by its gather rule
-    (see :mod:`dpmethods.core.oom`); None otherwise."""
-    if ctx is None or getattr(wrapper, "on_oom", "raise") != "split":
-        return None
-    opts, shares = ctx.options, list(ctx.sizes)
-
-    def run_share(i: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        n = shares[i] if i < len(shares) else 1
-        return split_on_oom(wrapper.module, ctx.name, opts, fn, wrapper._devices[i],
-                            _fit(wrapper, i), args, kwargs, n, names=ctx.fn)
-
-    return run_share
-
-
-def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """A wrapper without devices (no GPU): a plain call, split as one CPU replica's
-    share would be with ``on_oom="split"``."""
-    call = wrapper.module if name == "forward" else fn  # forward: the module's hooks run
-    if getattr(wrapper, "on_oom", "raise") != "split":
-        return call(*args, **kwargs)
-    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", _fit(wrapper, 0),
-                        args, kwargs, names=fn)
-
-
-def _fit(wrapper: Any, i: int) -> Fit:
-    """Replica ``i``'s memory record, kept with the wrapper across calls."""
-    return wrapper.__dict__.setdefault("_oom_fits", {}).setdefault(i, Fit())  # type: ignore[no-any-return]
+def _adapted(adapt: Any, call: Call, parts: list[Any]) -> list[Any]:
+    """Each of a call's parts adapted by ``per_replica``, with its start in the call."""
+    starts = accumulate(call.sizes[:-1], initial=0)
+    return [check_per_replica(adapt(a, k, s, call), adapt) for (a, k), s in zip(parts, starts)]
 
 
 def split_on_oom(
     module: Any, name: str, opts: MethodOptions, fn: Callable[..., Any], device: Any, fit: Fit,
     args: Any, kwargs: Any, n: int | None = None, *, names: Callable[..., Any] | None = None,
+    prepared: bool = True,
 ) -> Any:
     """``fn(*args, **kwargs)`` on one replica, halved by the method's scatter rules when
-    it runs out of memory and the halves joined by its gather rule (:mod:`dpmethods.core.oom`).
+    it runs out of memory, as a call over two devices runs (:mod:`dpmethods.core.oom`).
 
-    ``n`` is the share's items (None: counted by the scatter rules, only if needed);
-    ``names`` the function whose signature names the arguments (default ``fn``).
+    ``prepared``: the arguments are a replica's share of a call, adapted by the method's
+    hooks already: a call of its own, whose halves get ``per_replica`` with their start
+    in it, and whose halves' outputs the gather joins seeing it. False: a whole batch as
+    its method takes it (a map's batch); split, it is first adapted by ``prepare``, and
+    the joined output finished, as a call is. ``n`` is the share's items (None: counted
+    by the scatter rules, only if needed); ``names`` the function whose signature names
+    the arguments (default ``fn``).
 
     Example:
         >>> import torch
@@ -296,15 +179,41 @@ def split_on_oom(
         [5, 3, 2, 1, 2]
     """
     names = names if names is not None else fn
+    hooks = opts.hooks
+    whole = (tuple(args), dict(kwargs), prepared)
+    memo: list[Any] = []  # the whole share's cut: counted first, it is cut once
 
-    def halve(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        cut = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
-                           split=opts.split, scatter_dim=opts.scatter_dim)
-        return list(zip(cut[0], cut[1])), cut.sizes
+    def cut(piece: tuple[Any, ...]) -> Any:
+        """``(args, kwargs, finish, parts, sizes)``: the piece as its halves' call (prepared)."""
+        if piece is whole and memo:
+            return memo[0]
+        a, k, ready = piece
+        finish = None
+        if not ready and hooks is not None and hooks.prepare is not None:
+            a, k, finish = check_prepared(hooks.prepare(a, k, Call(module, name, a, k, (), opts)), hooks.prepare)
+        parts = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
+                             split=opts.split, scatter_dim=opts.scatter_dim)
+        found = a, k, finish, list(zip(parts[0], parts[1])), list(parts.sizes)
+        if piece is whole:
+            memo.append(found)
+        return found
 
-    def join(outs: list[Any], sizes: list[int], a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-        part = _Call(None, name, opts, names, args=a, kwargs=k, sizes=sizes)
-        return gather_outputs(module, part, opts, outs, device)
+    def halve(piece: tuple[Any, ...]) -> Any:
+        a, k, finish, parts, sizes = cut(piece)
+        if hooks is not None and hooks.per_replica is not None:
+            parts = _adapted(hooks.per_replica, Call(module, name, a, k, sizes, opts), parts)
 
-    return run_splitting(lambda a, k: fn(*a, **k), tuple(args), dict(kwargs), n,
-                         halve=halve, join=join, fit=fit, device=device)
+        def join(outs: list[Any]) -> Any:
+            out = gather_outputs(module, CallContext(None, name, opts, names, args=a, kwargs=k, sizes=sizes), opts, outs, device,
+                                 halves=True)
+            return out if finish is None else finish(out)
+
+        return [(pa, pk, True) for pa, pk in parts], sizes, join
+
+    def run(piece: tuple[Any, ...]) -> Any:
+        if piece is whole:
+            return fn(*piece[0], **piece[1])
+        with split_call(True):  # a module that couples its batch warns, as in a split call
+            return fn(*piece[0], **piece[1])
+
+    return run_splitting(run, whole, n, count=lambda piece: sum(cut(piece)[4]), halve=halve, fit=fit, device=device)

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods._warn_once import warn_once
 from dpmethods.types.owners import is_compiled_wrapper
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["one_at_a_time", "takes_turns"]
 

@@ -5,12 +5,15 @@ the allocator's cached blocks and runs its share again in two halves, one after 
 other, cut by the method's own scatter rules (``split=``, ``broadcast=``,
 ``scatter_dim=``, per-item lists) exactly as a two-device call would cut it, and joins
 them by the method's gather rule; a half that does not fit is halved again. A share of
-one item that does not fit raises. The replica remembers the largest share that ran
-after an out-of-memory error and cuts larger shares up front, so later batches do not
-fail first.
+one item that does not fit raises. The replica remembers, per method (a :class:`Fit`
+each), the largest share that ran after an out-of-memory error and cuts larger shares
+up front, so later batches do not fail first.
 
-The halves run as a call of their own, without the method's ``CallHooks``: those
-adapted the whole call once already.
+The halves run as a call over two devices runs: a share of a call, which the method's
+``CallHooks`` adapted already, is a call of its own, whose halves get ``per_replica``
+(with their start in it) and are joined by the gather, which sees that call; a whole
+batch run as it is (a map's batch, a call without devices) is first adapted by
+``prepare``, and its joined output finished (see :func:`dpmethods.core.call.split_on_oom`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,6 @@ from dpmethods.core.devices import as_device
 __all__ = ["ON_OOM", "Fit", "check_on_oom", "run_splitting"]
 
 ON_OOM = ("raise", "split")
-
-Run = Callable[[tuple[Any, ...], dict[str, Any]], Any]
-
 
 class Fit:
     """What one replica learned of its memory: the largest share that ran after it ran
@@ -80,51 +80,46 @@ def _free(device: torch.device) -> None:
 
 
 def run_splitting(
-    run: Run, args: tuple[Any, ...], kwargs: dict[str, Any], n: int | None, *,
-    halve: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-    join: Callable[[list[Any], list[int], tuple[Any, ...], dict[str, Any]], Any],
+    run: Callable[[Any], Any], piece: Any, n: int | None, *,
+    count: Callable[[Any], int],
+    halve: Callable[[Any], tuple[list[Any], list[int], Callable[[list[Any]], Any]]],
     fit: Fit, device: Any,
 ) -> Any:
-    """``run(args, kwargs)`` on a share of ``n`` items, or the share in halves when it
-    runs out of memory.
+    """``run(piece)`` on a share of ``n`` items, or the share in halves when it runs out
+    of memory.
 
     Args:
-        run: runs the method on a share.
-        n: the share's items, or None: the sizes of its halves, cut only when the count
-            matters (after an out-of-memory error, or once one was seen).
-        halve: ``(args, kwargs) -> (halves, sizes)``: the share cut in two, as
-            ``[(args, kwargs), (args, kwargs)]`` and their sizes.
-        join: ``(outputs, sizes, args, kwargs) -> output``: the halves' outputs joined
-            as the share's (``args`` and ``kwargs`` are the share's).
+        run: runs the method on a piece (a share, or a part of one).
+        piece: the share, as ``run`` and ``halve`` take it.
+        n: its items, or None: ``count(piece)``, asked only when the count matters (after
+            an out-of-memory error, or once one was seen).
+        count: ``piece -> items``.
+        halve: ``piece -> (parts, sizes, join)``: the piece cut in two, their sizes, and
+            ``join(outputs)``, the parts' outputs joined as the piece's.
         fit: the replica's record.
         device: the replica's device (its cached memory is freed before the halves run).
 
     Example:
-        >>> def run(args, kwargs):
-        ...     if len(args[0]) > 2:
+        >>> def run(x):
+        ...     if len(x) > 2:
         ...         raise torch.OutOfMemoryError("too big")
-        ...     return list(args[0])
-        >>> def halve(args, kwargs):
-        ...     x = args[0]
+        ...     return list(x)
+        >>> def halve(x):
         ...     h = (len(x) + 1) // 2
-        ...     return [((x[:h],), {}), ((x[h:],), {})], [h, len(x) - h]
-        >>> join = lambda outs, sizes, args, kwargs: outs[0] + outs[1]
-        >>> run_splitting(run, ([1, 2, 3, 4, 5],), {}, 5, halve=halve, join=join, fit=Fit(), device="cpu")
+        ...     return [x[:h], x[h:]], [h, len(x) - h], lambda outs: outs[0] + outs[1]
+        >>> run_splitting(run, [1, 2, 3, 4, 5], None, count=len, halve=halve, fit=Fit(), device="cpu")
         [1, 2, 3, 4, 5]
     """
-    cut: list[Any] = []  # the share's halves, once cut (to count its items, or to run them)
+    counted: list[int] = [] if n is None else [n]
 
-    def halves() -> Any:
-        if not cut:
-            cut.append(halve(args, kwargs))
-        return cut[0]
-
-    def size() -> int:  # without n, counting costs a cut: only when it matters
-        return n if n is not None else sum(halves()[1])
+    def size() -> int:  # without n, counting may cost a cut: only when it matters
+        if not counted:
+            counted.append(count(piece))
+        return counted[0]
 
     if not (fit.largest and fit.cut_up_front(size())):
         try:
-            out = run(args, kwargs)
+            out = run(piece)
             if fit.largest:
                 fit.ran(size())
             return out
@@ -135,9 +130,9 @@ def run_splitting(
         # Out of the except block: the error and the frames' tensors it held are freed.
         _free(as_device(device))
         fit.ran_out((size() + 1) // 2)
-    parts, sizes = halves()
+    parts, sizes, join = halve(piece)
     outs = [
-        run_splitting(run, a, k, m, halve=halve, join=join, fit=fit, device=device)
-        for (a, k), m in zip(parts, sizes)
+        run_splitting(run, part, m, count=count, halve=halve, fit=fit, device=device)
+        for part, m in zip(parts, sizes)
     ]
-    return join(outs, list(sizes), args, kwargs)
+    return join(outs)

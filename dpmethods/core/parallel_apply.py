@@ -34,7 +34,7 @@ __all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
 _SIDE_STREAMS: dict[tuple[int, int], Any] = {}
 # Context factories entered around each replica's call, in its thread: the seam for
 # dpmethods.testing's per-replica recording. Empty, it costs one check per replica.
-_REPLICA_CONTEXTS: list[Callable[[int, Sequence[nn.Module]], contextlib.AbstractContextManager[Any]]] = []
+REPLICA_CONTEXTS: list[Callable[[int, Sequence[nn.Module]], contextlib.AbstractContextManager[Any]]] = []
 _NOTHING = contextlib.nullcontext()
 _SIDE_STREAMS_LOCK = threading.Lock()
 
@@ -44,13 +44,13 @@ class ReplicaError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class _ThreadState:
+class ThreadState:
     grad: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
 
     @classmethod
-    def capture(cls) -> _ThreadState:
+    def capture(cls) -> ThreadState:
         autocast = tuple(
             (kind, torch.get_autocast_dtype(kind))
             for kind in ("cuda", "cpu")
@@ -268,10 +268,10 @@ def _device_context(device: torch.device, stream: Any) -> Any:
 
 
 def _entered(i: int, replicas: Sequence[nn.Module]) -> contextlib.AbstractContextManager[Any]:
-    if not _REPLICA_CONTEXTS:
+    if not REPLICA_CONTEXTS:
         return _NOTHING
     stack = contextlib.ExitStack()
-    for factory in list(_REPLICA_CONTEXTS):
+    for factory in list(REPLICA_CONTEXTS):
         stack.enter_context(factory(i, replicas))
     return stack
 
@@ -350,7 +350,7 @@ def parallel_apply(
             f"got {len(inputs)} inputs, {len(kwargs)} kwargs and {len(devices)} devices"
         )
     streams, callers = _ordered_streams(devices, inputs, kwargs)
-    state = _ThreadState.capture()
+    state = ThreadState.capture()
     if n > 1:
         seed_cuda(devices, draw_seed() if cuda_distinct(devices) else None)
     results: list[Any] = [None] * n

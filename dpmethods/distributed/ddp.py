@@ -7,14 +7,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods._wrapping import _MethodWrapper, check_module
 from dpmethods.distributed.redirect import _redirected_call
-from dpmethods.registry import MethodsArg
+from dpmethods.wrapper.base import MethodWrapper, check_module
+from dpmethods.wrapper.registry import MethodsArg
 
 __all__ = ["DistributedDataParallel"]
 
 
-class DistributedDataParallel(_MethodWrapper, torch.nn.parallel.DistributedDataParallel):
+class DistributedDataParallel(MethodWrapper, torch.nn.parallel.DistributedDataParallel):
     """``torch.nn.parallel.DistributedDataParallel`` whose parallel methods go through DDP.
 
     ``ddp.training_step(batch)`` runs DDP's own forward machinery (reducer

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.registry import MethodsArg, parallel_methods, resolve_methods
+from dpmethods.wrapper.registry import MethodsArg, parallel_methods, resolve_methods
 
 __all__ = ["fully_shard", "register_fsdp_methods"]
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods._warn_once import warn_once
 from dpmethods.distributed.redirect import _redirected_call
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["route"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dpmethods._loading import add_loader
+from dpmethods.vocab.loading import add_loader
 
 __all__ = ["INTEGRATIONS", "load_imported", "registrations"]
 

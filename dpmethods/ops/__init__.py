@@ -111,9 +111,71 @@ def _check_counts(n: int, num_replicas: int) -> None:
         )
 
 
+def _scalar_type(dtype: torch.dtype) -> str:
+    """The dtype as the kernels' messages name it (C++ ``ScalarType``: ``Float``, ``Long``)."""
+    try:
+        return torch.empty(0, dtype=dtype).type().removeprefix("torch.").removesuffix("Tensor")
+    except (RuntimeError, TypeError):
+        return str(dtype).removeprefix("torch.")
+
+
+def _shape(sizes: Sequence[int], star: int | None = None) -> str:
+    return "[" + ", ".join("*" if d == star else str(s) for d, s in enumerate(sizes)) + "]"
+
+
+def _check_meta(tensors: Sequence[torch.Tensor], device: torch.device) -> None:
+    # Real meta tensors dispatch to the fake kernel too (it is the Meta kernel): as with
+    # torch.cat(...).to(device), there is no data to copy onto a real device.
+    if device.type == "meta":
+        return
+    for t in tensors:
+        if t.is_meta:
+            raise NotImplementedError(
+                f"gather_coalesced(): Cannot copy out of meta tensor; no data! Expected pieces "
+                f"with data to gather onto {device}, got meta tensors"
+            )
+
+
+def _check_pieces(tensors: Sequence[torch.Tensor], num_replicas: int, dim: int, device: torch.device) -> None:
+    """Refuse what the compiled kernels refuse, with their errors (csrc/dpmethods.cpp's
+    plan_gather): ``torch.cat`` would promote mixed dtypes, and raise other errors than theirs."""
+    _check_meta(tensors, device)
+    for first_i in range(0, len(tensors), num_replicas):
+        leaf, first = first_i // num_replicas, tensors[first_i]
+        ndim = first.dim()
+        if ndim == 0:
+            raise ValueError(
+                f"gather_coalesced(): tensors[{first_i}] (leaf {leaf}, replica 0) is 0-dimensional; "
+                f"expected a tensor with at least 1 dimension to concatenate along dim {dim}"
+            )
+        if not -ndim <= dim < ndim:
+            raise IndexError(
+                f"gather_coalesced(): dim {dim} is out of range for leaf {leaf} with {ndim} "
+                f"dimensions (expected -{ndim} <= dim < {ndim})"
+            )
+        d = _normalize_dim(dim, ndim)
+        for r in range(num_replicas):
+            t, where = tensors[first_i + r], f"tensors[{first_i + r}] (leaf {leaf}, replica {r})"
+            if t.dtype != first.dtype:
+                raise TypeError(
+                    f"gather_coalesced(): {where} has dtype {_scalar_type(t.dtype)} but expected "
+                    f"{_scalar_type(first.dtype)} (the dtype of replica 0 of this leaf)"
+                )
+            same = t.dim() == ndim
+            for k in range(ndim):  # (plain loops: torch.compile traces this without the extension)
+                same = same and (k == d or t.shape[k] == first.shape[k])
+            if not same:
+                raise ValueError(
+                    f"gather_coalesced(): {where} has shape {_shape(t.shape)} but expected "
+                    f"{_shape(first.shape, d)} (the shape of replica 0 of this leaf, any size "
+                    f"along dim {d})"
+                )
+
+
 def _fallback(
     tensors: Sequence[torch.Tensor], num_replicas: int, dim: int, device: torch.device
 ) -> list[torch.Tensor]:
+    _check_pieces(tensors, num_replicas, dim, device)
     out = []
     for i in range(0, len(tensors), num_replicas):
         parts = [t.to(device) for t in tensors[i : i + num_replicas]]
@@ -125,13 +187,7 @@ def _fake(
     tensors: list[torch.Tensor], num_replicas: int, dim: int, device: torch.device
 ) -> list[torch.Tensor]:
     _check_counts(len(tensors), num_replicas)
-    if device.type != "meta" and any(t.is_meta for t in tensors):
-        # Real meta tensors dispatch here too (this is the Meta kernel): as with
-        # torch.cat(...).to(device), there is no data to copy onto a real device.
-        raise NotImplementedError(
-            f"gather_coalesced(): Cannot copy out of meta tensor; no data! Expected pieces "
-            f"with data to gather onto {device}, got meta tensors"
-        )
+    _check_meta(tensors, device)
     out = []
     for i in range(0, len(tensors), num_replicas):
         pieces = tensors[i : i + num_replicas]

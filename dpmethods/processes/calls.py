@@ -14,15 +14,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.parallel_apply import _ThreadState
+from dpmethods.core.parallel_apply import ThreadState
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.options import MethodOptions
 from dpmethods.processes import worker as process_worker
-from dpmethods.processes.pickling import dumps, loads
+from dpmethods.processes.pickling import dumps, loads, unsendable_options
 from dpmethods.processes.pool import ProcessPool
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["call_chunks", "drain", "received"]
+__all__ = ["call_chunks", "check_sendable", "drain", "received"]
 
 
 def received(obj: Any, device: torch.device | None) -> Any:
@@ -49,6 +49,23 @@ def drain(future: cf.Future[bytes]) -> None:
             pass
 
 
+def check_sendable(options: MethodOptions | None, where: str, method: str) -> None:
+    """Refuse, naming the part, options that cannot be sent to a worker process (with
+    ``on_oom="split"`` a worker runs the method's hooks and gather on its halves).
+
+    Example:
+        >>> check_sendable(MethodOptions(), "map", "encode")
+    """
+    problem = None if options is None else unsendable_options(options)
+    if problem is not None:
+        raise TypeError(
+            f"{where}: the options of {method} cannot be sent to a worker process: {problem}. "
+            "A worker splits a batch that runs out of memory with the method's hooks and "
+            "gather: define them at module level (functions, or instances of module-level "
+            "classes), or use workers='threads'"
+        )
+
+
 def call_chunks(
     pool: ProcessPool, module: nn.Module, name: str, inputs: Any, kwargs: Any, *,
     oom: MethodOptions | None = None,
@@ -56,14 +73,15 @@ def call_chunks(
     """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather);
     ``oom``: the method's options, to split a chunk that runs out of memory."""
     pool.prepare(module)
-    state, seed, split = _ThreadState.capture(), draw_seed(), len(inputs) > 1
+    state, seed, split = ThreadState.capture(), draw_seed(), len(inputs) > 1
     futures = []
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):
             try:
                 data = dumps((name, tuple(a), dict(k), state, replica_seed(seed, w.index), split,
-                              None if oom is None else ("calls", oom)))
+                              None if oom is None else ("calls", oom, True)))
             except Exception as exc:
+                check_sendable(oom, f"DataParallel.{name}(workers='processes', on_oom='split')", name)
                 raise TypeError(
                     f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
                     f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"

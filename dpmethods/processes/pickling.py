@@ -19,8 +19,10 @@ searched for the attribute, hook or value that fails (:func:`unpicklable`).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
+import types
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -292,6 +294,47 @@ def unpicklable(module: nn.Module, error: BaseException) -> str:
         f"{what}. Use workers='threads', or pass factory=, a picklable zero-argument "
         f"callable (a module-level function) that builds the module in each worker"
     )
+
+
+def _innermost(value: Any, exc: BaseException, depth: int = 3) -> tuple[Any, BaseException]:
+    """The part of ``value`` that fails to pickle: an attribute of an object whose class
+    pickles (hooks chained by ``CallHooks.then``), else ``value`` itself."""
+    if depth and not isinstance(value, (types.FunctionType, types.MethodType, type)):
+        for part in vars(value).values() if hasattr(value, "__dict__") else ():
+            inner = _fails(part)
+            if inner is not None:
+                return _innermost(part, inner, depth - 1)
+    return value, exc
+
+
+def _described(value: Any) -> str:
+    kind = getattr(value, "__qualname__", None)
+    return f"{type(value).__name__} {kind}" if kind else type(value).__name__
+
+
+def unsendable_options(options: Any) -> str | None:
+    """What in a method's options cannot be pickled, or None.
+
+    Example:
+        >>> from dpmethods.vocab.call_hooks import CallHooks
+        >>> from dpmethods.vocab.options import MethodOptions
+        >>> unsendable_options(MethodOptions(hooks=CallHooks(prepare=lambda a, k, call: (a, k, None))))[:51]
+        'hooks.prepare (function <lambda>) cannot be pickled'
+    """
+    error = _fails(options)
+    if error is None:
+        return None
+    for f in dataclasses.fields(options):
+        value = getattr(options, f.name)
+        parts = [(f.name, value)]
+        if f.name == "hooks" and value is not None:
+            parts = [("hooks.prepare", value.prepare), ("hooks.per_replica", value.per_replica)]
+        for path, part in parts:
+            exc = _fails(part)
+            if exc is not None:
+                culprit, exc = _innermost(part, exc)
+                return f"{path} ({_described(culprit)}) cannot be pickled; pickle said: {type(exc).__name__}: {exc}"
+    return f"pickling them raised {type(error).__name__}: {error}"
 
 
 def check_factory(factory: Any) -> Any:

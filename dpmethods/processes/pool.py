@@ -20,6 +20,7 @@ interpreter exit shut the executors down: the workers exit through the normal pa
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import logging
 import multiprocessing
@@ -36,7 +37,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods._loading import load_pending
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
@@ -45,6 +45,7 @@ from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import Watch, state_digest
 from dpmethods.processes.worker import give
 from dpmethods.types.coupled_modules import class_marks, marks
+from dpmethods.vocab.loading import load_pending
 
 __all__: list[str] = []
 
@@ -102,6 +103,35 @@ def check_not_in_spawned_main() -> None:
         raise SystemExit(UNGUARDED_MAIN_EXIT)
 
 
+class _Jobs:
+    """A worker's jobs in the order it runs them (a single-worker executor runs them in
+    turn, whichever map or call sent them), and since when the first unfinished one runs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queue: collections.deque[cf.Future[Any]] = collections.deque()
+        self.since = time.monotonic()
+
+    def add(self, future: cf.Future[Any]) -> None:
+        with self.lock:
+            if not self.queue:
+                self.since = time.monotonic()  # an idle worker starts it now
+            self.queue.append(future)
+        future.add_done_callback(self._done)  # on the executor's thread, or a cancelling one
+
+    def _done(self, _: cf.Future[Any]) -> None:
+        with self.lock:
+            first = self.queue[0] if self.queue else None
+            while self.queue and self.queue[0].done():  # a job cancelled while queued never ran
+                self.queue.popleft()
+            if self.queue and self.queue[0] is not first:
+                self.since = time.monotonic()  # the next one starts as the one before it ends
+
+    def started(self, future: cf.Future[Any]) -> float | None:
+        with self.lock:
+            return self.since if self.queue and self.queue[0] is future else None
+
+
 class Worker:
     """One device entry's worker: its executor and process, and the model it holds."""
 
@@ -110,6 +140,7 @@ class Worker:
         self.executor: cf.ProcessPoolExecutor | None = None
         self.process: Any = None
         self.key: Any = None  # what model it holds; None until it answered the load
+        self.jobs = _Jobs()
 
     def describe(self) -> str:
         pid = self.process.pid if self.process is not None else None
@@ -123,7 +154,7 @@ class Worker:
         self.executor = cf.ProcessPoolExecutor(
             1, mp_context=ctx, initializer=process_worker.init, initargs=(str(self.device), threads)
         )
-        self.key = None
+        self.key, self.jobs = None, _Jobs()
         # The executor starts its process with the first job. The child's OpenMP reads
         # OMP_NUM_THREADS when it imports torch, long before the initializer runs: left
         # unset, every worker's imports run on all cores at once (measured: 4% slower to
@@ -132,7 +163,7 @@ class Worker:
         if unset:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
-            self.executor.submit(int)
+            self.jobs.add(self.executor.submit(int))
         finally:
             if unset:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -144,9 +175,16 @@ class Worker:
         if self.executor is None:
             raise self.died()
         try:
-            return self.executor.submit(fn, data)
+            future = self.executor.submit(fn, data)
         except (BrokenProcessPool, RuntimeError):  # broken, or shut down by close()
             raise self.died() from None
+        self.jobs.add(future)
+        return future
+
+    def started(self, future: cf.Future[bytes]) -> float | None:
+        """When this worker started running ``future``'s job (``time.monotonic()``), or
+        None while it is queued behind another job (of any map or call) or finished."""
+        return self.jobs.started(future)
 
     def died(self) -> WorkerDiedError:
         """The error for this worker being gone, with its exit code."""

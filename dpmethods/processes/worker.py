@@ -15,30 +15,38 @@ An output holding a tensor that requires grad, inside any object, is an error (a
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
 Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
 shutdown and on SIGTERM alike, so what their methods made (named semaphores) is freed.
+A worker whose caller is gone (killed: no shutdown will ever come) leaves too
+(:func:`_watch_parent`).
 """
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
+import multiprocessing
+import os
 import signal
 import sys
+import threading
+import time
 import traceback
 import warnings
 from collections.abc import Iterator
+from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 import torch
 from torch import nn
 
-from dpmethods import _warn_once as warn_once
-from dpmethods._loading import load_pending
 from dpmethods.core.call import split_on_oom
 from dpmethods.core.oom import Fit
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
 from dpmethods.types.coupled_modules import mark_batch_coupled, split_call
 from dpmethods.types.tree import move
+from dpmethods.vocab import warn_once as warn_once
+from dpmethods.vocab.loading import load_pending
 
 __all__ = ["give", "init", "load", "run"]
 
@@ -47,10 +55,55 @@ _device = torch.device("cpu")
 _MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
 _FITS: dict[tuple[str, Any], Fit] = {}  # on_oom='split': the memory records, while the model lives
 _loads = 0  # models built in this process
+_in_job = False  # a load or a batch is running (SIGTERM then ends the job, not the process)
+_leaving = False  # SIGTERM reached the worker between jobs: it is on its way out
+_ORPHAN_POLL_S = 1.0  # how often a worker checks that its caller still lives
+_ORPHAN_GRACE_S = 5.0  # how long an orphaned worker's normal exit may take before it is cut short
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    global _leaving
+    if _leaving:
+        return  # let the exit it began finish its finalizers
+    # In a job, SystemExit ends the job: the executor catches it and takes its next request.
+    _leaving = not _in_job
     raise SystemExit(0)  # the normal exit path: finalizers run
+
+
+def _parent_gone(sentinel: Any, ppid: int) -> bool:
+    if sentinel is not None:
+        gone = bool(wait_for([sentinel], _ORPHAN_POLL_S))
+    else:
+        time.sleep(_ORPHAN_POLL_S)
+        gone = False
+    return gone or (os.name == "posix" and os.getppid() != ppid)
+
+
+def _watch_parent() -> None:
+    """Leave once the caller's process is gone (SIGKILL, a crash): no shutdown will come.
+
+    The parent's sentinel (its end of the spawn pipe) reaches EOF when the caller dies;
+    the parent pid is watched too. SIGTERM, again every quarter second, takes the main
+    thread out of a job or of its wait for the next one through the normal exit path;
+    one that does not end within :data:`_ORPHAN_GRACE_S` (a job in a long native call)
+    is cut short. Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the
+    worker exits, and a map may be started from a short-lived thread.
+    """
+    parent = multiprocessing.parent_process()
+    sentinel = getattr(parent, "sentinel", None)
+    ppid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    gone = False
+    while not gone:
+        gone = _parent_gone(sentinel, ppid)
+    deadline = time.monotonic() + _ORPHAN_GRACE_S
+    main = threading.main_thread().ident
+    while time.monotonic() < deadline:
+        if hasattr(signal, "pthread_kill") and main is not None:
+            signal.pthread_kill(main, signal.SIGTERM)  # a blocked read returns to the handler
+        else:  # pragma: no cover - Windows
+            _thread.interrupt_main(signal.SIGTERM)
+        time.sleep(0.25)
+    os._exit(1)
 
 
 def init(device: str, threads: int) -> None:
@@ -58,6 +111,7 @@ def init(device: str, threads: int) -> None:
     global _device
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    threading.Thread(target=_watch_parent, name="dpmethods-parent-watch", daemon=True).start()
     torch.set_num_threads(max(1, threads))
     _device = torch.device(device)
     if _device.type == "cuda":
@@ -142,6 +196,15 @@ def _failure(exc: BaseException, warned: list[tuple[Any, ...]]) -> bytes:
 
 
 def _job(data: bytes, body: Any) -> bytes:
+    global _in_job
+    _in_job = True
+    try:
+        return _recorded(data, body)
+    finally:
+        _in_job = False
+
+
+def _recorded(data: bytes, body: Any) -> bytes:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # the caller's filters decide (see give)
         try:
@@ -201,8 +264,10 @@ def load(data: bytes) -> bytes:
 
 def run(data: bytes) -> bytes:
     """Run ``(method, args, kwargs, state, seed, split, oom)`` on the model; ``oom``: None
-    (run it whole), or ``(key, options)``: split a batch that runs out of memory by the
-    method's options, with the memory record kept under ``key`` (one per map)."""
+    (run it whole), or ``(key, options, prepared)``: split a batch that runs out of memory
+    by the method's options, with the memory record of the method kept under ``key``
+    (one per map, one for the calls); ``prepared``: a call's chunk, adapted by the
+    method's hooks already (see :func:`dpmethods.core.call.split_on_oom`)."""
 
     def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
         method, args, kwargs, state, seed, split, oom = msg
@@ -217,8 +282,10 @@ def run(data: bytes) -> bytes:
             if oom is None:
                 out = fn(*args, **kwargs)
             else:
-                fit = _FITS.setdefault((method, oom[0]), Fit())
-                out = split_on_oom(_model, method, oom[1], fn, _device, fit, args, kwargs, names=getattr(_model, method))
+                key, options, prepared = oom
+                fit = _FITS.setdefault((method, key), Fit())
+                out = split_on_oom(_model, method, options, fn, _device, fit, args, kwargs,
+                                   names=getattr(_model, method), prepared=prepared)
         try:
             return dumps(("done", out, _warned(seen)), output=True)
         except OutputRequiresGrad as exc:

@@ -13,7 +13,8 @@ order, outputs pass through a reorder buffer that is bounded too.
 
 Closing the iterator (``close()``, ``break``, garbage collection, an exception) stops
 the backend: pending batches are dropped, and each worker finishes at most the batch it
-is running (threads are joined; a process's output is dropped when it arrives).
+is running (threads are joined) or, a process, that batch and the one its executor
+already took (their outputs are dropped when they arrive).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from torch import Tensor, nn
 
 from dpmethods.core.devices import as_device, check_source_device
 from dpmethods.core.oom import check_on_oom
-from dpmethods.options import MethodOptions
+from dpmethods.processes.calls import check_sendable
 from dpmethods.processes.pool import ProcessPool
 from dpmethods.streaming.process_map import ProcessRun
 from dpmethods.streaming.threads import Run
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["Indexed", "map_batches", "rank_and_world"]
 
@@ -345,6 +347,8 @@ def map_batches(
     oom = None
     if check_on_oom(on_oom) == "split":  # the method's rules cut and join its halves
         oom = options(method) if options is not None else MethodOptions()
+        if pool is not None:  # before any batch runs, not in the first batch's error
+            check_sendable(oom, "DataParallel.map(workers='processes', on_oom='split')", method)
     _check_method(module, method, list(methods))
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")

@@ -15,14 +15,14 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.core.parallel_apply import _ThreadState, add_note
+from dpmethods.core.parallel_apply import ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.options import MethodOptions
 from dpmethods.processes import worker as process_worker
 from dpmethods.processes.calls import drain, received
 from dpmethods.processes.pickling import dumps
 from dpmethods.processes.pool import ProcessPool, Worker, WorkerDiedError
 from dpmethods.streaming.threads import batch_error
+from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["ProcessRun"]
 
@@ -48,13 +48,12 @@ class ProcessRun:
         self.pool, self.module, self.method, self.output_device = pool, module, method, output_device
         self.retries, self.timeout, self.oom = retries, timeout, oom
         self.width = len(pool.workers)
-        self.state = _ThreadState.capture()  # the caller's modes at map(), as on threads
+        self.state = ThreadState.capture()  # the caller's modes at map(), as on threads
         self.seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
         self.pending: collections.deque[tuple[int, int, Any, Any]] = collections.deque()
-        # future -> (worker, seq, index, args, kwargs, sent at); kept to send it again
+        # future -> (worker, seq, index, args, kwargs); kept to send it again
         self.futures: dict[cf.Future[bytes], tuple[Any, ...]] = {}
         self.running = {w: 0 for w in pool.workers}
-        self.done_at: dict[Worker, float] = {}  # when each worker last finished a job
         self.tries: dict[int, int] = {}  # seq -> the times its worker died running it
         self.hung: set[int] = set()  # seqs whose worker was killed for the timeout
         self.keep_errors = False  # errors='yield': a batch's exception is its output
@@ -75,7 +74,7 @@ class ProcessRun:
         self.pool.prepare(self.module, start=False)
         seq, index, args, kwargs = self.pending.popleft()
         try:
-            oom = None if self.oom is None else (self.seed, self.oom)  # a record per map, as on threads
+            oom = None if self.oom is None else (self.seed, self.oom, False)  # a record per map, as on threads
             data = dumps((self.method, args, kwargs, self.state, replica_seed(self.seed, index), False, oom))
         except Exception as exc:
             raise TypeError(
@@ -87,10 +86,7 @@ class ProcessRun:
         except WorkerDiedError as exc:
             raise add_note(exc, f"dpmethods: while sending batch {index} of DataParallel.map; "
                            "the next map or call starts a fresh worker") from None
-        if self.timeout is not None:  # when a worker's next batch starts running
-            done_at = self.done_at  # not self: the executor's thread must not keep the run alive
-            future.add_done_callback(lambda _: done_at.__setitem__(w, time.monotonic()))
-        self.futures[future] = (w, seq, index, args, kwargs, time.monotonic())
+        self.futures[future] = (w, seq, index, args, kwargs)
         self.running[w] += 1
 
     def take(self) -> tuple[int, int, Any]:
@@ -127,15 +123,16 @@ class ProcessRun:
             return seq, index, out if isinstance(out, BaseException) else received(out, self.output_device)
 
     def _kill_hung(self) -> None:
-        """Kill each worker whose running batch passed the timeout (then it counts as dead)."""
+        """Kill each worker whose running batch passed the timeout (then it counts as dead).
+
+        The clock of a batch starts when its worker starts it: after the jobs queued
+        before it, a stopped map's batch or a call's chunk included."""
         if self.timeout is None:
             return
-        now, oldest = time.monotonic(), {}
-        for f, (w, seq, *_, sent) in self.futures.items():
-            if not f.done() and w not in oldest:
-                oldest[w] = (seq, max(sent, self.done_at.get(w, 0.0)))
-        for w, (seq, began) in oldest.items():
-            if now - began > self.timeout and seq not in self.hung and w.process is not None:
+        now = time.monotonic()
+        for f, (w, seq, *_) in self.futures.items():
+            began = w.started(f)
+            if began is not None and now - began > self.timeout and seq not in self.hung and w.process is not None:
                 self.hung.add(seq)
                 w.process.kill()
 
@@ -152,7 +149,6 @@ class ProcessRun:
         for f, _ in mine:
             del self.futures[f]
         self.running[w] = 0
-        self.done_at.pop(w, None)
         again = [(v[1], v[2], v[3], v[4]) for _, v in mine if v[1] != seq or tries <= self.retries]
         self.pending.extendleft(reversed(again))
         self.pool.prepare(self.module)  # a fresh worker, with the model

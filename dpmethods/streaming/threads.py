@@ -22,12 +22,12 @@ from torch import Tensor, nn
 from dpmethods.core.call import split_on_oom
 from dpmethods.core.compiled import one_at_a_time
 from dpmethods.core.oom import Fit
-from dpmethods.core.parallel_apply import _ThreadState, add_note, record_streams
+from dpmethods.core.parallel_apply import ThreadState, add_note, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
-from dpmethods.options import MethodOptions
 from dpmethods.types import tree as _tree
 from dpmethods.types.tree import move
+from dpmethods.vocab.options import MethodOptions
 
 __all__: list[str] = []
 
@@ -71,7 +71,7 @@ class Run:
         self.busy: dict[int, tuple[int, int, float]] = {}  # replica -> (seq, index, started)
         self.dropped: set[int] = set()  # replicas that timed out: they take no more batches
         self.lock = threading.Lock()  # a replica's result against its timeout
-        self.state = _ThreadState.capture()
+        self.state = ThreadState.capture()
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on
         # whichever runs it. CPU replicas share the caller's generator (docs/generate.md).
         self.seed = draw_seed() if cuda_distinct(devices) else None
@@ -214,9 +214,11 @@ def _run_cuda(run: Run, fn: Any, device: torch.device, stream: Any, batch: Any) 
 
 
 def _splitting(replica: nn.Module, run: Run, fn: Any, device: Any, fit: Fit, *args: Any, **kwargs: Any) -> Any:
-    """``fn`` with on_oom='split': halved on this replica while it runs out of memory."""
+    """``fn`` with on_oom='split': halved on this replica while it runs out of memory (a
+    batch runs as it is: split, it is adapted by the method's hooks as a call is)."""
     names = getattr(replica, run.method)
-    return split_on_oom(replica, run.method, run.oom, fn, device or "cpu", fit, args, kwargs, names=names)  # type: ignore[arg-type]
+    return split_on_oom(replica, run.method, run.oom, fn, device or "cpu", fit, args, kwargs,  # type: ignore[arg-type]
+                        names=names, prepared=False)
 
 
 def _serve(run: Run, r: int) -> None:

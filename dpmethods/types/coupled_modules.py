@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods._warn_once import warn_once
 from dpmethods.types.named_classes import check_class_path, take_imported
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = [
     "class_marks", "in_split_call", "is_batch_coupled", "mark_batch_coupled", "marks",

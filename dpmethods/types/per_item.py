@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods._warn_once import warn_once
-from dpmethods.gather_modes import Mode
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.gather_modes import Mode
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["Items", "Whole", "extend", "mark_items", "needs_marking", "wants_extend"]
 

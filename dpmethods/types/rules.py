@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from dpmethods._loading import add_loader
-from dpmethods.call_hooks import check_arity
 from dpmethods.types import torch_rules
 from dpmethods.types import tree as _tree
 from dpmethods.types.named_classes import check_class_path, take_imported
+from dpmethods.vocab.call_hooks import check_arity
+from dpmethods.vocab.loading import add_loader
 
 __all__ = ["register_type"]
 

@@ -189,7 +189,7 @@ _installed: list[bool] = []
 
 
 def install_distributions_once() -> None:
-    """A loader (``dpmethods._loading``): install the distribution rules once they can be.
+    """A loader (``dpmethods.vocab.loading``): install the distribution rules once they can be.
 
     Example:
         >>> install_distributions_once()

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch.utils._pytree as _pytree
 from torch import Size, Tensor
 
-from dpmethods._loading import load_pending
+from dpmethods.vocab.loading import load_pending
 
 __all__: list[str] = []
 

@@ -6,6 +6,6 @@ maps a mode or gather dim given per output key onto the leaves, and ``coupled`` 
 outputs that hold a replica's share in two dims or in the wrong one.
 """
 
-from dpmethods.core.gather.run import gather
+from dpmethods.core.gather.run import gather, join_outputs
 
-__all__ = ["gather"]
+__all__ = ["gather", "join_outputs"]

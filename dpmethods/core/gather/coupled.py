@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import Tensor
 
-from dpmethods._warn_once import warn_once
 from dpmethods.core.gather.modes import row
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["check_batch_dim", "check_coupled", "check_shares"]
 

@@ -6,11 +6,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from dpmethods.options import GatherOption
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.options import GatherOption
 
-__all__ = ["leaf_dims", "leaf_modes", "named_leaves"]
+__all__ = ["leaf_dims", "leaf_modes", "named_leaves", "option_for_leaf"]
 
 
 def leaf_modes(spec: _tree.Spec, mode: GatherOption, n_leaves: int) -> list[str]:
@@ -39,6 +39,33 @@ def named_leaves(spec: _tree.Spec, *options: Any) -> set[int]:
             found.update(range(start, start + count))
         start += count
     return found
+
+
+def option_for_leaf(spec: _tree.Spec, i: int, current: GatherOption, mode: str) -> str | None:
+    """The ``gather=`` option that gives leaf ``i`` ``mode`` and every other leaf the mode
+    ``current`` gives it; None when no option can (a mapping names only top-level keys,
+    fields and positions, so a leaf nested under one, or sharing one, cannot have its own).
+
+    Example:
+        >>> spec = _tree.flatten({"y": 1, "loss": 2})[0]
+        >>> option_for_leaf(spec, 1, "cat", "mean"), option_for_leaf(spec, 1, "pad", "mean")
+        ("gather={'loss': 'mean'}", "gather={'y': 'pad', 'loss': 'mean'}")
+        >>> print(option_for_leaf(_tree.flatten({"a": {"y": 1, "loss": 2}})[0], 1, "cat", "mean"))
+        None
+    """
+    counts = _top_counts(spec)
+    if counts is None:  # the output is the leaf
+        return f"gather={mode!r}" if i == 0 else None
+    start = 0
+    for key, count in counts:
+        if start <= i < start + count:
+            if count != 1 or not isinstance(current, (str, Mapping)):
+                return None
+            others = {k: str(v) for k, v in current.items()} if isinstance(current, Mapping) else {
+                k: str(current) for k, _ in counts if current != "cat"}
+            return f"gather={ {**others, key: mode} !r}"
+        start += count
+    return None
 
 
 def leaf_dims(spec: _tree.Spec, dims: Mapping[Any, int], dim: int) -> list[int]:

@@ -2,7 +2,7 @@
 
 A row says everything the gather does differently for its mode: how it joins a tensor
 leaf, how it joins any other leaf, and which checks of the replicas' shares apply. A new
-built-in mode is a member of :class:`dpmethods.gather_modes.Mode`, a row here, and a
+built-in mode is a member of :class:`dpmethods.vocab.gather_modes.Mode`, a row here, and a
 test; :func:`join_tensor_leaf` and :func:`join_value_leaf` are the only dispatch.
 
 Tensor joins return ``(result, None)`` when the leaf is done, or ``(None, pieces)`` for
@@ -21,12 +21,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import Size, Tensor
 
-from dpmethods._warn_once import warn_once
 from dpmethods.core.gather.join import join_same, joinable, pad
 from dpmethods.core.gather.values import all_equal, join_shapes, numpy_arrays, reduce
-from dpmethods.gather_modes import Mode
 from dpmethods.types import tree as _tree
 from dpmethods.types.per_item import Items, Whole, extend
+from dpmethods.vocab.gather_modes import Mode
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["MODES", "UNJOINED", "ModeRow", "join_tensor_leaf", "join_value_leaf", "row"]
 
@@ -56,16 +56,36 @@ def _whole_or_stacked(col: Sequence[Tensor], dim: int, path: Callable[[], str], 
         # as torch returns it; a 0-dim value stays 0-dim.
         return col[0].to(plan.device), None
     if col[0].dim() == 0:
+        if plan.halves:
+            raise ValueError(
+                f"on_oom='split': {path()} is 0-dim: the share that ran out of memory returns "
+                f"one value, and its {plan.n} parts' values cannot be concatenated into it; "
+                + _own_mode(path, "the parts")
+            )
         warnings.warn(
-            f"gather: {path()} is 0-dim on every replica, so it was stacked into "
-            f"a vector of {plan.n} values; use gather='mean' for a loss (weighted by "
-            "each replica's share of the batch), 'same' for a value every replica "
-            "shares, or 'stack' to silence this",
+            f"gather: {path()} is 0-dim on every replica, so it was stacked into a vector "
+            f"of {plan.n} values; " + _own_mode(path, "the replicas", "stack"),
             UserWarning,
-            stacklevel=6,
+            stacklevel=7,  # the caller of gather()
         )
         return None, [t.unsqueeze(dim) for t in col]
     return None
+
+
+def _own_mode(path: Callable[[], str], parts: str, keep: str | None = None) -> str:
+    """How a 0-dim leaf gets a mode of its own: the option that gives it one, if any."""
+    option = getattr(path, "option", lambda mode: None)
+    mean = option("mean")
+    if mean is None:
+        return (
+            "a gather mapping names only top-level keys, fields and positions: return it as "
+            "one of its own to give it a mode ('mean' for a mean over the batch's items)"
+        )
+    mean_text = (
+        f"use {mean} if it is a mean over the batch's items ({parts}' values weighted by "
+        f"their shares), {option('sum')} for a sum, or {option('same')} for a value they all share"
+    )
+    return mean_text + (f"; {option(keep)} keeps the vector without this warning" if keep else "")
 
 
 def _cat(col: Sequence[Tensor], dim: int, ragged: bool, path: Callable[[], str], plan: Any) -> Any:

@@ -8,7 +8,6 @@ call, which is where the compiled kernel replaces L x N copies and autograd node
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -17,18 +16,18 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dpmethods.call_hooks import Call
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.gather.coupled import check_shares
 from dpmethods.core.gather.join import coalesced, joinable
-from dpmethods.core.gather.keys import leaf_dims, leaf_modes, named_leaves
+from dpmethods.core.gather.keys import leaf_dims, leaf_modes, named_leaves, option_for_leaf
 from dpmethods.core.gather.modes import join_tensor_leaf, join_value_leaf
-from dpmethods.gather_modes import Mode, named_mode
-from dpmethods.options import GATHER_MODES, GatherOption, positional_modes
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.call_hooks import Call
+from dpmethods.vocab.gather_modes import Mode, named_mode
+from dpmethods.vocab.options import GATHER_MODES, GatherOption, positional_modes
 
-__all__ = ["gather"]
+__all__ = ["gather", "join_outputs"]
 
 # `all(map(isinstance, xs, itertools.repeat(Tensor)))` checks a list in C. The repeat is
 # made per call, not kept in a global: torch.compile models an itertools.repeat built
@@ -69,19 +68,37 @@ class _Plan(NamedTuple):
     gather_dim: Any
     check: bool  # per-item and batch-coupled checks (the shares are known)
     check_dims: bool  # the batch-dim check too (no int gather_dim overrode it)
+    halves: bool  # the parts of one share that ran out of memory, not replicas' outputs
 
 
 class _Paths:
     """Leaf paths for messages, computed on first use (most gathers need none)."""
 
-    def __init__(self, spec: _tree.Spec) -> None:
-        self._spec = spec
+    def __init__(self, spec: _tree.Spec, mode: Any) -> None:
+        self._spec, self._mode = spec, mode
         self._paths: list[str] | None = None
 
     def __call__(self, i: int) -> str:
         if self._paths is None:
             self._paths = _tree.leaf_paths(self._spec)
         return self._paths[i]
+
+    def option(self, i: int, mode: str) -> str | None:
+        """The ``gather=`` option that gives leaf ``i`` alone ``mode``, if one can."""
+        return option_for_leaf(self._spec, i, self._mode, mode)
+
+
+class _Leaf:
+    """One leaf's path, called for messages, and the option that gives it its own mode."""
+
+    def __init__(self, paths: _Paths, i: int) -> None:
+        self._paths, self._i = paths, i
+
+    def __call__(self) -> str:
+        return self._paths(self._i)
+
+    def option(self, mode: str) -> str | None:
+        return self._paths.option(self._i, mode)
 
 
 def gather(
@@ -134,6 +151,38 @@ def gather(
         >>> gather([["a", "b"], ["c"]], "cpu", sizes=[2, 1])
         ['a', 'b', 'c']
     """
+    return _joined(outputs, target_device, dim, mode, pad_value, weights, sizes, gather_dim, call, False)
+
+
+def join_outputs(
+    outputs: Sequence[Any],
+    target_device: DeviceLike,
+    dim: int = 0,
+    *,
+    mode: GatherOption = "cat",
+    pad_value: float = 0,
+    weights: Sequence[float] | None = None,
+    sizes: Sequence[int] | None = None,
+    gather_dim: int | Mapping[str | int, int] | None = None,
+    call: Call | None = None,
+    halves: bool = False,
+) -> Any:
+    """:func:`gather`; with ``halves``, the outputs are the parts of one share that ran
+    out of memory (``on_oom="split"``), whose join must be the whole share's output: a
+    0-dim leaf that a concatenating mode would stack into a vector is an error.
+
+    Example:
+        >>> join_outputs([torch.ones(2), torch.zeros(1)], "cpu", halves=True).tolist()
+        [1.0, 1.0, 0.0]
+    """
+    return _joined(outputs, target_device, dim, mode, pad_value, weights, sizes, gather_dim, call, halves)
+
+
+def _joined(
+    outputs: Sequence[Any], target_device: DeviceLike, dim: int, mode: GatherOption, pad_value: float,
+    weights: Sequence[float] | None, sizes: Sequence[int] | None, gather_dim: Any, call: Call | None,
+    halves: bool,
+) -> Any:
     outputs = list(outputs)
     if not outputs:
         raise ValueError("gather: outputs: expected at least one replica output, got none")
@@ -147,11 +196,11 @@ def gather(
         # up); an unknown name raises, listing the modes.
         named = named_mode(mode, "gather: mode")
         return named(outputs, device, call)  # type: ignore[misc]
-    plan = _plan(outputs, device, dim, mode, pad_value, weights, sizes, gather_dim)
+    plan = _plan(outputs, device, dim, mode, pad_value, weights, sizes, gather_dim, halves)
     if _all_batch_tensors(outputs, plan):
         return _gather_tensors(outputs, plan)
     spec, columns = _flatten(outputs, plan)
-    paths = _Paths(spec)
+    paths = _Paths(spec, plan.mode)
     coupled: set[int] | None = None
     if _cat_only(spec, columns, plan):
         coupled = _coupled(spec, columns, plan, paths, None)
@@ -168,7 +217,7 @@ def gather(
 
 def _plan(
     outputs: list[Any], device: torch.device, dim: int, mode: Any, pad_value: float,
-    weights: Sequence[float] | None, sizes: Sequence[int] | None, gather_dim: Any,
+    weights: Sequence[float] | None, sizes: Sequence[int] | None, gather_dim: Any, halves: bool,
 ) -> _Plan:
     """Check the arguments that depend on the number of outputs, and settle the dims."""
     n = len(outputs)
@@ -191,7 +240,7 @@ def _plan(
     check_dims = check and (gather_dim is None or key_dims is not None)
     return _Plan(
         n, device, dim, mode, pad_value, list(weights), sizes, key_dims, gather_dim,
-        check, check_dims,
+        check, check_dims, halves,
     )
 
 
@@ -295,7 +344,7 @@ def _join(
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
             result[i] = join_value_leaf(col, m, d, paths(i), plan.device, plan.weights)
             continue
-        done, parts = join_tensor_leaf(col, m, d, i in coupled, i in ragged, functools.partial(paths, i), plan)
+        done, parts = join_tensor_leaf(col, m, d, i in coupled, i in ragged, _Leaf(paths, i), plan)
         if parts is None:
             result[i] = done
         else:

@@ -8,9 +8,9 @@ from typing import Any
 
 from torch import Tensor
 
-from dpmethods._warn_once import warn_once
 from dpmethods.core.signature import argument_names, signature_of
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["Arguments", "first_split", "list_arguments", "mismatch_hint", "warn_ragged_lists"]
 

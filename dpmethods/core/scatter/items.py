@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from dpmethods._warn_once import warn_once
 from dpmethods.types import tree as _tree
+from dpmethods.vocab.warn_once import warn_once
 
 __all__: list[str] = []
 
@@ -90,10 +90,6 @@ def batch_size(taken: list[_Taken], tensor_batch: int | None, tensor_name: Calla
             f"split: argument {first.name!r} has {length} items, but the tensors split along "
             f"dim {dim} have a batch of {tensor_batch} ({tensor_name()} has {tensor_batch}); "
             "they must agree, or name the tensor in broadcast= if every replica needs it whole"
-        )
-    if length == 0:
-        raise ValueError(
-            f"split: argument {first.name!r} is empty: expected at least 1 item to split"
         )
     return length
 

@@ -162,11 +162,6 @@ def _batch_size(
                 f"scatter: tensors split along dim {dim} must agree on its size, but "
                 f"{listing}. {mismatch_hint(lists())}"
             )
-    if batch == 0:
-        raise ValueError(
-            f"scatter: empty batch: the tensors to split have size 0 along dim {dim}; "
-            "expected at least 1 item"
-        )
     if batch is None and ones and not split:
         return 1, set()
     return batch, ones
@@ -219,13 +214,14 @@ def _distribute(
     dim: int,
     batch: int | None,
 ) -> tuple[list[Any], list[int]]:
-    sizes = [0] if batch is None else chunk_sizes(batch, len(devices))
+    # An empty batch runs once, whole, on the first device: as one device runs it.
+    sizes = chunk_sizes(batch, len(devices)) if batch else [0]
     targets = devices[: len(sizes)]
     columns: list[list[Any]] = []
     for i, leaf in enumerate(leaves):
         if not isinstance(leaf, Tensor):
             columns.append(_per_replica(leaf, len(targets)))
-        elif batch is None or leaf.dim() == 0 or i in whole:
+        elif not batch or leaf.dim() == 0 or i in whole:
             columns.append([leaf.to(d, non_blocking=True) for d in targets])
         else:
             columns.append(_split(leaf, sizes, dim, targets))
@@ -240,7 +236,8 @@ def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[An
 
     Tuples, lists, dicts, namedtuples and dataclasses are walked and rebuilt with the
     same type; 0-dim tensors and non-tensor values are given whole to every replica.
-    With B items over N devices, ``min(B, N)`` structures come back.
+    With B items over N devices, ``min(B, N)`` structures come back; an empty batch
+    (B = 0) comes back whole, as one structure for the first device.
 
     Args:
         inputs: the structure to split.

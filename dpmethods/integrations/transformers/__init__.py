@@ -9,7 +9,8 @@ When a class is looked up (transformers imported by then; nothing here imports i
   (:mod:`.caches`);
 - ``forward`` of every ``PreTrainedModel`` joins its ``loss`` as the full-batch loss
   (:mod:`.losses`), updates a cache passed in in place, and joins the rest with
-  ``"cat"``;
+  ``"cat"``; a contrastive model's ``logits_per_*`` and their loss are computed from the
+  joined embeddings, as one device computes them (:mod:`.contrastive`);
 - the Qwen2-VL family (patches of all images beside ``image_grid_thw``) gives each
   replica its rows' images, in ``forward`` and ``generate`` (:mod:`.vision`);
 - every ``get_*_features`` method of a ``PreTrainedModel``;
@@ -30,9 +31,10 @@ import weakref
 
 from dpmethods.extending import MethodOptions, register_method_finder
 from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
+from dpmethods.integrations.transformers.contrastive import returns_pairs
 from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
 from dpmethods.integrations.transformers.generate import gather_generate
-from dpmethods.integrations.transformers.losses import FORWARD_MODE, LOSS_COUNT
+from dpmethods.integrations.transformers.losses import FORWARD_MODE, LOSS_COUNT, PAIRS
 from dpmethods.integrations.transformers.vision import (
     VISION_ARGUMENTS,
     VISION_SHARES,
@@ -43,13 +45,15 @@ __all__ = ["APPLIES_TO", "METHODS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_g
 
 APPLIES_TO = "GenerationMixin models; PreTrainedModel; EncodecModel"
 METHODS = (
-    "generate (gather='generate'); forward (loss joined as the full-batch loss); "
+    "generate (gather='generate'); forward (loss joined as the full-batch loss; "
+    "contrastive logits_per_* and loss from the joined embeddings); "
     "get_*_features; Encodec encode/decode (codes' batch in dim 1)"
 )
 
 _FEATURES = re.compile(r"get_\w+_features\Z")
 _GENERATE = MethodOptions(gather="generate", hooks=CACHE_IN_PLACE.then(PREFIX_OFFSET))
 _FORWARD = MethodOptions(gather=FORWARD_MODE, hooks=CACHE_IN_PLACE.then(LOSS_COUNT))
+_PAIRS_FORWARD = _FORWARD.with_updates(hooks=CACHE_IN_PLACE.then(LOSS_COUNT).then(PAIRS))
 # Encodec's codes are [chunks, batch, quantizers, frames]: encode returns them with the
 # batch in dim 1, and decode takes them so (its audio_scales and audio have it in dim 0).
 _ENCODEC = {
@@ -83,7 +87,7 @@ def _find(cls: type) -> dict[str, MethodOptions]:
     pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
     if pretrained is not None and issubclass(cls, pretrained):
         if _defines(cls, "forward"):
-            found["forward"] = _FORWARD
+            found["forward"] = _PAIRS_FORWARD if returns_pairs(cls) else _FORWARD
         if takes_vision_grids(cls):
             found.update({n: _with_vision(o) for n, o in found.items() if n in ("forward", "generate")})
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):

@@ -19,7 +19,21 @@ from torch import Tensor
 from dpmethods.extending import Call, CallHooks, unwrap_compiled
 from dpmethods.integrations.transformers.arguments import bound_arguments
 
-__all__ = ["PREFIX_OFFSET", "OffsetPrefixFn", "call_fill"]
+__all__ = ["PREFIX_OFFSET", "OffsetPrefixFn", "call_fill", "check_generate_call"]
+
+_NEEDS = (
+    "gather='generate' pads the replicas' generate outputs as one device pads them, with the "
+    "fill token, beams and returned sequences of the generate call (pad_token_id, "
+    "eos_token_id, num_beams, num_return_sequences), read from a call of a transformers "
+    "model's own generate: its arguments, its generation_config and the model's"
+)
+_GIVEN = (
+    "gather=functools.partial(dpmethods.integrations.transformers.gather_generate, "
+    "fill_token_id=..., num_beams=..., "
+    "num_return_sequences=...) with the values that call runs with (the fill token: "
+    "pad_token_id, else eos_token_id[0]; with num_beams > 1, pad_token_id or "
+    "eos_token_id[0], and -1 without an eos id)"
+)
 
 
 def _first(value: Any) -> int | None:
@@ -43,9 +57,9 @@ def _generation_config(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, A
         return prepare(config, **plain)[0]
     if config is None and getattr(model, "generation_config", None) is None:
         raise ValueError(
-            f"gather: mode 'generate' joins the outputs of transformers' generate, but "
-            f"{type(model).__name__} has no generation_config to read the pad and eos ids "
-            "from; use gather='pad' with pad_value= for another generate"
+            f"{_NEEDS}; got a call of {type(model).__name__}.generate, and "
+            f"{type(model).__name__} has no generation_config and was given none. Give it "
+            f"the generation_config its generate runs with, or {_GIVEN}"
         )
     config = copy.deepcopy(config if config is not None else model.generation_config)
     config.update(**given)
@@ -56,6 +70,56 @@ def _is_whisper(model: Any) -> bool:
     module = sys.modules.get("transformers.models.whisper.generation_whisper")
     mixin = getattr(module, "WhisperGenerationMixin", None)
     return isinstance(mixin, type) and isinstance(model, mixin)
+
+
+def _generators(model: Any) -> list[tuple[str, Any]]:
+    """The outermost submodules of ``model`` that have a ``generate`` of their own."""
+    found: list[tuple[str, Any]] = []
+    for name, sub in model.named_modules():
+        if name and callable(getattr(sub, "generate", None)) and not any(name.startswith(f + ".") for f, _ in found):
+            found.append((name, sub))
+    return found
+
+
+def _defaults(sub: Any) -> str:
+    try:
+        fill = call_fill(sub, (), {})
+    except Exception:  # what its own config says is only a hint
+        return ""
+    values = ", ".join(f"{k}={fill[k]}" for k in ("fill_token_id", "num_beams", "num_return_sequences"))
+    return f" (its generation_config alone gives {values})"
+
+
+def check_generate_call(module: Any, method: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+    """Refuse, before any replica runs, a call whose generate settings cannot be read:
+    a method other than the model's own ``generate``, or one with no generation config.
+
+    Example:
+        >>> import torch
+        >>> check_generate_call(torch.nn.Linear(1, 1), "complete", (), {})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: gather='generate' pads ...; got a call of Linear.complete, and Linear has no generate. ...
+    """
+    model = unwrap_compiled(module)
+    name = type(model).__name__
+    if method == "generate" and callable(getattr(model, "generate", None)):
+        if callable(getattr(model, "_prepare_generation_config", None)) or getattr(model, "generation_config", None) is not None:
+            return
+        _generation_config(model, args, kwargs)  # the call's own generation_config, or its error
+        return
+    if callable(getattr(model, "generate", None)):
+        got = f"{name}.{method}, whose arguments are not generate's"
+        fix = f"make the parallel method {name}.generate itself"
+    else:
+        got = f"{name}.{method}, and {name} has no generate"
+        subs = _generators(model)
+        fix = "parallelize the generate of the model it calls itself"
+        if len(subs) == 1:
+            path, sub = subs[0]
+            fix = (f"parallelize the generate of {name}.{path} ({type(sub).__name__}) itself: "
+                   f"DataParallel(<your {name}>.{path}, ...).generate(...){_defaults(sub)}")
+    raise ValueError(f"{_NEEDS}; got a call of {got}. To fix it, {fix}; or, to keep {name}.{method}, {_GIVEN}")
 
 
 def call_fill(module: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from dpmethods.extending import Call, gather, register_gather_mode, warn_once
-from dpmethods.integrations.transformers.fill import call_fill
+from dpmethods.integrations.transformers.fill import call_fill, check_generate_call
 
 __all__ = ["gather_generate"]
 
@@ -281,4 +281,9 @@ def _gather_mode(outputs: list[Any], device: torch.device, call: Call | None) ->
     return gather_generate(outputs, device, **call_fill(call.module, call.args, call.kwargs))
 
 
-register_gather_mode("generate", _gather_mode)
+def _check_call(call: Call) -> None:
+    """Before any replica runs: a call whose generate settings the mode cannot read is refused."""
+    check_generate_call(call.module, call.method, call.args, call.kwargs)
+
+
+register_gather_mode("generate", _gather_mode, check=_check_call)

@@ -14,6 +14,7 @@ order (the loss first).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
@@ -29,11 +30,12 @@ from dpmethods.extending import (
     warn_once,
 )
 from dpmethods.integrations.transformers.arguments import bound_arguments
+from dpmethods.integrations.transformers.contrastive import check_pairs, join_contrastive
 from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
 
-__all__ = ["FORWARD_MODE", "LOSS_COUNT", "in_field_order"]
+__all__ = ["FORWARD_MODE", "LOSS_COUNT", "PAIRS", "in_field_order"]
 
 FORWARD_MODE = "transformers_forward"
 
@@ -50,6 +52,27 @@ def _count_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) ->
 
 LOSS_COUNT = CallHooks(prepare=_count_prepare)
 """The hooks that give every replica the full batch's ``num_items_in_batch``."""
+
+
+def _as_tuple(out: Any) -> Any:
+    return out.to_tuple() if hasattr(out, "to_tuple") else out
+
+
+def _pairs_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+    model = unwrap_compiled(call.module)
+    if call.options.gather != FORWARD_MODE:
+        return args, kwargs, functools.partial(check_pairs, name=type(model).__name__)
+    wanted = kwargs.get("return_dict")
+    wanted = getattr(getattr(model, "config", None), "return_dict", True) if wanted is None else wanted
+    if wanted is False and "return_dict" not in bound_arguments(model.forward, args, {}):
+        # The gather joins the pairs by their fields' names; the tuple is made after it.
+        return args, {**kwargs, "return_dict": True}, _as_tuple
+    return args, kwargs, None
+
+
+PAIRS = CallHooks(prepare=_pairs_prepare)
+"""The hooks of a ``forward`` that returns ``logits_per_*``: its output as fields (a
+tuple made after the gather), or, with a ``gather=`` the caller gave, checked."""
 
 
 def _given(call: Call) -> dict[str, Any]:
@@ -128,10 +151,15 @@ def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) 
     opts = call.options
     sizes = list(call.sizes) if len(call.sizes) == n else None
     extra: dict[str, Any] = dict(sizes=sizes, gather_dim=opts.gather_dim, pad_value=opts.pad_value)
+    joined = join_contrastive(outputs, device, call)
+    if joined:
+        return _with_fields(outputs, device, opts.dim, joined, extra)
     plan = loss_plan(call.module, call.args, call.kwargs)
     warned = plan is None and isinstance(_labels(call), Tensor)
     if warned:
         _warn_unknown(call)
+    if joined is not None:  # logits_per_* that can't be computed again, warned: so is the loss
+        warned = warned or "loss" in outputs[0]
     per_image = take_per_image(outputs, device)
     tuples = type(outputs[0]) is tuple
     losses = [o[0] if tuples else o.get("loss") for o in outputs] if plan is not None else []
@@ -156,6 +184,19 @@ def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) 
         out["loss"] = loss
     for key, value in per_image.items():
         out[key] = value  # a ModelOutput: per-image outputs exist only with return_dict
+    return in_field_order(out)
+
+
+def _with_fields(
+    outputs: list[Any], device: torch.device, dim: int, joined: dict[str, Any], extra: dict[str, Any]
+) -> Any:
+    """The replicas' outputs joined with ``"cat"``, the fields in ``joined`` set to its values."""
+    for o in outputs:
+        for key in joined:
+            o[key] = None
+    out = gather(outputs, device, dim, **extra)
+    for key, value in joined.items():
+        out[key] = value
     return in_field_order(out)
 
 

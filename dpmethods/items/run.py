@@ -1,0 +1,267 @@
+"""The item-mode map: items batched, run through the map, outputs one per item.
+
+:func:`map_items` reads the items (each rank its own with ``shard=True``, before
+sorting), sorts and cuts them into batches a window at a time, collates each batch and
+runs the batches through the map as ``(index, batch)`` pairs, unordered, with
+``errors="yield"``. Each finished batch's output is cut into its items' outputs (or
+its exception stands for each of its items, with a note naming them); they are yielded
+in input order (``ordered=True``) or as ``(index, output)`` pairs as batches finish.
+The map pulls batches as it has room, so the items are read a window at a time, and
+in order at most about a window of outputs waits for an earlier item.
+
+A ``checkpoint=`` map passes its pending items here as
+:class:`~dpmethods.streaming.map.Indexed` ``(index, item)`` pairs: the record counts
+items, so a rerun skips the items done, however its batches are cut.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import itertools
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+from torch import Tensor, nn
+
+from dpmethods.core.parallel_apply import add_note
+from dpmethods.items.batches import read_batches
+from dpmethods.items.collate import check_takes, default_collate, padding_of
+from dpmethods.items.options import ItemOptions
+from dpmethods.items.trim import PaddedDims
+from dpmethods.streaming.map import Indexed, rank_and_world
+from dpmethods.types.cut import Padding, cut_output
+from dpmethods.vocab.options import MethodOptions
+
+__all__ = ["ItemIterator", "map_items"]
+
+
+class _Sent(NamedTuple):
+    """What the cut of one batch's output needs: its items, padding and prompt."""
+
+    indices: list[int]
+    padding: Padding | None
+    prompt: Tensor | None
+
+
+class _Source:
+    """The batches of the items, collated and checked, as ``(batch index, batch)`` pairs;
+    ``sent`` keeps what each one's output is cut by, ``read`` the items' indices in input order."""
+
+    def __init__(self, pairs: Iterable[tuple[int, Any]], items: ItemOptions, method: str, kwargs: dict[str, Any]) -> None:
+        self.pairs, self.items, self.method, self.kwargs = pairs, items, method, kwargs
+        self.read: collections.deque[int] = collections.deque()
+        self.sent: dict[int, _Sent] = {}
+        self.options = MethodOptions()
+        self.signature: inspect.Signature | None = None
+        self.name = method
+
+    def bind(self, module: nn.Module, options: MethodOptions) -> None:
+        """The method's options and signature, once the map has checked its name."""
+        self.options = options
+        fn = module.forward if self.method == "forward" else getattr(module, self.method)
+        self.name = f"{type(module).__name__}.{self.method}"
+        try:
+            self.signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without one: nothing to check against
+            self.signature = None
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        k, probe = 0, self.items.trim  # with trim, a probe follows the first padded batch
+        for batch in read_batches(self.pairs, self.items, self.read):
+            collated, padding = self._collate(batch.items, batch.indices, batch.lengths)
+            self.sent[k] = _Sent(batch.indices, padding, _prompt(collated, len(batch.items)) if self.method == "generate" else None)
+            yield k, collated
+            k += 1
+            if probe and padding is not None and any(e - s < padding.longest for s, e in padding.spans):
+                probe = False  # its shortest item alone: measured, never yielded (dpmethods.items.trim)
+                spans = padding.spans
+                j = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
+                collated, padding = self._collate([batch.items[j]], [batch.indices[j]], [batch.lengths[j]])
+                self.sent[k] = _Sent([], padding, None)
+                yield k, collated
+                k += 1
+
+    def _collate(self, items: list[Any], indices: list[int], lengths: list[int]) -> tuple[Any, Padding | None]:
+        padding: Padding | None
+        if self.items.collate is None:
+            collated, padding = default_collate(items, indices, self.method, self.options)
+        else:
+            try:
+                collated = self.items.collate(list(items))
+            except Exception as exc:
+                raise add_note(exc, f"dpmethods: DataParallel.map: raised by collate= on items {indices}") from None
+            padding = padding_of(collated, lengths, self.method == "generate", len(items))
+        check_takes(self.signature, self.name, collated, self.kwargs, indices)
+        return collated, padding
+
+
+def _prompt(batch: Any, rows: int) -> Tensor | None:
+    """A ``generate`` batch's prompt ids: its ``input_ids``, or its first tensor argument."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch[0] if isinstance(batch, tuple) and batch else batch
+    return ids if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[0] == rows else None
+
+
+class ItemIterator(Iterator[Any]):
+    """The iterator ``DataParallel.map`` returns in item mode; also a context manager
+    that closes it. Any exception out of ``__next__`` closes the map before it propagates."""
+
+    def __init__(self, outputs: Iterator[Any], source: _Source, *, ordered: bool, errors: str, bar: Any) -> None:
+        self._outputs, self._source, self._ordered, self._errors = outputs, source, ordered, errors
+        self._done: dict[int, Any] = {}  # ordered: outputs waiting for an earlier item
+        self._ready: collections.deque[tuple[int, Any]] = collections.deque()  # unordered
+        self._pending: collections.deque[tuple[Any, _Sent]] = collections.deque()  # trim: dims untold
+        self._dims = PaddedDims() if source.items.trim else None
+        self._bar_factory, self._bar = bar, [None]  # made on the first next(), as the map's
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _stop, outputs, self._bar)  # never refers to self
+
+    def __iter__(self) -> ItemIterator:
+        return self
+
+    def __enter__(self) -> ItemIterator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the map; the iterator is then exhausted."""
+        self._closed = True
+        self._finalizer()
+        self._done.clear()
+        self._ready.clear()
+        self._pending.clear()
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            return self._next()
+        except BaseException:
+            self.close()
+            raise
+
+    def _next(self) -> Any:
+        if self._bar_factory is not None:
+            self._bar[0], self._bar_factory = self._bar_factory(), None
+        read = self._source.read
+        while True:
+            if self._ordered and read and read[0] in self._done:
+                return self._done.pop(read.popleft())
+            if not self._ordered and self._ready:
+                return self._ready.popleft()
+            try:
+                k, out = next(self._outputs)
+            except StopIteration:
+                if self._pending:  # trim: a dim never told from a fixed size
+                    out, sent = self._pending[0]
+                    raise add_note(ValueError(
+                        f"map: trim: {self._dims.untold(out, sent.padding)} had the padded length in "  # type: ignore[union-attr]
+                        "every batch, so it cannot be told from a fixed size; map with trim=False"
+                    ), f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
+                raise
+            sent = self._source.sent.pop(k)
+            failed = isinstance(out, BaseException)
+            if self._dims is not None and not failed and sent.padding is not None:
+                self._dims.observe(out, sent.padding.longest)
+            if not sent.indices:  # the probe of trim
+                continue
+            self._pending.append((out, sent))
+            while self._pending and self._told(*self._pending[0]):
+                self._place(*self._pending.popleft())
+
+    def _told(self, out: Any, sent: _Sent) -> bool:
+        return self._dims is None or isinstance(out, BaseException) or self._dims.told(out, sent.padding)
+
+    def _place(self, out: Any, sent: _Sent) -> None:
+        for index, item_out in zip(sent.indices, self._cut(out, sent)):
+            if self._ordered:
+                self._done[index] = item_out
+            else:
+                self._ready.append((index, item_out))
+        if self._bar[0] is not None:
+            self._bar[0].update(len(sent.indices))
+
+    def _cut(self, out: Any, sent: _Sent) -> list[Any]:
+        if isinstance(out, BaseException):  # errors="yield" underneath: the map's error
+            out = add_note(out, f"dpmethods: DataParallel.map: the batch held items {sent.indices}")
+            if self._errors == "raise":
+                raise out
+            return [out] * len(sent.indices)
+        try:
+            return cut_output(out, len(sent.indices), self._source.options, sent.padding,
+                              padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt)
+        except ValueError as exc:
+            raise add_note(exc, f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
+
+
+def _stop(outputs: Iterator[Any], bar: list[Any]) -> None:
+    close = getattr(outputs, "close", None)
+    if close is not None:
+        close()
+    if bar[0] is not None:
+        bar[0].close()
+        bar[0] = None
+
+
+def _check(ordered: Any, progress: Any, shard: Any, errors: Any) -> None:
+    if errors not in ("raise", "yield"):
+        raise ValueError(f"map: errors: expected one of ['raise', 'yield'], got {errors!r}")
+    for name, value in (("ordered", ordered), ("shard", shard)):
+        if not isinstance(value, bool):
+            raise TypeError(f"map: {name}: expected a bool, got {type(value).__name__} {value!r}")
+    if not isinstance(progress, (bool, str)):
+        raise TypeError(f"map: progress: expected a bool or a str (the bar's description), got "
+                        f"{type(progress).__name__} {progress!r}")
+
+
+def _bar(progress: bool | str, total: int | None) -> Callable[[], Any] | None:
+    if progress is False:
+        return None
+    from tqdm.auto import tqdm
+
+    desc = progress if isinstance(progress, str) else None
+    return lambda: tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
+
+
+def map_items(
+    run_map: Callable[..., Iterator[Any]], method: str, batches: Iterable[Any], items: ItemOptions,
+    options_of: Callable[[str], MethodOptions], module: nn.Module, map_options: dict[str, Any],
+    kwargs: dict[str, Any], /,
+) -> ItemIterator:
+    """``run_map`` (a ``DataParallel.map``) over the items of ``batches``, batched by ``items``.
+
+    Args:
+        run_map: ``run_map(method, batches, ordered=, progress=, shard=, errors=, **rest)``.
+        options_of: the method's options by name.
+        module: the wrapped module (the method's signature checks each batch).
+        map_options: the map's options (``ordered``, ``progress``, ``shard``, ``errors``
+            apply to items here; the others go to ``run_map``).
+        kwargs: the method's keyword arguments, for every batch.
+
+    Example:
+        >>> import torch, dpmethods
+        >>> dp = dpmethods.DataParallel(torch.nn.Identity(), device_ids=["cpu"] * 2)
+        >>> items = [torch.ones(n) for n in (1, 3, 2)]
+        >>> [o.tolist() for o in dp.map("forward", items, batch_size=2)]
+        [[1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
+    """
+    rest = dict(map_options)
+    ordered, progress, shard, errors = (rest.pop(k) for k in ("ordered", "progress", "shard", "errors"))
+    _check(ordered, progress, shard, errors)
+    if not isinstance(batches, Iterable):
+        raise TypeError(f"map: batches: expected an iterable of items, got {type(batches).__name__}")
+    rank, world = rank_and_world() if shard else (0, 1)
+    pairs: Iterable[tuple[int, Any]] = iter(batches) if isinstance(batches, Indexed) else enumerate(batches)
+    pairs = itertools.islice(pairs, rank, None, world)
+    try:
+        total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
+    except TypeError:  # a stream
+        total = None
+    source = _Source(pairs, items, method, kwargs)
+    outputs = run_map(method, Indexed(source), ordered=False, progress=False, shard=False, errors="yield",
+                      **rest, **kwargs)
+    source.bind(module, options_of(method))
+    return ItemIterator(outputs, source, ordered=ordered, errors=errors, bar=_bar(progress, total))

@@ -1,0 +1,204 @@
+"""A batch's output cut back into one output per item: the inverse of the method's gather.
+
+An item's output is what indexing the batch's output at its row gives: a tensor's row
+without the batch dim (``dim``, or ``gather_dim`` per output key), a per-item list's
+entry (``"extend"``, or a list with one entry per row that is not a list of batch
+tensors), and ``ModelOutput``s, dicts, dataclasses, tuples and types with a rule field
+by field, rebuilt with their own type; ``None`` stays ``None``. A value shared by the
+batch (a loss, a scale; anything gathered with ``"mean"``, ``"sum"``, ``"stack"``,
+``"same"`` or ``"list"``; a 0-dim tensor, a tensor without one row per item, a number
+or a string outside a per-item list) belongs to no item and is refused, naming it.
+A named mode or a callable gather joins whole outputs: one batch's output is cut by
+its batch dim as with ``"cat"``.
+
+Two cuts use the batch's padding (:class:`Padding`): a
+``generate`` output that starts with the batch's left-padded prompt comes back without
+the padding, so equal prompts give equal tokens whatever their batch; and ``trim=True``
+narrows each item's tensors to its own positions in the dims told to be padding
+(:mod:`dpmethods.items.trim`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from torch import Tensor
+
+from dpmethods.types import tree as _tree
+from dpmethods.types.per_item import top_keys
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode
+from dpmethods.vocab.options import MethodOptions
+
+__all__ = ["Padding", "cut_output"]
+
+class Padding(NamedTuple):
+    """Where each row's own positions lie in a padded batch: ``spans[i] = (start, end)``
+    along the padded dim of length ``longest``.
+
+    Example:
+        >>> Padding.of([3, 1], left=True).spans
+        [(0, 3), (2, 3)]
+    """
+
+    longest: int
+    spans: list[tuple[int, int]]
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], left: bool) -> Padding:
+        longest = max(lengths, default=0)
+        return cls(longest, [(longest - n, longest) if left else (0, n) for n in lengths])
+
+
+_SHARED = (Mode.STACK, Mode.MEAN, Mode.SUM, Mode.SAME, Mode.LIST)  # modes of whole-batch values
+_SEQUENCES = (_tree._TUPLE, _tree._LIST)
+
+
+def _count(spec: _tree.Spec) -> int:
+    if spec in _tree._LEAVES:
+        return 1
+    return sum(_count(c) for c in spec.children)
+
+
+def _labels(spec: _tree.Spec) -> list[str]:
+    kind, cls, meta, children = spec
+    if kind == _tree._DICT:
+        return [f"[{k!r}]" for k in meta]
+    if kind == _tree._DATACLASS:
+        return [f".{n}" for n in meta[0]]
+    if kind == _tree._NAMEDTUPLE:
+        return [f".{n}" for n in cls._fields]
+    return [f"[{i}]" for i in range(len(children))]
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+class _Cutter:
+    """One walk of a batch's flattened output, giving each node's value per item."""
+
+    def __init__(self, leaves: list[Any], rows: int, padding: Padding | None,
+                 padded: Callable[[str, int], bool] | None, prompt: Tensor | None) -> None:
+        self.leaves, self.rows, self.padding, self.padded, self.prompt = leaves, rows, padding, padded, prompt
+
+    def refuse(self, path: str, value: Any, why: str) -> ValueError:
+        return ValueError(
+            f"map: {path} of the output of a batch of {self.rows} items is {value}, {why}: it "
+            "belongs to no item, so the output cannot be cut into one per item. Leave it out of "
+            "the method's output (a loss: pass no labels), or map batches (no batch_size= or max_tokens=)"
+        )
+
+    def node(self, spec: _tree.Spec, pos: int, path: str, mode: Any, dim: Any, top: bool) -> tuple[list[Any], int]:
+        if isinstance(mode, str) and mode in _SHARED:
+            shown = _got(self.leaves[pos]) if spec in _tree._LEAVES else _tree._describe(spec)
+            raise self.refuse(path, shown, f"gathered with {str(mode)!r}, one value for the whole batch")
+        own = dim[None] if isinstance(dim, Mapping) else dim  # a leaf or list at the top: dim
+        if spec in _tree._LEAVES:
+            return self.leaf(self.leaves[pos], path, own), pos + 1
+        end = pos + _count(spec)
+        if self.per_item(spec, pos, mode, own):
+            starts = [pos]
+            for child in spec.children:
+                starts.append(starts[-1] + _count(child))
+            return [_tree.unflatten(c, self.leaves[a:b]) for c, a, b in zip(spec.children, starts, starts[1:])], end
+        keys = top_keys(spec) if top and (isinstance(mode, Mapping) or isinstance(dim, Mapping)) else None
+        columns = []
+        for i, (child, label) in enumerate(zip(spec.children, _labels(spec))):
+            key = keys[i] if keys is not None else None
+            child_mode = mode.get(key, Mode.CAT) if isinstance(mode, Mapping) else mode
+            child_dim = dim.get(key, dim[None]) if isinstance(dim, Mapping) else dim
+            column, pos = self.node(child, pos, path + label, child_mode, child_dim, False)
+            columns.append(column)
+        holder = spec._replace(children=(_tree.OTHER,) * len(spec.children))
+        return [_tree.unflatten(holder, [c[r] for c in columns]) for r in range(self.rows)], end
+
+    def per_item(self, spec: _tree.Spec, pos: int, mode: Any, dim: int) -> bool:
+        """Whether a list or tuple holds one entry per item (taken whole), not fields."""
+        if spec.kind not in _SEQUENCES or spec.cls not in (None, list, tuple) or len(spec.children) != self.rows:
+            return False
+        if mode == Mode.EXTEND:  # entries of different kinds are a fixed-arity return
+            return len({c if c in _tree._LEAVES else c[:2] for c in spec.children} - {_tree.NONE}) <= 1
+        if spec.kind == _tree._TUPLE:  # a fixed-arity return, as the gather takes it
+            return False
+        # A list of batch outputs (one per layer) holds tensors with the batch on dim.
+        leaves = self.leaves[pos: pos + len(spec.children)]
+        return not (all(c == _tree.LEAF for c in spec.children) and all(self.batched(t, dim) for t in leaves))
+
+    def batched(self, value: Any, dim: int) -> bool:
+        return isinstance(value, Tensor) and -value.dim() <= dim < value.dim() and value.shape[dim] == self.rows
+
+    def leaf(self, value: Any, path: str, dim: int) -> list[Any]:
+        if value is None:
+            return [None] * self.rows
+        if self.batched(value, dim):
+            if self.starts_with_prompt(value, dim):
+                return [value[i, s:] for i, (s, _) in enumerate(self.padding.spans)]  # type: ignore[union-attr]
+            rows = list(value.unbind(dim))
+            if self.padded is None or self.padding is None:
+                return rows
+            batch_dim = dim % value.dim()
+            dims = [j for j in range(value.dim() - 1) if self.padded(path, j + (j >= batch_dim))]
+            return [self.trimmed(r, span, dims) for r, span in zip(rows, self.padding.spans)] if dims else rows
+        np = sys.modules.get("numpy")  # never imported here: an output can only hold arrays if it is
+        if np is not None and isinstance(value, np.ndarray) and -value.ndim <= dim < value.ndim and value.shape[dim] == self.rows:
+            return list(np.moveaxis(value, dim, 0))
+        if isinstance(value, Tensor) or (np is not None and isinstance(value, np.ndarray)):
+            why = "one value for the whole batch" if not value.ndim else f"without one row per item on dim {dim}"
+            raise self.refuse(path, _got(value), why)
+        raise self.refuse(path, _got(value), "one value for the whole batch")
+
+    def starts_with_prompt(self, value: Tensor, dim: int) -> bool:
+        prompt = self.prompt
+        if prompt is None or self.padding is None or dim != 0 or value.dim() != 2 or value.is_floating_point():
+            return False
+        width = prompt.shape[1]
+        return value.shape[1] >= width and bool((value[:, :width] == prompt.to(value.device)).all())
+
+    @staticmethod
+    def trimmed(row: Tensor, span: tuple[int, int], dims: list[int]) -> Tensor:
+        start, end = span
+        for d in dims:
+            row = row.narrow(d, start, end - start)
+        return row
+
+
+def cut_output(
+    out: Any, rows: int, options: MethodOptions, padding: Padding | None = None, *,
+    padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None,
+) -> list[Any]:
+    """The output of a batch of ``rows`` items as one output per item.
+
+    Args:
+        out: the method's output for the batch.
+        options: the method's options (``dim``, ``gather``, ``gather_dim``).
+        padding: each row's own positions in the padded batch, or None.
+        padded: ``padded(path, dim)`` tells the padded dims of the batch output at ``path``
+            (see :mod:`dpmethods.items.trim`); each item's tensors are narrowed to its own
+            positions there. None: nothing is trimmed.
+        prompt: a ``generate`` batch's left-padded prompt ids (``[rows, longest]``): an
+            output that starts with them comes back without each row's padding.
+
+    Example:
+        >>> import torch
+        >>> out = {"y": torch.arange(6).reshape(3, 2), "tags": ["a", "b", "c"], "aux": None}
+        >>> cut_output(out, 3, MethodOptions())[1]
+        {'y': tensor([2, 3]), 'tags': 'b', 'aux': None}
+        >>> cut_output({"loss": torch.tensor(1.0)}, 3, MethodOptions())
+        Traceback (most recent call last):
+        ...
+        ValueError: map: output['loss'] of the output of a batch of 3 items is a tensor of shape [], one value for the whole batch: it belongs to no item, so the output cannot be cut into one per item. Leave it out of the method's output (a loss: pass no labels), or map batches (no batch_size= or max_tokens=)
+    """
+    spec, leaves = _tree.flatten(out)
+    mode: Any = options.gather
+    if not isinstance(mode, Mapping) and not (isinstance(mode, str) and mode in BUILTIN_MODES):
+        mode = Mode.CAT  # a named mode or a callable joins whole outputs: rows cut by the batch dim
+    dim: Any = options.dim if options.gather_dim is None else options.gather_dim
+    if isinstance(dim, Mapping):
+        dim = {**dim, None: options.dim}
+    cutter = _Cutter(leaves, rows, padding, padded, prompt)
+    return cutter.node(spec, 0, "output", mode, dim, True)[0]

@@ -1,0 +1,219 @@
+"""Cheap digests of values and modules, stable from one process to the next: what a
+resumable map records to know its input, its arguments and its model again.
+
+:func:`digest` is a CRC-32 of a value's structure (types, lengths, mapping keys, a
+tensor's dtype and shape) and of a bounded sample of its content: a tensor's bytes whole
+up to 4 KiB, else about 1,024 of them spread evenly over it and its last; a string's
+characters likewise; the items of a list, tuple or mapping, or 64 of them spread evenly
+over it and its last when it has more. Numbers, ``None``, bytes and other buffers,
+dataclasses, named tuples and the types with a rule (:func:`dpmethods.register_type`,
+torch's pytree) are walked; an object of any other class counts by its class only, never
+by its ``repr``, which may hold a memory address that differs on every run, nor by the
+pointers of an array of Python objects. A tensor on an accelerator is sampled there and
+its sample copied to the host.
+
+:func:`module_identity` tells models apart where that is cheap: the class, the names,
+shapes and dtypes of the parameters and persistent buffers, and a digest of the
+parameters' sampled values.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dpmethods.types import tree
+from dpmethods.types.owners import unwrap_compiled
+
+__all__ = ["digest", "module_identity"]
+
+WHOLE = 4096  # a tensor with at most this many bytes is digested whole
+ELEMENTS = 1024  # bytes of a larger tensor (characters of a longer string) sampled, about
+ITEMS = 64  # items of a larger container sampled
+_DEPTH = 32  # nesting digested; deeper values count by their class
+_crc32 = zlib.crc32
+_heads: dict[tuple[torch.dtype, tuple[int, ...]], bytes] = {}
+_buffers: dict[int, Any] = {}
+_names: dict[type, bytes] = {}
+
+
+def digest(value: Any, crc: int = 0) -> int:
+    """A 32-bit digest of ``value``'s structure and a bounded sample of its content,
+    continuing ``crc``; equal on every run for equal values (see the module's docs).
+
+    Args:
+        value: a batch, an argument: tensors, strings, numbers, containers of them.
+        crc: the digest to continue (0 to start).
+
+    Example:
+        >>> import torch
+        >>> a = [torch.arange(6.0).reshape(2, 3), "text"]
+        >>> digest(a) == digest([torch.arange(6.0).reshape(2, 3), "text"])
+        True
+        >>> digest(a) == digest([torch.arange(6.0).reshape(3, 2), "text"])
+        False
+    """
+    return _walk(value, crc, 0)
+
+
+def _walk(value: Any, crc: int, depth: int) -> int:
+    if isinstance(value, Tensor):
+        return _tensor(value, crc)
+    kind = type(value)
+    if kind is str:
+        return _text(value, crc)
+    if kind is int or kind is float or kind is bool or value is None:
+        return _crc32(repr(value).encode(), _name(kind, crc))
+    if depth >= _DEPTH:
+        return _name(kind, crc)
+    if kind is list or kind is tuple:
+        return _items(value, _name(kind, crc), depth)
+    if kind is dict or (isinstance(value, Mapping) and tree.rule_for(kind) is None):
+        crc = _items(list(value), _name(kind, crc), depth)
+        return _items(list(value.values()), crc, depth)
+    return _other(value, kind, crc, depth)
+
+
+def _other(value: Any, kind: type, crc: int, depth: int) -> int:
+    crc = _name(kind, crc)
+    if isinstance(value, (int, float, complex)):  # their subclasses: an enum, a numpy scalar
+        return _crc32(repr(value).encode(), crc)
+    if isinstance(value, str):
+        return _text(value, crc)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _items([getattr(value, f.name) for f in dataclasses.fields(value)], crc, depth)
+    try:  # a registered rule or a pytree node, else the value itself as its one leaf
+        spec, leaves = tree.flatten(value)
+    except Exception:  # a rule that fails here fails in the method too, with its own error
+        return crc
+    if spec != tree.OTHER:
+        return _items(leaves, crc, depth)
+    if isinstance(value, (list, tuple)):
+        return _items(value, crc, depth)
+    try:  # bytes, and arrays of numpy or of the standard library
+        view = memoryview(value)
+    except (TypeError, ValueError, BufferError):
+        return crc
+    with view:
+        # Not pointers (an array of Python objects): their values differ on every run.
+        if not view.c_contiguous or any(c in view.format for c in "OP&"):
+            return crc
+        crc = _crc32(repr((view.format, view.shape)).encode(), crc)
+        with view.cast("B") as flat:
+            n = len(flat)
+            return _crc32(flat if n <= WHOLE else flat[:: n // ELEMENTS].tobytes(), crc)
+
+
+def _name(kind: type, crc: int) -> int:
+    name = _names.get(kind)
+    if name is None:
+        name = f"{kind.__module__}.{kind.__qualname__}:".encode()
+        if len(_names) < 4096:
+            _names[kind] = name
+    return _crc32(name, crc)
+
+
+def _items(values: Any, crc: int, depth: int) -> int:
+    n = len(values)
+    crc = _crc32(b"%d" % n, crc)
+    if n > ITEMS:
+        values = [*values[:: n // ITEMS], values[-1]]
+    if n and set(map(type, values)) == {str} and sum(map(len, values)) <= 16 * WHOLE:
+        return _text("\x1f".join(values), crc)  # texts (a batch of sentences): one CRC
+    for v in values:
+        crc = _tensor(v, crc) if isinstance(v, Tensor) else _walk(v, crc, depth + 1)
+    return crc
+
+
+def _text(text: str, crc: int) -> int:
+    n = len(text)
+    if n > ELEMENTS:
+        text = text[:: (n // ELEMENTS) | 1] + text[-1]
+    return _crc32(text.encode("utf-8", "surrogatepass"), _crc32(b"%d" % n, crc))
+
+
+def _tensor(t: Tensor, crc: int) -> int:
+    key = (t.dtype, t.shape)
+    head = _heads.get(key)
+    if head is None:
+        head = f"{t.dtype}{tuple(t.shape)}".encode()
+        if len(_heads) < 4096:
+            _heads[key] = head
+    crc = _crc32(head, crc)
+    try:
+        if t.is_cpu and t.is_contiguous():
+            n, address = t.nbytes, t.data_ptr()
+            if not address:
+                return crc
+            region = _region(address, n)
+            return _crc32(region if n <= WHOLE else region[:: (n // ELEMENTS) | 1] + region[n - 1:], crc)
+        if t.numel() == 0 or t.layout is not torch.strided or t.is_meta:
+            return crc
+        return _crc32(_sample(t), crc)
+    except (RuntimeError, NotImplementedError, TypeError):  # a tensor without storage, sparse
+        return crc
+
+
+def _region(address: int, n: int) -> Any:
+    """The ``n`` bytes at ``address`` as a ctypes array, without a copy (valid while their
+    tensor lives); a slice of it is a ``bytes``."""
+    kind = _buffers.get(n)
+    if kind is None:
+        kind = ctypes.c_char * n
+        if len(_buffers) < 4096:
+            _buffers[n] = kind
+    return kind.from_address(address)
+
+
+def _sample(t: Tensor) -> bytes:
+    """The bytes the host path digests, of a tensor elsewhere or not contiguous: its
+    bytes in row-major order, whole or sampled alike."""
+    flat = t.detach().contiguous().view(-1).view(torch.uint8)
+    n = flat.numel()
+    if n > WHOLE:
+        flat = torch.cat([flat[:: (n // ELEMENTS) | 1], flat[n - 1:]])
+    host = flat.cpu().contiguous()
+    return bytes(_region(host.data_ptr(), host.nbytes))
+
+
+def module_identity(module: nn.Module) -> dict[str, str]:
+    """What tells ``module`` from another model cheaply: its class; ``"tensors"``, a
+    digest of the names, shapes and dtypes of its parameters and persistent buffers;
+    ``"values"``, one of its parameters' sampled values. Only the class for a module
+    with parameters not yet materialized (lazy modules).
+
+    Args:
+        module: the model (through ``torch.compile``'s wrapper).
+
+    Example:
+        >>> import torch
+        >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+        >>> sorted(module_identity(a))
+        ['class', 'tensors', 'values']
+        >>> [module_identity(a)[k] == module_identity(b)[k] for k in ("class", "tensors", "values")]
+        [True, True, False]
+    """
+    module = unwrap_compiled(module)
+    identity = {"class": f"{type(module).__module__}.{type(module).__qualname__}"}
+    params = list(module.named_parameters())
+    if any(nn.parameter.is_lazy(p) for _, p in params):
+        return identity
+    tensors = params + [
+        (f"{prefix}.{name}" if prefix else name, b)
+        for prefix, m in module.named_modules() for name, b in m._buffers.items()
+        if b is not None and name not in m._non_persistent_buffers_set
+    ]
+    layout = 0
+    for name, t in tensors:
+        layout = _crc32(f"{name}:{t.dtype}{tuple(t.shape)};".encode(), layout)
+    values = 0
+    for _, p in params:
+        values = _tensor(p, values)
+    identity.update(tensors=f"{layout:08x}", values=f"{values:08x}")
+    return identity

@@ -1,0 +1,191 @@
+"""The names of the gather modes, and the table of named modes that libraries add.
+
+The built-in modes join tensors leaf by leaf (``"cat"``, ``"stack"``, ...). A named
+mode, added with :func:`register_gather_mode`, joins a whole output and sees the call
+it came from (the model, the call's arguments, each replica's share): what a
+``generate`` result needs, whose fill token comes from the model's config and the
+call's ``pad_token_id``. Mode names are plain strings everywhere; :class:`Mode` names
+the built-in ones once, and its members are those strings.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Callable
+from typing import Any
+
+from dpmethods.vocab.call_hooks import Call, check_arity
+from dpmethods.vocab.loading import load_pending
+
+__all__ = [
+    "BUILTIN_MODES",
+    "Mode",
+    "check_mode_name",
+    "known_modes",
+    "mode_check",
+    "named_mode",
+    "register_gather_mode",
+]
+
+
+class Mode(str, enum.Enum):
+    """The built-in gather modes; each member equals its string (``Mode.CAT == "cat"``).
+
+    Example:
+        >>> Mode.EXTEND == "extend", Mode("same") is Mode.SAME
+        (True, True)
+    """
+
+    CAT = "cat"
+    STACK = "stack"
+    MEAN = "mean"
+    SUM = "sum"
+    PAD = "pad"
+    LIST = "list"
+    EXTEND = "extend"
+    SAME = "same"
+
+    def __str__(self) -> str:
+        return self.value
+
+    # Hashed as its string (Enum hashes the member's name), so sets and dicts of modes
+    # and of strings mix: {Mode.LIST} & {"list"} is {"list"}.
+    __hash__ = str.__hash__
+
+
+BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})
+
+
+GatherFn = Callable[[list[Any], Any, "Call | None"], Any]
+CheckFn = Callable[["Call"], None]
+_NAMED: dict[str, GatherFn] = {}
+_CHECKS: dict[str, CheckFn] = {}
+
+
+def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = None) -> None:
+    """Add a gather mode ``name``: ``fn(outputs, device, call)`` joins a whole output.
+
+    ``outputs`` holds one output per replica, ``device`` is the output device, and
+    ``call`` is a :class:`~dpmethods.extending.Call` (``None`` when :func:`dpmethods.parallel.gather` is called
+    directly, outside a wrapper call). ``check(call)``, if given, runs before any replica
+    does, with the call's shares still empty: it raises for a call whose outputs ``fn``
+    could not join, so no work is wasted. Registering a name again replaces both.
+
+    Example:
+        >>> register_gather_mode("first", lambda outputs, device, call: outputs[0])
+        >>> named_mode("first")(["a", "b"], "cpu", None)
+        'a'
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register_gather_mode: name: expected a non-empty str, got {name!r}")
+    if name in BUILTIN_MODES:
+        raise ValueError(
+            f"register_gather_mode: name: expected a name other than the built-in modes "
+            f"{list(BUILTIN_MODES)}, got {name!r}"
+        )
+    if not callable(fn):
+        raise TypeError(
+            f"register_gather_mode: fn: expected a callable fn(outputs, device, call), got "
+            f"{type(fn).__name__} {fn!r}"
+        )
+    check_arity("register_gather_mode: fn", fn, "fn(outputs, device, call)")
+    if check is not None and not callable(check):
+        raise TypeError(
+            f"register_gather_mode: check: expected None or a callable check(call), got "
+            f"{type(check).__name__} {check!r}"
+        )
+    if check is not None:
+        check_arity("register_gather_mode: check", check, "check(call)")
+    _NAMED[name] = fn
+    _CHECKS.pop(name, None)
+    if check is not None:
+        _CHECKS[name] = check
+
+
+def mode_check(name: Any) -> CheckFn | None:
+    """The ``check`` registered with the named mode ``name``, or None.
+
+    Example:
+        >>> mode_check("cat") is None
+        True
+    """
+    return _CHECKS.get(name) if isinstance(name, str) else None
+
+
+def named_mode(name: str, where: str | None = None) -> GatherFn | None:
+    """The function of the named mode ``name``, or None (a built-in or unknown name).
+
+    With ``where`` (the option's name, for the message), an unknown name is refused
+    with a ValueError that lists every mode and form, instead of returning None.
+
+    Example:
+        >>> named_mode("cat") is None
+        True
+        >>> named_mode("nope", "gather")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: gather: expected one of the built-in modes ['cat', 'stack', 'mean', 'sum', 'pad', 'list', 'extend', 'same'], a named mode ...
+    """
+    if name in BUILTIN_MODES:
+        return None
+    fn = _NAMED.get(name)
+    if fn is None:
+        load_pending()  # an integration imported since may provide it ("generate")
+        fn = _NAMED.get(name)
+    if fn is None and where is not None:
+        raise ValueError(_unknown(where, name))
+    return fn
+
+
+def _unknown(where: str, name: str) -> str:
+    named = sorted(_NAMED)
+    close = difflib.get_close_matches(name, [*BUILTIN_MODES, *named], n=1)
+    return (
+        f"{where}: expected one of the built-in modes {list(BUILTIN_MODES)}, a named mode "
+        f"(registered so far: {', '.join(map(repr, named)) or 'none'}; a library's named "
+        "mode, such as transformers' 'generate', exists once the library is imported), a "
+        "mapping of output keys, field names or tuple positions to built-in modes, a tuple "
+        "of built-in modes (one per tuple position), or a callable fn(outputs, "
+        f"output_device); got {name!r}" + (f": did you mean {close[0]!r}?" if close else "")
+    )
+
+
+def check_mode_name(where: str, name: str) -> None:
+    """Refuse a mode name that is a typo of a built-in mode; accept any other.
+
+    A name that is neither built in nor registered yet may be a library's, registered
+    when the library is imported (after the method was decorated): it is resolved, with
+    :func:`named_mode`, when the method is called.
+
+    Example:
+        >>> check_mode_name("gather", "generate")  # resolved when called
+        >>> check_mode_name("gather", "extnd")
+        Traceback (most recent call last):
+        ...
+        ValueError: gather: expected one of ['cat', 'stack', 'mean', 'sum', 'pad', 'list', 'extend', 'same'] or a named mode, got 'extnd': did you mean 'extend'?
+    """
+    if name in BUILTIN_MODES or name in _NAMED:
+        return
+    close = difflib.get_close_matches(name.lower(), BUILTIN_MODES, n=1, cutoff=_TYPO)
+    if close:
+        raise ValueError(
+            f"{where}: expected one of {list(BUILTIN_MODES)} or a named mode, got {name!r}: "
+            f"did you mean {close[0]!r}?"
+        )
+
+
+# How close (difflib's ratio) to a built-in mode a name must be to be taken for its typo:
+# 'extnd', 'mena' and 'CAT' are; 'first' (0.67 to 'list') and 'generate' are not.
+_TYPO = 0.75
+
+
+def known_modes() -> list[str]:
+    """The built-in modes, then the named modes registered so far.
+
+    Example:
+        >>> known_modes()[:3]
+        ['cat', 'stack', 'mean']
+    """
+    return [*BUILTIN_MODES, *sorted(_NAMED)]
