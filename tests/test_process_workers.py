@@ -559,7 +559,7 @@ def test_a_class_marked_after_the_workers_hold_its_model_warns_there(holder: tup
     with torch.no_grad():
         dp(x)  # the workers hold it, unmarked
         mark_batch_coupled(MarkedLater, what="marked by a test")
-        dpmethods._warn_once.reset()
+        dpmethods.vocab.warn_once.reset()
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             out = dp(x)  # split over both workers: the mark warns in them
