@@ -353,15 +353,6 @@ def _walk_flag(node: Spec, start: int, inside: bool, found: set[int], flag: str)
     return start
 
 
-def top_level_leaf_counts(spec: Spec) -> list[tuple[str, int]] | None:
-    """``(key, number of leaves)`` per top-level key or field, or None if not keyed."""
-    if spec in _LEAVES or spec.kind not in (_DICT, _DATACLASS, _NAMEDTUPLE):
-        return None
-    kind, cls, meta, children = spec
-    keys = meta if kind == _DICT else meta[0] if kind == _DATACLASS else cls._fields
-    return [(str(k), len(leaf_paths(c))) for k, c in zip(keys, children)]
-
-
 def _describe(spec: Spec) -> str:
     if spec in _LEAVES:
         return {LEAF: "a tensor", NONE: "None"}.get(spec, "a non-tensor value")

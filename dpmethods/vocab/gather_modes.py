@@ -55,7 +55,6 @@ class Mode(str, enum.Enum):
 
 
 BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
-REDUCING = frozenset({Mode.MEAN.value, Mode.SUM.value})
 
 
 GatherFn = Callable[[list[Any], Any, "Call | None"], Any]

@@ -8,14 +8,13 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Union
 
 from dpmethods.vocab.call_hooks import CallHooks
-from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, check_mode_name, known_modes
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, check_mode_name, known_modes
 
 __all__ = [
-    "GATHER_MODES", "OPTION_NAMES", "GatherMode", "GatherOption", "MethodOptions",
+    "GATHER_MODES", "OPTION_NAMES", "GatherOption", "MethodOptions",
     "check_option_names",
 ]
 
-GatherMode = Mode
 GATHER_MODES: tuple[str, ...] = BUILTIN_MODES  # named modes (a library's) are registered apart
 # A mode; a mapping of top-level output keys, field names or tuple positions to modes;
 # a tuple of modes, one per position of a tuple output; or a callable.
