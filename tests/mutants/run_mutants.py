@@ -104,13 +104,13 @@ def _outcome(case: ET.Element) -> dict[str, Any]:
     # The report's text has the whole exception (its "E" lines): every leaf that differs.
     raised = "\n".join(ln[1:].strip() for ln in (node.text or "").splitlines() if ln.startswith("E "))
     ratios = [float(r) for r in _RATIO.findall(raised or message)]
+    first = next((ln for ln in message.splitlines() if ln.strip()), "")[:300]
     if ratios:
         how, ratio = "bound", max(ratios)
-    elif "AssertionError" in message or node.tag == "failure":
+    elif first.startswith(("AssertionError", "assert ")):
         how, ratio = "assertion", math.inf
-    else:
-        how, ratio = "error", math.inf
-    first = next((ln for ln in message.splitlines() if ln.strip()), "")[:300]
+    else:  # an exception: the mutation broke the call, or the model refused its input
+        how, ratio = f"error: {first.split(':')[0]}", math.inf
     return {"outcome": "killed", "how": how, "ratio": ratio, "message": first}
 
 
@@ -209,7 +209,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Python {report['python']}, "
         f"torch {report.get('torch', '?')}. A mutation is killed when every test aimed at it "
         f"fails, an `assert_close_to_reference` failure by at least {report['margin']:g} times "
-        "its bound (\"exact\": an exact comparison, a shape or an error). "
+        "its bound (\"exact\": an exact comparison, a shape, or an error the mutation caused). "
         f"The {report.get('baseline_tests', 0)} aimed tests pass on the unmutated code.", "",
         "| mutation | file | killed by | least difference / bound |",
         "|---|---|---|---|",
@@ -219,7 +219,8 @@ def markdown(report: dict[str, Any]) -> str:
         out.append(f"| `{m['name']}` | `{m['path']}` | {verdict} | {_ratio(m['least_ratio'])} |")
     for m in report["mutations"]:
         out += ["", f"## `{m['name']}`", "", m["description"], "",
-                f"`{m['path']}`: `{m['anchor']}` -> `{m['replacement']}`", "",
+                f"In `{m['path']}`, the line holding `{m['anchor']}` becomes:", "",
+                "```python", m["replacement"], "```", "",
                 "| test | outcome | difference / bound |", "|---|---|---|"]
         for test, r in m["tests"].items():
             how = r["outcome"] if r["outcome"] != "killed" else f"killed ({r['how']})"
