@@ -183,25 +183,56 @@ def _leaf_tensor(x: Any) -> Tensor | None:
     return None
 
 
-def _bound(expected: Tensor, terms: int, scale: float, dtype: torch.dtype, slack: float) -> tuple[float, float, float]:
-    """(atol, rtol, magnitude) for a result of ``terms`` rounded steps in ``dtype``."""
+# The loosest bound accepted, as a fraction of the largest |expected| value: a looser one
+# would let zeros, a sign flip or swapped rows pass.
+_MAX_RELATIVE_BOUND = 0.1
+_LOW = (torch.float16, torch.bfloat16)
+
+
+def _advice(terms: int, dtype: torch.dtype, scale: float, peak: float, rtol: float) -> str:
+    """What to do instead of a bound too loose for the values compared."""
+    if peak == 0:
+        return "The expected values are all zero (or not finite): leave scale out to compare them exactly."
+    if scale > peak and 2 * rtol <= _MAX_RELATIVE_BOUND:  # fine at the values' own magnitude
+        return (f"scale={scale:g} is far above the values compared: pass the magnitude of the "
+                "values the computation summed, or leave scale out.")
+    if dtype in _LOW:
+        return (f"terms counts the roundings in {dtype} on the path to one output: kernels that "
+                f"accumulate in float32 (matmuls and convolutions, autocast's too) round to "
+                f"{dtype} once per layer, so count the layers, not their inner sizes; or compare "
+                "the computation run in float32.")
+    return (f"Check terms={terms} (the rounded steps on the path to one output element), "
+            "or compare in float64.")
+
+
+def _bound(expected: Tensor, terms: int, scale: float, dtype: torch.dtype, slack: float,
+           name: str) -> tuple[float, float, float]:
+    """(atol, rtol, magnitude) for a result of ``terms`` rounded steps in ``dtype``; a
+    ValueError when that bound is not small against the values compared."""
+    if isinstance(terms, bool) or not isinstance(terms, int) or terms < 0:
+        raise ValueError(f"assert_close_to_reference: terms: expected an int >= 0, got {terms!r}")
     u = torch.finfo(dtype).eps / 2  # unit roundoff
-    if not 0 <= terms * u < 1:
-        raise ValueError(
-            f"assert_close_to_reference: terms={terms} is "
-            f"{'negative' if terms < 0 else f'too many for {dtype} (terms * eps / 2 >= 1)'}"
-        )
-    rtol = slack * 2 * terms * u / (1 - terms * u)  # slack * 2 * gamma_n: both sides rounded
+    rtol = slack * 2 * math.sqrt(terms) * u  # both sides rounded: twice one side's error
     finite = expected[torch.isfinite(expected)]
-    magnitude = max(scale, float(finite.abs().max()) if finite.numel() else 0.0)
-    return rtol * magnitude, rtol, magnitude
+    peak = float(finite.abs().max()) if finite.numel() else 0.0
+    magnitude = max(scale, peak)
+    atol = rtol * magnitude
+    if atol + rtol * peak > _MAX_RELATIVE_BOUND * peak:
+        raise ValueError(
+            f"assert_close_to_reference: {name}: terms={terms} in {dtype} gives rtol {rtol:.3g} "
+            f"and atol {atol:.3g} (magnitude {magnitude:.3g}): a bound of {atol + rtol * peak:.3g} "
+            f"at the largest |expected| value, {peak:.3g}, more than {_MAX_RELATIVE_BOUND:g} of it, "
+            "so zeros, a sign flip or swapped rows could pass. "
+            + _advice(terms, dtype, scale, peak, rtol)
+        )
+    return atol, rtol, magnitude
 
 
 def _compare_floats(name: str, a: Tensor, e: Tensor, terms: int, scale: float,
                     dtype: torch.dtype | None, slack: float) -> str | None:
     if e.is_complex():
         a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
-    atol, rtol, magnitude = _bound(e, terms, scale, dtype or e.dtype, slack)
+    atol, rtol, magnitude = _bound(e, terms, scale, dtype or e.dtype, slack, name)
     a64, e64 = a.double(), e.double()
     nan_a, nan_e = a64.isnan(), e64.isnan()
     diff = torch.where(a64 == e64, 0.0, (a64 - e64).abs()).masked_fill(nan_a & nan_e, 0.0)
@@ -210,14 +241,16 @@ def _compare_floats(name: str, a: Tensor, e: Tensor, terms: int, scale: float,
     if not bool(bad.any()):
         return None
     rel = torch.where(diff == 0, 0.0, diff / e64.abs())
+    over = torch.where(diff == 0, 0.0, diff / allowed).nan_to_num(math.inf)
     at = tuple(int(i) for i in torch.unravel_index(diff.nan_to_num(math.inf).argmax(), diff.shape))
     return (
         f"{name}: {int(bad.sum())} of {bad.numel()} elements differ by more than the bound; "
         f"max absolute difference {float(diff.nan_to_num(math.inf).max()):.3g} at {list(at)} "
         f"(actual {float(a64[at]):.9g}, expected {float(e64[at]):.9g}), max relative difference "
         f"{float(rel.nan_to_num(math.inf).max()):.3g}; bound |actual - expected| <= atol + "
-        f"rtol * |expected| with rtol = {slack:g} * 2 * gamma_{terms} = {rtol:.3g} "
-        f"({dtype or e.dtype}) and atol = rtol * magnitude {magnitude:.3g} = {atol:.3g}"
+        f"rtol * |expected| with rtol = {slack:g} * 2 * sqrt({terms}) * u = {rtol:.3g} "
+        f"({dtype or e.dtype}) and atol = rtol * magnitude {magnitude:.3g} = {atol:.3g}; "
+        f"the largest difference is {float(over.max()):.3g} times its bound"
     )
 
 
@@ -254,38 +287,49 @@ def _leaves(tree: Any) -> tuple[list[tuple[str, Any]], Any]:
 
 
 def assert_close_to_reference(
-    actual: Any, expected: Any, *, terms: int, scale: float = 1.0,
+    actual: Any, expected: Any, *, terms: int, scale: float = 0.0,
     dtype: torch.dtype | None = None, slack: float = 4.0, msg: str = "",
 ) -> None:
     """Fail unless ``actual`` equals the one-device ``expected`` up to rounding.
 
     A parallel result and its reference compute the same sums in another order: a
     batch split in shares makes BLAS pick other blockings, and another CPU has other
-    kernels. Summing ``n`` terms ``x_i`` in any order in a float type with unit
-    roundoff ``u = eps / 2`` errs by at most ``gamma_n * sum |x_i|``, with
-    ``gamma_n = n*u / (1 - n*u)`` (Higham, *Accuracy and Stability of Numerical
-    Algorithms*, 4.2); two such results differ by twice that. ``sum |x_i|`` is
-    estimated by the magnitude of the reference (its largest finite ``|value|``, at
-    least ``scale``) and ``slack`` (default 4) covers cancellation. Each float tensor
-    must hold, elementwise::
+    kernels. Summing ``n`` terms ``x_i`` in a float type with unit roundoff
+    ``u = eps / 2`` errs by at most ``n * u * sum |x_i|`` in the worst case, but
+    rounding errors are independent and of either sign, and what they reach is about
+    ``sqrt(n) * u * sum |x_i|`` (the probabilistic bound: Higham and Mary, *A New
+    Approach to Probabilistic Rounding Error Analysis*, 2019); two such results differ
+    by twice that. ``sum |x_i|`` is estimated by the magnitude of the values compared
+    (the reference's largest finite ``|value|``), and ``slack`` (default 4) covers
+    cancellation and the tail of the distribution. Each float tensor must hold,
+    elementwise::
 
         |actual - expected| <= atol + rtol * |expected|
-        rtol = slack * 2 * gamma_terms,   atol = rtol * magnitude
+        rtol = slack * 2 * sqrt(terms) * u,   atol = rtol * magnitude
 
     ``terms`` counts the rounded steps on the path to one output element: the inner
     dimension of a matmul (plus one for a bias), summed over the layers of a network,
     plus the rows a mean or a weight gradient sums over; a step that amplifies
     relative errors (``exp`` of a large value, a square, a softmax of large logits)
-    multiplies what comes before it by its condition number. ``terms=0`` asks for
-    bit-identical floats (a concatenation of copies). NaNs must sit in the same
-    places and infinities match exactly. Integer, bool, index and token tensors are
-    always compared exactly, and shapes and dtypes must match.
+    multiplies what comes before it by its condition number. In bfloat16 and float16,
+    where kernels accumulate in float32 and round once per layer, it counts those
+    roundings. ``terms=0`` asks for bit-identical floats (a concatenation of copies).
+    NaNs must sit in the same places and infinities match exactly. Integer, bool, index
+    and token tensors are always compared exactly, and shapes and dtypes must match.
+
+    A bound that is not small against the values compared is refused, not used: when
+    it exceeds a tenth of the largest ``|expected|`` value (too many terms for the
+    dtype, or a ``scale`` far above the values), zeros, a sign flip or swapped rows
+    could pass, and a ``ValueError`` says so, naming ``terms``, the dtype, the bound and
+    the values' magnitude.
 
     Args:
         actual: a tensor, a numpy array, a Python number, or a pytree of them.
         expected: the one-device reference, of the same structure.
         terms: rounded steps on the path to an output element (see above).
-        scale: the least magnitude, for outputs that are small by cancellation.
+        scale: the magnitude of the values summed, where it is larger than the
+            result's (a log-sum-exp of large logits, a loss that cancels); by default
+            the magnitude comes from the values compared.
         dtype: the dtype the arithmetic ran in, when lower than the tensors'
             (bfloat16 autocast); by default each tensor's own dtype.
         slack: the factor for cancellation and for ``|expected|`` standing in for
@@ -294,7 +338,9 @@ def assert_close_to_reference(
 
     Raises:
         AssertionError: naming each leaf that differs, with its max absolute and
-            relative difference, where, and the bound used.
+            relative difference, where, the bound used, and how many times the bound
+            the largest difference is.
+        ValueError: when the bound is not small against the values compared.
 
     Example:
         >>> import torch, dpmethods

@@ -132,6 +132,10 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return (a.detach().cpu() - b.detach().cpu()).abs().max().item()
 
 
+def _max_abs(*tensors: Tensor) -> float:
+    return max(t.detach().abs().max().item() for t in tensors)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends each option's default, unless its help already says it."""
 
@@ -149,8 +153,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     Returns:
         A summary: ``losses`` per step, ``encode_max_diff``, ``decode_max_diff`` and
-        ``loss_diff`` (parallel vs single device), ``grad_max_diff``, ``replicas``,
-        ``batch`` and ``posterior_type`` (the type ``dp.encode`` returned).
+        ``loss_diff`` (parallel vs single device), ``grad_max_diff``, the largest
+        ``|value|`` each compares (``encode_max_abs``, ``decode_max_abs``, ``loss_abs``,
+        ``grad_max_abs``), ``replicas``, ``batch`` and ``posterior_type`` (the type
+        ``dp.encode`` returned).
 
     Example:
         >>> summary = main(["--steps", "2", "--quiet"])
@@ -227,6 +233,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "grad_max_diff": grad_diff,
         "encode_max_diff": encode_diff,
         "decode_max_diff": decode_diff,
+        "loss_abs": abs(ref_loss.item()),
+        "grad_max_abs": _max_abs(*ref_grads),
+        "encode_max_abs": _max_abs(ref.mu, ref.logvar),
+        "decode_max_abs": _max_abs(ref_recon),
         "posterior_type": type(posterior).__name__,
     }
     say(f"VAE on {len(device_ids)} replicas ({', '.join(summary['devices'])}), batch {args.batch}")

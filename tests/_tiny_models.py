@@ -98,9 +98,10 @@ def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
     )
     torch.manual_seed(0)
     model = transformers.Qwen2VLForConditionalGeneration(config).eval()
-    # Images per row 1, 0, 2, 1, 1, 0, 1, of different sizes; each stands in the text as
+    # Images per row 2, 2, 1, 0, 1, 1, 0, of different sizes, so that on 3 or 4 replicas
+    # no replica's first image has its first row's index; each stands in the text as
     # prod(t, h, w) / merge**2 image tokens between vision start and end.
-    grids_per_row = [[(1, 4, 4)], [], [(1, 2, 4), (1, 4, 2)], [(1, 2, 2)], [(1, 4, 4)], [], [(1, 2, 6)]]
+    grids_per_row = [[(1, 4, 4), (1, 2, 2)], [(1, 2, 4), (1, 4, 2)], [(1, 2, 2)], [], [(1, 4, 4)], [(1, 2, 6)], []]
     g = torch.Generator().manual_seed(0)
     rows, grids = [], []
     for row in grids_per_row:

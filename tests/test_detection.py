@@ -13,7 +13,7 @@ import torch
 from _close import FASTER_RCNN_TERMS, RETINANET_TERMS
 from torch import nn
 
-from dpmethods import DataParallel
+from dpmethods import DataParallel, chunk_sizes
 from dpmethods.testing import assert_close_to_reference
 
 detection = pytest.importorskip("torchvision.models.detection")
@@ -24,8 +24,9 @@ def _images(n: int) -> list[torch.Tensor]:
 
 
 def _targets(n: int) -> list[dict[str, torch.Tensor]]:
+    """Two boxes per image, of sizes and places that differ: the images' losses differ."""
     return [
-        {"boxes": torch.tensor([[5.0, 5.0, 30.0, 40.0], [10.0 + i, 20.0, 50.0, 60.0]]),
+        {"boxes": torch.tensor([[5.0 + 3 * i, 5.0, 30.0 + 5 * i, 40.0], [10.0 + i, 20.0, 50.0, 60.0 - 2 * i]]),
          "labels": torch.tensor([1, 1 + i % 2])}
         for i in range(n)
     ]
@@ -68,8 +69,18 @@ def test_detection_eval_with_no_configuration(make: object, batch: int, devices:
         assert_close_to_reference(g, r, terms=terms)  # labels exactly
 
 
-@pytest.mark.parametrize("batch,devices", [(4, 2), (6, 3)])
+# The R-CNN heads' losses are means over the proposals sampled from all images (10 per
+# image, and its 2 boxes), so with as many boxes in every image, weights by image give
+# the full batch's. The RPN's are means over the anchors sampled, which vary with the
+# boxes: weighted by image, they are the replicas' losses as documented, close to the
+# full batch's but not equal.
+ROI_LOSSES = ("loss_classifier", "loss_box_reg")
+
+
+@pytest.mark.parametrize("batch,devices", [(5, 3), (7, 3)])
 def test_detection_training_losses_with_no_configuration(batch: int, devices: int) -> None:
+    # Uneven shares (2 + 2 + 1, 3 + 2 + 2): an unweighted mean of the replicas' losses
+    # would differ.
     torch.manual_seed(0)
     model = _faster_rcnn().train()
     for m in model.modules():  # batch statistics would couple the items (see docs)
@@ -79,5 +90,13 @@ def test_detection_training_losses_with_no_configuration(batch: int, devices: in
     ref = model(images, targets)
     got = DataParallel(model, device_ids=["cpu"] * devices)(images, targets)
     assert got.keys() == ref.keys()
-    # The losses: means over the images' boxes (about 30 each).
-    assert_close_to_reference(got, ref, terms=FASTER_RCNN_TERMS + batch * 30)
+    # Means over the images' boxes and anchors (about 30 each).
+    terms = FASTER_RCNN_TERMS + batch * 30
+    # Every loss: each share's, as one device computes it, weighted by its images.
+    shares, start = [], 0
+    for size in chunk_sizes(batch, devices):
+        shares.append((size, model(images[start:start + size], targets[start:start + size])))
+        start += size
+    weighted = {k: sum(size / batch * losses[k] for size, losses in shares) for k in ref}
+    assert_close_to_reference(got, weighted, terms=terms)
+    assert_close_to_reference({k: got[k] for k in ROI_LOSSES}, {k: ref[k] for k in ROI_LOSSES}, terms=terms)

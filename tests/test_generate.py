@@ -1,10 +1,10 @@
 """``generate`` through DataParallel equals one device, token for token.
 
 Tiny random transformers models (GPT-2, Llama, T5, Whisper). Random weights rarely
-emit a given token, so each test picks eos ids from the model's own greedy output
-without eos: a set of tokens that ends the rows at different steps, so that the
-replicas stop at different steps and their outputs must be padded as one device pads
-them. Greedy and beam search, ``pad_token_id`` 0 (where beam search fills with eos)
+emit a given token, so each test picks eos ids from the model's own output without
+eos: a set of tokens that ends the rows at different steps, checked by generating each
+replica's share, so that the replicas stop at different steps and their outputs must be
+padded as one device pads them. Greedy and beam search, ``pad_token_id`` 0 (where beam search fills with eos)
 and non-zero, left-padded prompts, 7 items on 3 replicas and 8 on 4.
 """
 
@@ -81,21 +81,23 @@ def _inputs(name: str, n: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _eos_ids(model: Any, inputs: dict[str, Any], sizes: list[int]) -> list[int]:
-    """Tokens that end the greedy rows at steps that differ between the replicas' chunks."""
+def _eos_ids(model: Any, inputs: dict[str, Any], sizes: list[int], **search: Any) -> list[int]:
+    """Tokens that end the rows at steps that differ between the replicas' shares, so that
+    their outputs must be padded: drawn from the model's own output without eos, and
+    checked by generating each share as its replica does (``search``: beams, returns)."""
+    kwargs = dict(max_new_tokens=NEW, pad_token_id=2, do_sample=False, **search)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     with torch.no_grad():
-        full = model.generate(**inputs, max_new_tokens=NEW, eos_token_id=None, pad_token_id=2)
-    new = full[:, -NEW:]
-    counts = Counter(t for t in new.flatten().tolist() if t not in (0, 2, 3))
-    for k in range(1, 4):
-        eos = [t for t, _ in counts.most_common(k)]
-        stops = [
-            next((i + 1 for i, t in enumerate(row) if t in eos), NEW) for row in new.tolist()
-        ]
-        starts = [sum(sizes[:i]) for i in range(len(sizes))]
-        widths = {max(stops[a : a + s]) for a, s in zip(starts, sizes)}
-        if len(widths) > 1:
-            return eos
+        new = model.generate(**inputs, **kwargs, eos_token_id=None)[:, -NEW:]
+        counts = Counter(t for t in new.flatten().tolist() if t not in (0, 2, 3))
+        for k in range(1, 6):
+            eos = [t for t, _ in counts.most_common(k)]
+            widths = {
+                model.generate(**{key: v[a : a + s] for key, v in inputs.items()}, **kwargs, eos_token_id=eos).shape[1]
+                for a, s in zip(starts, sizes)
+            }
+            if len(widths) > 1:
+                return eos
     pytest.fail(f"no eos ids make the replicas stop at different steps: {new.tolist()}")
 
 
@@ -111,11 +113,9 @@ def built(request: Any) -> tuple[str, Any]:
 def test_sequences_equal_one_device(built: tuple[str, Any], n: int, replicas: int, pad: int, beams: int) -> None:
     name, model = built
     inputs = _inputs(name, n)
-    eos = _eos_ids(model, inputs, chunk_sizes(n, replicas))
-    kwargs: dict[str, Any] = dict(
-        max_new_tokens=NEW, eos_token_id=eos, pad_token_id=pad, num_beams=beams,
-        num_return_sequences=2 if beams > 1 else 1, do_sample=False,
-    )
+    search = dict(num_beams=beams, num_return_sequences=2 if beams > 1 else 1)
+    eos = _eos_ids(model, inputs, chunk_sizes(n, replicas), **search)
+    kwargs: dict[str, Any] = dict(max_new_tokens=NEW, eos_token_id=eos, pad_token_id=pad, do_sample=False, **search)
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * replicas)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1122,6 +1122,14 @@ def test_seeded_sampling_is_reproducible_in_process_workers(contract: dict[str, 
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(call, other)
     assert not any(torch.equal(a, b) for a, b in zip(mapped, other_mapped))
+    # Each worker, and each batch, draws numbers of its own: on zeros an output is the
+    # bias plus the draws, and no share or batch repeats another's.
+    zeros = torch.zeros(6, 4)
+    with torch.no_grad():
+        shares = dp.noisy(zeros)
+        first, second = dp.map("noisy", [zeros[:2], zeros[:3]])
+    assert not torch.equal(shares[:3], shares[3:])
+    assert not torch.equal(first, second[:2])
     # A batch's samples do not depend on which worker ran it: one worker gives the same.
     one = dpmethods.DataParallel(dp.module, device_ids=["cpu"], workers="processes")
     try:

@@ -46,8 +46,9 @@ def _close(got: Any, ref: Any, terms: int, **kwargs: Any) -> None:
 def _detector() -> nn.Module:
     detection = pytest.importorskip("torchvision.models.detection")
     # Small images; every anchor and proposal sampled (huge per-image batch sizes) and a
-    # fixed number of proposals per image, so the training losses are deterministic and
-    # each image weighs the same in them, as the "mean" gather assumes.
+    # fixed number of proposals per image, so the training losses are deterministic and,
+    # with as many boxes in every image, each image weighs the same in the heads' losses,
+    # as the "mean" gather assumes (the RPN's count the anchors each image samples).
     return detection.fasterrcnn_mobilenet_v3_large_fpn(
         weights=None,
         weights_backbone=None,
@@ -95,9 +96,9 @@ def test_torchvision_detection_training_with_targets(batch: int, devices: int) -
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.eval()
     images = _images(batch)
-    targets = [
+    targets = [  # two boxes per image, of sizes and places that differ: the images' losses differ
         {
-            "boxes": torch.tensor([[5.0, 5.0, 30.0, 40.0], [10.0 + i, 20.0, 50.0, 60.0]]),
+            "boxes": torch.tensor([[5.0 + 3 * i, 5.0, 30.0 + 5 * i, 40.0], [10.0 + i, 20.0, 50.0, 60.0 - 2 * i]]),
             "labels": torch.tensor([1, 1 + i % 2]),
         }
         for i in range(batch)
@@ -112,7 +113,14 @@ def test_torchvision_detection_training_with_targets(batch: int, devices: int) -
     got = dp(images, targets)
     assert got.keys() == ref.keys()
     # The losses: means over up to 8 images x about 30 boxes; the gradient sums over them.
-    _close(got, ref, DETECTOR_TERMS + batch * 30)
+    # The heads' losses are the full batch's; every loss is the shares' weighted by images.
+    terms = DETECTOR_TERMS + batch * 30
+    sizes = [batch // devices + (i < batch % devices) for i in range(devices)]
+    starts = [sum(sizes[:i]) for i in range(devices)]
+    shares = [model(images[a:a + s], targets[a:a + s]) for a, s in zip(starts, sizes)]
+    _close(got, {k: sum(s / batch * share[k] for s, share in zip(sizes, shares)) for k in ref}, terms)
+    heads = ("loss_classifier", "loss_box_reg")
+    _close({k: got[k] for k in heads}, {k: ref[k] for k in heads}, terms)
     grad = torch.autograd.grad(sum(got.values()), model.roi_heads.box_predictor.cls_score.weight)[0]
     _close(grad, ref_grad, 2 * DETECTOR_TERMS + batch * 30)
 

@@ -271,10 +271,11 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
     model = build()
     ids, _ = _tokens(n)
     labels = _uneven_labels(ids, devices)
+    _far_from_uniform(model, dict(input_ids=ids, labels=labels))  # tokens' losses differ
     got, want, warned = _loss_call(model, dict(input_ids=ids, labels=labels), devices)
     assert warned == []
     assert got.loss.dim() == 0 and torch.isfinite(got.loss)  # the empty replica adds 0, not NaN
-    _close(got.loss, want.loss)
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=float(want.logits.abs().max()))
     _close(got.logits, want.logits)
     # Gradients too (no dropout in these configs): the weighted join is differentiable,
     # the empty replica left out.
@@ -294,33 +295,57 @@ _LLAMA = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_la
               num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
 
 
+def _far_from_uniform(model: nn.Module, kwargs: dict[str, Any], key: str = "logits") -> torch.Tensor:
+    """Scale the model's output head (its last Linear) so that its logits spread by about
+    3, and return them: a random head's logits are near uniform, every row's loss near
+    ln(classes), and a wrong weighting of the replicas' losses would hardly show."""
+    head = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    model.eval()
+    with torch.no_grad():
+        head.weight.mul_(3 / float(model(**kwargs)[key].std()))
+        return model(**kwargs)[key]
+
+
+def _ranked(logits: torch.Tensor) -> torch.Tensor:
+    """Per row, the class ranked from the most likely (the first rows: a small loss) to the
+    least likely (the last rows: a large loss): each replica's mean loss differs."""
+    n, k = logits.shape
+    order = logits.argsort(-1, descending=True)
+    return order[torch.arange(n), torch.arange(n) * k // n]
+
+
 def _classification_case(kind: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
     g = torch.Generator().manual_seed(n)
     ids = torch.randint(5, 50, (n, 6), generator=g)
-    classes = torch.randint(0, 3, (n,), generator=g)
-    classes[1] = -100  # an ignored row: the replicas' means are weighted by counted rows
     torch.manual_seed(0)
-    if kind == "single-label":
-        model = transformers.BertForSequenceClassification(transformers.BertConfig(**_BERT, num_labels=3))
-        return model, dict(input_ids=ids, labels=classes)
-    if kind == "regression":
-        model = transformers.BertForSequenceClassification(transformers.BertConfig(**_BERT, num_labels=1))
-        return model, dict(input_ids=ids, labels=torch.randn(n, generator=g))
-    if kind == "multi-label":
-        config = transformers.BertConfig(**_BERT, num_labels=3, problem_type="multi_label_classification")
-        labels = (torch.rand(n, 3, generator=g) > 0.5).float()
-        return transformers.BertForSequenceClassification(config), dict(input_ids=ids, labels=labels)
-    if kind == "llama":  # self.loss_function without **kwargs: a mean over counted rows
+    if kind in ("single-label", "regression", "multi-label"):
+        labels = {"single-label": 3, "regression": 1, "multi-label": 3}[kind]
+        problem = "multi_label_classification" if kind == "multi-label" else None
+        config = transformers.BertConfig(**_BERT, num_labels=labels, problem_type=problem)
+        model: nn.Module = transformers.BertForSequenceClassification(config)
+    elif kind == "llama":  # self.loss_function without **kwargs: a mean over counted rows
         config = transformers.LlamaConfig(**_LLAMA, num_labels=3, pad_token_id=0)
-        return transformers.LlamaForSequenceClassification(config), dict(input_ids=ids, labels=classes)
-    if kind == "gpt2":
+        model = transformers.LlamaForSequenceClassification(config)
+    elif kind == "gpt2":
         config = transformers.GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1,
                                          n_head=2, num_labels=3, pad_token_id=0)
-        return transformers.GPT2ForSequenceClassification(config), dict(input_ids=ids, labels=classes)
-    choices = torch.randint(5, 50, (n, 3, 6), generator=g)  # 3 choices: no share's size
-    return transformers.BertForMultipleChoice(transformers.BertConfig(**_BERT)), dict(
-        input_ids=choices, labels=classes
-    )
+        model = transformers.GPT2ForSequenceClassification(config)
+    else:
+        ids = torch.randint(5, 50, (n, 3, 6), generator=g)  # 3 choices: no share's size
+        model = transformers.BertForMultipleChoice(transformers.BertConfig(**_BERT))
+    logits = _far_from_uniform(model, dict(input_ids=ids))
+    # Losses that grow down the batch: the replicas' means differ, so only the right
+    # weights give the full-batch loss.
+    if kind == "regression":
+        return model, dict(input_ids=ids, labels=logits[:, 0] + torch.linspace(0, 4, n))
+    if kind == "multi-label":  # the first third of the rows right, the others wrong
+        wrong = (torch.arange(n) * 3 >= n)[:, None]
+        return model, dict(input_ids=ids, labels=((logits > 0) ^ wrong).float())
+    classes = _ranked(logits)
+    # An ignored row in the last share: the replicas count 3, 2, 1 rows (7 on 3), or 2, 2,
+    # 2, 1 (8 on 4), and their means are weighted by counted rows.
+    classes[n - 1] = -100
+    return model, dict(input_ids=ids, labels=classes)
 
 
 @pytest.mark.parametrize("kind", ["single-label", "regression", "multi-label", "gpt2", "llama", "multiple-choice"])
@@ -332,8 +357,10 @@ def test_classification_heads_losses_equal_the_full_batch_loss(n: int, devices: 
     got, want, warned = _loss_call(model, kwargs, devices)
     assert warned == []
     assert got.loss.dim() == 0
-    _close(got.loss, want.loss)
-    _close(got[0], want[0])  # the loss, as on one device
+    # The loss: a log-sum-exp of the logits, less one of them: they are the magnitude.
+    scale = float(want.logits.abs().max())
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=scale)
+    assert_close_to_reference(got[0], want[0], terms=TERMS, scale=scale)  # the loss, as on one device
     _close(got.logits, want.logits)
 
 
@@ -352,7 +379,14 @@ def _positions(n: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     starts = torch.randint(0, width, (n,), generator=g)
     ends = torch.randint(0, width, (n,), generator=g)
-    starts[1] = ends[1] = width + 2  # an answer outside the input: ignored by both losses
+    return _outside(starts, ends, width)
+
+
+def _outside(starts: torch.Tensor, ends: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows 1 and n - 1 answered outside the input: ignored by both losses, so the replicas
+    count 2, 2, 1 rows (7 on 3), or 1, 2, 2, 1 (8 on 4)."""
+    n = len(starts)
+    starts[1] = ends[1] = width + 2
     starts[n - 1] = ends[n - 1] = width
     return starts, ends
 
@@ -364,12 +398,19 @@ def test_question_answering_loss_equals_the_full_batch_loss(
     n: int, devices: int, kind: str, return_dict: bool
 ) -> None:
     ids = torch.randint(5, 50, (n, 6), generator=torch.Generator().manual_seed(n))
-    starts, ends = _positions(n, 6)
+    model = _question_answering(kind)
+    logits = _far_from_uniform(model, dict(input_ids=ids), "start_logits")
+    with torch.no_grad():
+        end_logits = model(input_ids=ids).end_logits
+    # Answers from the most likely positions (the first rows) to the least (the last):
+    # the replicas' mean losses differ.
+    starts, ends = _outside(_ranked(logits), _ranked(end_logits), 6)
     kwargs = dict(input_ids=ids, start_positions=starts, end_positions=ends, return_dict=return_dict)
-    got, want, warned = _loss_call(_question_answering(kind), kwargs, devices)
+    got, want, warned = _loss_call(model, kwargs, devices)
     assert warned == []
     assert got[0].dim() == 0
-    _close(got[0], want[0])  # the loss first, as on one device
+    scale = float(torch.cat([want[1], want[2]]).abs().max())  # the logits: the loss's magnitude
+    assert_close_to_reference(got[0], want[0], terms=TERMS, scale=scale)  # the loss first, as on one device
     _close(got[1], want[1])
 
 
@@ -393,9 +434,10 @@ def test_a_weighted_loss_with_return_dict_false_is_the_first_element(n: int, dev
     model = _bert_mlm()
     ids, _ = _tokens(n)
     labels = _uneven_labels(ids, devices)
+    _far_from_uniform(model, dict(input_ids=ids))  # tokens' losses differ
     got, want, warned = _loss_call(model, dict(input_ids=ids, labels=labels, return_dict=False), devices)
     assert type(got) is tuple and warned == []
-    _close(got[0], want[0])
+    assert_close_to_reference(got[0], want[0], terms=TERMS, scale=float(want[1].abs().max()))
     _close(got[1], want[1])
 
 
@@ -595,7 +637,7 @@ def test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration(devic
         want, got = model(**inputs), dp(**inputs)
         want_tokens, got_tokens = model.generate(**inputs, **kwargs), dp.generate(**inputs, **kwargs)
     _close(got.logits, want.logits)
-    assert len(got.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 6
+    assert len(got.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 7
     for g, w in zip(got.image_outputs.pooler_output, want.image_outputs.pooler_output):
         _close(g, w)
     assert torch.equal(got_tokens, want_tokens)

@@ -5,7 +5,8 @@
 ``prod(t, h, w) / merge_size**2`` image tokens. The patches and grids reach every
 replica whole (they are in ``broadcast``), and :data:`VISION_SHARES` keeps, for each
 replica, the patches and grid rows of the images whose tokens are in its rows of
-``input_ids`` (videos likewise). Per-image outputs (``image_outputs``) are joined in
+``input_ids`` (videos likewise), and gives a replica whose rows have no images none, as
+a text-only batch. Per-image outputs (``image_outputs``) are joined in
 image order by :func:`take_per_image`.
 """
 
@@ -88,6 +89,10 @@ def _shares(
         counts = _images_per_row(full.to(grid.device), grid, int(token), int(merge), grid_name)
         first = sum(counts[:start])
         last = first + sum(counts[start : start + mine.shape[0]])
+        if first == last:  # rows without images: none given, as to a text-only batch
+            for name in (patches, grid_name, *extra):
+                kwargs.pop(name, None)
+            continue
         sizes = grid.prod(-1)
         offset = int(sizes[:first].sum())
         kwargs[grid_name] = grid[first:last]
