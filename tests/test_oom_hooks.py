@@ -125,7 +125,7 @@ def test_each_half_gets_the_patches_of_its_rows_images(tmp_path: Path, workers: 
     _ran_in_halves(tmp_path)
     for g in got:
         assert_close_to_reference(g.logits, want.logits, terms=VL_TERMS)
-        assert len(g.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 6
+        assert len(g.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 7
         assert_close_to_reference(list(g.image_outputs.pooler_output), list(want.image_outputs.pooler_output),
                                   terms=VL_TERMS)
 
