@@ -11,6 +11,7 @@ too.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -76,7 +77,22 @@ def test_logits_loss_and_gradients_equal_one_device(name: str, n: int, devices: 
     for key in fields:
         assert_close_to_reference(got[key], want[key], terms=TERMS, scale=scale, msg=f"{name} {key}: ")
     assert got_grads.keys() == want_grads.keys()
-    assert_close_to_reference(got_grads, want_grads, terms=GRAD_TERMS, scale=scale, msg=f"{name} grads: ")
+    _assert_grads_close(got_grads, want_grads, scale, f"{name} grads: ")
+
+
+def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], scale: float,
+                        msg: str) -> None:
+    """Every gradient within the rounding bound of the loss's scale. A gradient whose
+    values all lie below twenty times that bound's absolute part carries no signal in
+    float32 (an attention key's bias: zero by the softmax's shift invariance, so what is
+    computed is rounding): it must stay that small, on one device and on replicas alike."""
+    floor = 4.0 * 2 * math.sqrt(GRAD_TERMS) * torch.finfo(torch.float32).eps / 2 * scale  # the helper's atol
+    signal = {k for k, w in want.items() if float(w.abs().max()) > 20 * floor}
+    for k in want.keys() - signal:
+        assert float(got[k].abs().max()) <= 20 * floor, f"{msg}{k}: {float(got[k].abs().max()):.3g} > {20 * floor:.3g}"
+    assert len(signal) > len(want) // 2, f"{msg}most gradients are below the rounding bound: {sorted(want.keys() - signal)}"
+    assert_close_to_reference({k: got[k] for k in signal}, {k: want[k] for k in signal}, terms=GRAD_TERMS,
+                              scale=scale, msg=msg)
 
 
 @pytest.mark.parametrize("name", ["clip", "siglip"])
