@@ -76,8 +76,11 @@ def test_logits_loss_and_gradients_equal_one_device(name: str, n: int, devices: 
     scale = float(want.logits_per_text.detach().abs().max())
     for key in fields:
         assert_close_to_reference(got[key], want[key], terms=TERMS, scale=scale, msg=f"{name} {key}: ")
-    assert got_grads.keys() == want_grads.keys()
-    _assert_grads_close(got_grads, want_grads, scale, f"{name} grads: ")
+    # Distinct CPU replicas (as on GPUs) broadcast every parameter under autograd, so one
+    # that the loss does not use gets a zero gradient where one device leaves None.
+    unused = got_grads.keys() - want_grads.keys()
+    assert want_grads.keys() <= got_grads.keys() and all(not got_grads[k].any() for k in unused), unused
+    _assert_grads_close({k: got_grads[k] for k in want_grads}, want_grads, scale, f"{name} grads: ")
 
 
 def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], scale: float,
