@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -26,24 +27,34 @@ import torch
 
 __all__ = [
     "CODE",
+    "LOCKSTEP_ENV",
+    "MIN_ROUNDS",
     "copy_bandwidth",
     "cuda_sync",
     "finished_run",
+    "gate",
     "interleave",
+    "library_root",
     "machine_info",
+    "orders",
+    "paired",
     "plot_ratios",
     "provenance",
     "provenance_line",
     "quantile",
+    "ratios",
     "started_run",
     "summarize",
     "time_fn",
+    "verdict",
     "write_json",
 ]
 
 _ROOT = Path(__file__).resolve().parent.parent
 # What a benchmark measures: a result is of a commit only if none of these differed from it.
-CODE = ("dpmethods", "csrc", "setup.py", "pyproject.toml", "benchmarks/*.py", "benchmarks/*.sh")
+LIBRARY = ("dpmethods", "csrc", "setup.py", "pyproject.toml")
+SCRIPTS = ("benchmarks/*.py", "benchmarks/*.sh")
+CODE = LIBRARY + SCRIPTS
 
 
 def _quantile(sorted_xs: Sequence[float], q: float) -> float:
@@ -66,31 +77,123 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return _quantile(sorted(xs), q)
 
 
-def interleave(
-    paths: dict[str, Callable[[], Any]], rounds: int, sync: Callable[[], Any] = lambda: None,
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Time each path once per round, for ``rounds`` rounds, each in a fresh random order
-    (seeded): a rotation would keep each path after the same one every round (a thread
-    map after a process map's busy workers, say), a bias no pairing removes. Returns
-    each path's wall seconds and this process's CPU seconds, one per round.
+MIN_ROUNDS = 5  # fewer paired rounds than this give a median, but no verdict on a target
+LOCKSTEP_ENV = "DPMETHODS_BENCH_LOCKSTEP"  # "<read fd>,<write fd>": set by _compare.py for its children
+
+
+def gate(label: str) -> None:
+    """Wait here for a go from the driver of a before/after comparison (``_compare.py``),
+    after telling it that this run reached ``label``; a no-op in a run of its own. The
+    driver lets one run go at a time, so everything between two gates (a round, and
+    the setup before the next) runs alone on the host, back to back with the other
+    code's same stretch."""
+    fds = os.environ.get(LOCKSTEP_ENV)
+    if not fds:
+        return
+    read_fd, write_fd = (int(x) for x in fds.split(","))
+    os.write(write_fd, f"ready {label}\n".encode())
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(read_fd, 1)
+        if not chunk:
+            raise RuntimeError(f"{LOCKSTEP_ENV}: the comparison's driver went away at {label!r}")
+        line += chunk
+    if line != b"go\n":
+        raise RuntimeError(f"{LOCKSTEP_ENV}: expected 'go' from the driver at {label!r}, got {line!r}")
+
+
+def orders(k: int, rounds: int, seed: int = 0) -> list[list[int]]:
+    """The order of ``k`` paths in each of ``rounds`` rounds: random, and balanced. Every
+    ``k`` rounds are the rows of a fresh random Latin square, so that each path runs once
+    in each position (a path timed first, after idle cores, or last, after the others'
+    work, is not one path more often than another), and the path a path follows changes
+    from square to square and, for four paths or more, from round to round (a rotation
+    would keep each one after the same one: a thread map after a process map's busy
+    workers, say, a bias no pairing removes).
 
     Example:
-        >>> times, cpu = interleave({"a": lambda: None, "b": lambda: None}, 3)
+        >>> [sorted(col) for col in zip(*orders(3, 3))]
+        [[0, 1, 2], [0, 1, 2], [0, 1, 2]]
+    """
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    while len(out) < rounds:
+        cols, rows, names = (rng.sample(range(k), k) for _ in range(3))
+        while k >= 4 and len({(b - a) % k for a, b in itertools.pairwise(cols)}) == 1:
+            cols = rng.sample(range(k), k)  # evenly spaced columns: every row a rotation of one
+        out += [[names[(i + c) % k] for c in cols] for i in rows]
+    return out[:rounds]
+
+
+def interleave(
+    paths: dict[str, Callable[[], Any]], rounds: int, sync: Callable[[], Any] = lambda: None,
+    *, calls: int = 1, label: str = "",
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """The benchmarks' one timing loop: each path runs a block of ``calls`` calls once per
+    round, for ``rounds`` rounds, in the balanced random orders of :func:`orders`.
+    Returns each path's wall seconds and this process's CPU seconds per call, one per
+    round, in round order, for :func:`paired` to pair. Each round first passes a
+    :func:`gate` named by ``label`` (default: the paths) and the round.
+
+    Example:
+        >>> times, cpu = interleave({"a": lambda: None, "b": lambda: None}, 3, calls=2)
         >>> len(times["a"]), len(cpu["b"])
         (3, 3)
     """
     times: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, list[float]] = {p: [] for p in paths}
-    order, shuffle = list(paths.items()), random.Random(0).shuffle
-    for _ in range(rounds):
-        shuffle(order)
-        for p, fn in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            fn()
+    items = list(paths.items())
+    name = label or "/".join(paths)
+    for r, order in enumerate(orders(len(items), rounds)):
+        gate(f"{name} round {r}")
+        for p, fn in (items[i] for i in order):
             sync()
-            times[p].append(time.perf_counter() - t0)
-            cpu[p].append(time.process_time() - c0)
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(calls):
+                fn()
+            sync()
+            times[p].append((time.perf_counter() - t0) / calls)
+            cpu[p].append((time.process_time() - c0) / calls)
     return times, cpu
+
+
+def ratios(times: dict[str, list[float]], slower: str, faster: str) -> list[float]:
+    """``slower``'s time over ``faster``'s, round by round (in round order): the paired
+    ratios of an :func:`interleave` (above 1: ``faster`` is faster).
+
+    Example:
+        >>> ratios({"a": [2.0, 3.0], "b": [1.0, 2.0]}, "a", "b")
+        [2.0, 1.5]
+    """
+    return [s / f for s, f in zip(times[slower], times[faster], strict=True)]
+
+
+def paired(times: dict[str, list[float]], slower: str, faster: str) -> dict[str, Any]:
+    """The median of the paired ratios :func:`ratios` and their p10-p90, and how many
+    rounds: never a ratio of two medians, or of quantiles of unpaired samples.
+
+    Example:
+        >>> paired({"a": [2.0, 3.0, 4.0], "b": [1.0, 2.0, 2.0]}, "a", "b")
+        {'median': 2.0, 'p10': 1.6, 'p90': 2.0, 'rounds': 3}
+    """
+    rs = sorted(ratios(times, slower, faster))
+    return {"median": statistics.median(rs), "p10": _quantile(rs, 0.1), "p90": _quantile(rs, 0.9),
+            "rounds": len(rs)}
+
+
+def verdict(met: bool | None, rounds: int) -> str:
+    """A target's verdict: none without a target, none on fewer than :data:`MIN_ROUNDS`
+    paired rounds, else met or not.
+
+    Example:
+        >>> verdict(True, 3), verdict(False, 6)
+        ('too few rounds', 'NOT met')
+    """
+    if met is None:
+        return "no target"
+    if rounds < MIN_ROUNDS:
+        return "too few rounds"
+    return "met" if met else "NOT met"
 
 
 def summarize(samples: Sequence[float]) -> dict[str, float]:
@@ -211,12 +314,20 @@ def copy_bandwidth(
     }
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, cwd: Path = _ROOT) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=_ROOT, capture_output=True, text=True, timeout=30)
+        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
+
+
+def library_root() -> Path:
+    """The checkout whose dpmethods this process imported (through ``PYTHONPATH`` it may
+    be another than the benchmark scripts')."""
+    import dpmethods
+
+    return Path(dpmethods.__file__).resolve().parent.parent
 
 
 def _cpu_model() -> str:
@@ -230,23 +341,33 @@ def _cpu_model() -> str:
 
 
 def provenance() -> dict[str, Any]:
-    """What a result was measured on: ``commit`` (git HEAD of this checkout, None outside
-    one), ``uncommitted_code`` (code files, :data:`CODE`, that differ from that commit: a
-    run with any measured code of no commit), ``host`` (the machine's name) and
-    ``cpu_model``.
+    """What a result was measured on: ``commit`` (git HEAD of the checkout whose dpmethods
+    was imported, None outside one), ``uncommitted_code`` (code files, :data:`CODE`, that
+    differ from their commit: a run with any measured code of no commit), ``host`` (the
+    machine's name) and ``cpu_model``; and ``benchmarks_commit``, the scripts' own HEAD,
+    when they ran from another checkout than the library's (a before/after comparison).
 
     Example:
         >>> sorted(provenance())
         ['commit', 'cpu_model', 'host', 'uncommitted_code']
     """
-    head = _git("rev-parse", "HEAD")
-    changed = _git("status", "--porcelain", "--untracked-files=no", "--", *CODE)
-    return {
+    lib = library_root()
+    head = _git("rev-parse", "HEAD", cwd=lib)
+    changed = _git("status", "--porcelain", "--untracked-files=no", "--", *(CODE if lib == _ROOT else LIBRARY),
+                   cwd=lib)
+    if lib != _ROOT and changed is not None:
+        scripts = _git("status", "--porcelain", "--untracked-files=no", "--", *SCRIPTS)
+        changed = None if scripts is None else changed + scripts
+    out: dict[str, Any] = {
         "commit": head.strip() if head else None,
         "uncommitted_code": None if changed is None else [line[3:] for line in changed.splitlines()],
         "host": platform.node(),
         "cpu_model": _cpu_model(),
     }
+    if lib != _ROOT:
+        scripts_head = _git("rev-parse", "HEAD")
+        out["benchmarks_commit"] = scripts_head.strip() if scripts_head else None
+    return out
 
 
 def started_run() -> dict[str, Any]:

@@ -127,10 +127,7 @@ def _spread(xs: list[float]) -> dict[str, Any]:
 
 def _ratio(times: dict[str, list[float]], slow: str, fast: str, **bound: float) -> dict[str, Any]:
     """``slow``'s time over ``fast``'s, paired per round; ``at_most=`` or ``at_least=`` a target."""
-    rs = sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
-    out: dict[str, Any] = {"faster": fast, "slower": slow, **bound, "median": statistics.median(rs),
-                           "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
-                           "rounds": len(rs)}
+    out: dict[str, Any] = {"faster": fast, "slower": slow, **bound, **_common.paired(times, slow, fast)}
     med = out["median"]
     out["met"] = (med <= bound["at_most"]) if "at_most" in bound else (med >= bound["at_least"]) if bound else None
     return out
@@ -143,7 +140,7 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def _interleave(
     paths: dict[str, Callable[[], Any]], rounds: int, pools: tuple[DataParallel, ...],
 ) -> tuple[dict[str, Any], dict[str, list[float]], dict[str, list[float]]]:
-    """Each path once untimed (its outputs), then ``rounds`` rounds in random orders
+    """Each path once untimed (its outputs), then ``rounds`` rounds in balanced random orders
     (:func:`_common.interleave`). The worker pools of ``pools`` are closed at the end,
     whatever happens."""
     try:

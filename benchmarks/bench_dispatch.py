@@ -9,8 +9,9 @@ present), this times, per call:
 - ``torch.DP``    ``torch.nn.DataParallel(model)(x)`` (GPU only: on CPU it is a passthrough);
 
 under ``no_grad`` without and with replica caching, and with grad (a training
-forward). Paths are interleaved round by round so drift hits them alike; inputs
-rotate through a pool of distinct tensors. Reports medians with p10/p90 and IQR,
+forward). Paths are interleaved round by round (``_common.interleave``: a balanced
+random order each round) so drift hits them alike; inputs rotate through a pool of
+distinct tensors. Reports medians with p10/p90 and IQR,
 the ratio ``dp.method / dp.forward`` (target <= 1.05) and the caching speed-up for
 the tiny model (target >= 2x), a per-stage breakdown of one call, and writes
 ``dispatch_<device>.json`` and ``.png``.
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import itertools
 import json
 import statistics
 import sys
@@ -45,9 +48,6 @@ import dpmethods.data_parallel as dp_module
 from dpmethods import DataParallel, parallel_method
 
 __all__ = ["Figure", "main", "report", "run", "table", "targets", "targets_table"]
-
-# machine_info and write_json come from benchmarks/_common.py; its time_fn times one
-# callable at a time, so the interleaved round-robin below is this file's own.
 
 
 class Model(nn.Module):
@@ -91,20 +91,13 @@ class Figure:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _quantile(sorted_xs: list[float], q: float) -> float:
-    k = (len(sorted_xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_xs) - 1)
-    return sorted_xs[lo] + (sorted_xs[hi] - sorted_xs[lo]) * (k - lo)
-
-
 def _summary(times: list[float]) -> dict[str, float]:
     xs = sorted(t * 1e6 for t in times)
     return {
         "median_us": statistics.median(xs),
-        "p10_us": _quantile(xs, 0.10),
-        "p90_us": _quantile(xs, 0.90),
-        "iqr_us": _quantile(xs, 0.75) - _quantile(xs, 0.25),
+        "p10_us": _common.quantile(xs, 0.10),
+        "p90_us": _common.quantile(xs, 0.90),
+        "iqr_us": _common.quantile(xs, 0.75) - _common.quantile(xs, 0.25),
     }
 
 
@@ -129,28 +122,27 @@ def _interleaved(
     warmup: int,
     sync: Callable[[], None],
 ) -> dict[str, list[list[float]]]:
-    """Per-call times of each callable per round; ``block`` calls at a time, round-robin."""
+    """Per-call times of each callable per round: ``block`` calls at a time, each timed
+    alone, in :func:`_common.interleave`'s rounds (a balanced random order each round)."""
     for fn in calls.values():
         for i in range(warmup):
             fn(pool[i % len(pool)])
         sync()
     times: dict[str, list[list[float]]] = {name: [] for name in calls}
-    k = 0
+    k = itertools.count()
     clock = time.perf_counter
-    order = list(calls.items())
-    for r in range(rounds):
-        # Rotate the order each round: a path must not always follow the same one (OpenMP
-        # workers left spinning by the previous path would slow the next one alike).
-        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
-            out: list[float] = []
-            times[name].append(out)
-            for _ in range(block):
-                x = pool[k % len(pool)]
-                k += 1
-                t0 = clock()
-                fn(x)
-                sync()
-                out.append(clock() - t0)
+
+    def blocks(name: str, fn: Callable[[torch.Tensor], Any]) -> None:
+        out: list[float] = []
+        times[name].append(out)
+        for _ in range(block):
+            x = pool[next(k) % len(pool)]
+            t0 = clock()
+            fn(x)
+            sync()
+            out.append(clock() - t0)
+
+    _common.interleave({name: functools.partial(blocks, name, fn) for name, fn in calls.items()}, rounds)
     return times
 
 
@@ -299,17 +291,14 @@ def targets(figures: list[Figure]) -> dict[str, Any]:
         if f.path == "dp.method":
             ref = look[(f.model, f.devices, f.mode, "dp.forward")]
             # Paired: each round ran both paths back to back, so load drift cancels.
-            per_round = sorted(
-                a / b
-                for a, b in zip(
-                    f.extra["round_medians_us"], ref.extra["round_medians_us"], strict=True
-                )
-            )
+            per_round = sorted(_common.ratios(
+                {"method": f.extra["round_medians_us"], "forward": ref.extra["round_medians_us"]},
+                "method", "forward"))
             r = statistics.median(per_round)
             ratio[f"{f.model} {f.devices} {f.mode}"] = {
                 "ratio": r,
-                "p10": _quantile(per_round, 0.1),
-                "p90": _quantile(per_round, 0.9),
+                "p10": _common.quantile(per_round, 0.1),
+                "p90": _common.quantile(per_round, 0.9),
                 "ratio_of_medians": f.median_us / ref.median_us,
                 "met": r <= 1.05,
             }
@@ -321,17 +310,14 @@ def targets(figures: list[Figure]) -> dict[str, Any]:
             and f.path in ("dp.method", "dp.forward")
         ):
             ref = look[(f.model, f.devices, "no_grad", f.path)]
-            per_round = sorted(
-                a / b
-                for a, b in zip(
-                    ref.extra["round_medians_us"], f.extra["round_medians_us"], strict=True
-                )
-            )
+            per_round = sorted(_common.ratios(
+                {"uncached": ref.extra["round_medians_us"], "cached": f.extra["round_medians_us"]},
+                "uncached", "cached"))
             sp = statistics.median(per_round)
             speedup[f"{f.devices} {f.path}"] = {
                 "speedup": sp,
-                "p10": _quantile(per_round, 0.1),
-                "p90": _quantile(per_round, 0.9),
+                "p10": _common.quantile(per_round, 0.1),
+                "p90": _common.quantile(per_round, 0.9),
                 "speedup_of_medians": ref.median_us / f.median_us,
                 "met": sp >= 2.0,
             }

@@ -3,14 +3,15 @@
 CPU: per-leaf ``torch.cat`` of ``.to(device)`` pieces (what the gather does without the
 extension), with inputs requiring grad. CUDA: ``torch.nn.parallel.gather`` with every
 replica on one GPU. Each case runs in paired rounds (a block of fused calls and one of
-baseline calls back to back, the order alternating by round) and reports both paths'
-per-call medians with p10/p90, the ratio baseline / fused of each round (its median and
+baseline calls back to back, in ``_common.interleave``'s balanced random orders) and
+reports both paths' per-call medians with p10/p90, the ratio baseline / fused of each round (its median and
 p10-p90), and the fused gather's GB/s (output bytes written per second) against the
 copy bandwidth measured in the same run.
 
-Usage:
+Usage (from the repository root, ``PYTHONPATH=.``):
     python benchmarks/bench_gather.py                  # full CPU grid
     python benchmarks/bench_gather.py --quick          # reduced grid
+    python benchmarks/bench_gather.py --only targets   # the targets alone
     python benchmarks/bench_gather.py --device cuda --quick --out out/
     python benchmarks/bench_gather.py --markdown-from benchmarks/results/gather_cpu.json
     python benchmarks/bench_gather.py --markdown-from benchmarks/results/gather_cpu.json --full-grid
@@ -19,6 +20,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -30,12 +32,13 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
 
+import _common
 from _common import (
     copy_bandwidth,
     finished_run,
+    interleave,
     machine_info,
     plot_ratios,
     provenance_line,
@@ -140,30 +143,26 @@ def _runner(
 
 def paired(
     a: Callable[[int], Any], b: Callable[[int], Any], rounds: int, calls: int,
-    sync: Callable[[], Any] = lambda: None,
+    sync: Callable[[], Any] = lambda: None, label: str = "",
 ) -> dict[str, Any]:
-    """``rounds`` rounds, each a block of ``calls`` calls of ``a`` and one of ``b``, back to
-    back in an order that alternates by round, so drift of the host hits both alike.
-    Returns each path's per-call seconds (one per round, :func:`summarize`d) and the
-    per-round ratio ``b / a`` (above 1: ``a`` is faster): its median and p10-p90 come from
-    the rounds' own ratios, never from dividing quantiles of independent samples.
+    """``rounds`` rounds of :func:`_common.interleave`, each a block of ``calls`` calls of
+    ``a`` and one of ``b`` in a balanced random order (each call gets the next index, so
+    inputs rotate). Returns each path's per-call seconds (one per round,
+    :func:`summarize`d, and raw in ``rounds_s``) and the per-round ratio ``b / a`` (above
+    1: ``a`` is faster): its median and p10-p90 come from the rounds' own ratios, never
+    from dividing quantiles of independent samples.
 
     Example:
         >>> out = paired(lambda i: None, lambda i: None, rounds=3, calls=2)
         >>> sorted(out), len(out["ratios"])
-        (['a', 'b', 'ratio', 'ratios'], 3)
+        (['a', 'b', 'ratio', 'ratios', 'rounds_s'], 3)
     """
-    times: dict[str, list[float]] = {"a": [], "b": []}
-    for r in range(rounds):
-        for name, fn in ((("a", a), ("b", b)) if r % 2 == 0 else (("b", b), ("a", a))):
-            sync()
-            t0 = time.perf_counter()
-            for i in range(calls):
-                fn(i)
-            sync()
-            times[name].append((time.perf_counter() - t0) / calls)
-    ratios = [tb / ta for ta, tb in zip(times["a"], times["b"], strict=True)]
-    return {"a": summarize(times["a"]), "b": summarize(times["b"]), "ratio": summarize(ratios), "ratios": ratios}
+    index = {"a": itertools.count(), "b": itertools.count()}
+    paths = {"a": lambda: a(next(index["a"])), "b": lambda: b(next(index["b"]))}
+    times, _ = interleave(paths, rounds, sync, calls=calls, label=label)
+    ratios = _common.ratios(times, "b", "a")
+    return {"a": summarize(times["a"]), "b": summarize(times["b"]), "ratio": summarize(ratios), "ratios": ratios,
+            "rounds_s": times}
 
 
 def run_case(case: Case, device: torch.device, budget_s: float) -> dict[str, Any]:
@@ -186,7 +185,7 @@ def run_case(case: Case, device: torch.device, budget_s: float) -> dict[str, Any
             sync()
         est += max(time.perf_counter() - t0, 1e-6)
     calls = int(min(200, max(1, budget_s / ROUNDS / est)))
-    out = paired(fused_run, base_run, ROUNDS, calls, sync)
+    out = paired(fused_run, base_run, ROUNDS, calls, sync, label=case.name)
     for s in sets:
         for t in s:
             t.grad = None
@@ -209,6 +208,7 @@ def run_case(case: Case, device: torch.device, budget_s: float) -> dict[str, Any
         "ratio_p10": ratio["p10"],
         "ratio_p90": ratio["p90"],
         "ratios": out["ratios"],
+        "rounds_s": {"fused": out["rounds_s"]["a"], "baseline": out["rounds_s"]["b"]},
         "fused_gbps": nbytes / fused["median"] / 1e9,
         "baseline_gbps": nbytes / base["median"] / 1e9,
     }
@@ -235,14 +235,29 @@ def _grid(quick: bool) -> list[Case]:
     return cases
 
 
+def _target(name: str, paths: dict[str, Callable[[], Any]], rounds: int, calls: int) -> dict[str, Any]:
+    """One target's paths (``fused`` first, the baseline second, then any floor) in
+    interleaved rounds: each path's per-call seconds, and the paired ratio baseline /
+    fused (above 1: the fused gather is faster)."""
+    times, _ = interleave(paths, rounds, calls=calls, label=name)
+    fused, base = list(paths)[:2]
+    ratios = _common.ratios(times, base, fused)
+    ratio = summarize(ratios)
+    speed = "speed_vs_cat" if base == "torch_cat" else "speedup"
+    return {**{p: summarize(ts) for p, ts in times.items()}, speed: ratio["median"], "ratio": ratio,
+            "ratios": ratios, "rounds_s": times}
+
+
 def cpu_targets(quick: bool = False) -> dict[str, Any]:
-    """The two CPU acceptance figures, measured with interleaved rounds.
+    """The CPU acceptance figures, measured with interleaved rounds.
 
     ``small``: 256 leaves of float32 [8, 16] per replica over 4 replicas (1024 inputs),
-    forward, fused vs per-leaf torch.cat; once with autograd leaves that require grad,
-    once with replica outputs (non-leaf tensors with a grad_fn, what DataParallel's
-    gather receives). ``large``: 64 MiB in all (4 pieces of [4096, 1024] float32),
-    fused vs one torch.cat into new memory.
+    forward, fused vs per-leaf torch.cat; with autograd leaves that require grad, with
+    replica outputs (non-leaf tensors with a grad_fn, what DataParallel's gather
+    receives), and without grad, where ``unbind_copy_floor`` (``torch.unbind_copy`` of
+    one [256, 32, 16] tensor: one torch op returning 256 new tensors) is a floor for any
+    single call that returns 256 tensors. ``large``: 64 MiB in all (4 pieces of [4096,
+    1024] float32), fused vs one torch.cat into new memory.
     """
     cpu = torch.device("cpu")
     rounds = 8 if quick else 25
@@ -251,27 +266,25 @@ def cpu_targets(quick: bool = False) -> dict[str, Any]:
     kinds = {
         "small_256x4_fwd_requires_grad": small,
         "small_256x4_fwd_replica_outputs": [t.detach() * scale for t in small],
+        "small_256x4_nograd": [t.detach() for t in small],
     }
+    stacked = torch.randn(256, 8 * 4, 16)
     out: dict[str, Any] = {}
     for name, ts in kinds.items():
-        p = paired(
-            lambda i, ts=ts: ops.gather_coalesced(ts, 4, 0, cpu),  # type: ignore[misc]
-            lambda i, ts=ts: _per_leaf_cat(ts, 4, 0, cpu),  # type: ignore[misc]
-            rounds,
-            20,
-        )
-        out[name] = {"fused": p["a"], "per_leaf_cat": p["b"], "speedup": p["ratio"]["median"],
-                     "ratio": p["ratio"], "ratios": p["ratios"]}
+        paths: dict[str, Callable[[], Any]] = {
+            "fused": lambda ts=ts: ops.gather_coalesced(ts, 4, 0, cpu),  # type: ignore[misc]
+            "per_leaf_cat": lambda ts=ts: _per_leaf_cat(ts, 4, 0, cpu),  # type: ignore[misc]
+        }
+        if name.endswith("nograd"):
+            paths["unbind_copy_floor"] = lambda: torch.unbind_copy(stacked)
+        out[name] = _target(name, paths, rounds, 20)
     big = [torch.randn(4096, 1024) for _ in range(4)]
     for dim in (0, 1):
-        p = paired(
-            lambda i, d=dim: ops.gather_coalesced(big, 4, d, cpu),  # type: ignore[misc]
-            lambda i, d=dim: torch.cat(big, d),  # type: ignore[misc]
-            max(4, rounds // 3),
-            3,
-        )
-        out[f"large_64MiB_dim{dim}"] = {"fused": p["a"], "torch_cat": p["b"], "speed_vs_cat": p["ratio"]["median"],
-                                        "ratio": p["ratio"], "ratios": p["ratios"]}
+        name = f"large_64MiB_dim{dim}"
+        out[name] = _target(name, {
+            "fused": lambda d=dim: ops.gather_coalesced(big, 4, d, cpu),  # type: ignore[misc]
+            "torch_cat": lambda d=dim: torch.cat(big, d),  # type: ignore[misc]
+        }, max(4, rounds // 3), 3)
     return out
 
 
@@ -301,40 +314,31 @@ def cuda_targets(
     out: dict[str, Any] = {}
     for name, ts in kinds.items():
 
-        def fused(i: int, ts: list[torch.Tensor] = ts) -> None:
+        def fused(ts: list[torch.Tensor] = ts) -> None:
             ops.gather_coalesced(ts, 4, 0, device)
             sync()
 
-        def base(i: int, ts: list[torch.Tensor] = ts) -> None:
+        def base(ts: list[torch.Tensor] = ts) -> None:
             baseline(ts, 4, 0, device)
             sync()
 
-        p = paired(fused, base, rounds, 20)
-        out[name] = {"fused": p["a"], "baseline": p["b"], "speedup": p["ratio"]["median"],
-                     "ratio": p["ratio"], "ratios": p["ratios"]}
+        out[name] = _target(name, {"fused": fused, "baseline": base}, rounds, 20)
     big = [torch.randn(16384, 1024, device=device) for _ in range(4)]
     nbytes = sum(t.numel() * t.element_size() for t in big)
     for dim in (0, 1):
 
-        def fused_l(i: int, d: int = dim) -> None:
+        def fused_l(d: int = dim) -> None:
             ops.gather_coalesced(big, 4, d, device)
             sync()
 
-        def cat_l(i: int, d: int = dim) -> None:
+        def cat_l(d: int = dim) -> None:
             torch.cat(big, d)
             sync()
 
-        p = paired(fused_l, cat_l, max(4, rounds // 3), 3)
-        gbps = nbytes / p["a"]["median"] / 1e9
-        out[f"large_256MiB_dim{dim}"] = {
-            "fused": p["a"],
-            "torch_cat": p["b"],
-            "speed_vs_cat": p["ratio"]["median"],
-            "ratio": p["ratio"],
-            "ratios": p["ratios"],
-            "fused_gbps": gbps,
-            "fraction_of_copy": gbps / copy_gbps if copy_gbps else None,
-        }
+        name = f"large_256MiB_dim{dim}"
+        out[name] = _target(name, {"fused": fused_l, "torch_cat": cat_l}, max(4, rounds // 3), 3)
+        gbps = nbytes / out[name]["fused"]["median"] / 1e9
+        out[name].update(fused_gbps=gbps, fraction_of_copy=gbps / copy_gbps if copy_gbps else None)
     return out
 
 
@@ -489,7 +493,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 + "  ".join(
                     f"{k} median {v['median'] * 1e6:.1f} us [p10 {v['p10'] * 1e6:.1f}, p90 {v['p90'] * 1e6:.1f}]"
                     for k, v in t.items()
-                    if isinstance(v, dict)
+                    if isinstance(v, dict) and "median" in v
                 )
             )
     elapsed = time.perf_counter() - t_start

@@ -22,7 +22,7 @@ sentence-transformers. Two CPU replicas, one torch thread each. Workloads:
   on the ragged rows, against the same Predictor without it after a step that pads each
   Ray batch to its longest.
 
-Paths run in interleaved rounds (a fresh random order each round), and each target is
+Paths run in interleaved rounds (a balanced random order each round), and each target is
 the median of the per-round paired ratios (slower's time / faster's), with p10-p90.
 Padded positions (rows x longest token count, summed over the batches a path runs;
 the prompts' for ``generate``) are counted from the batches each path builds (item
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import warnings
@@ -314,10 +313,8 @@ def _measure(name: str, w: dict[str, Any]) -> dict[str, Any]:
     targets = []
     for wl, fast, slow, least in TARGETS:
         if wl == name and fast in times and slow in times:
-            rs = sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
-            targets.append({"faster": fast, "slower": slow, "at_least": least, "median": statistics.median(rs),
-                            "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
-                            "met": statistics.median(rs) >= least})
+            r = _common.paired(times, slow, fast)
+            targets.append({"faster": fast, "slower": slow, "at_least": least, **r, "met": r["median"] >= least})
     return {
         "workload": w["describe"], "rounds": w["rounds"], "real_tokens": w["tokens"],
         "paths": {p: {**{k: v for k, v in _common.summarize(ts).items() if k != "n"}, "rounds_s": ts,
@@ -336,11 +333,12 @@ def table(facts: dict[str, Any]) -> str:
             share = "n/a (in its workers)" if pos is None else f"{pos:,} / {x['real_tokens']:,}"
             rows.append(f"| {wl} | {p} | {f['median']:.2f} ({f['p10']:.2f}-{f['p90']:.2f}) | {share} | "
                         f"{f['max_abs_diff_from_reference']:.1e} |")
-    rows += ["", "| workload | target | paired ratio (p10-p90) | verdict |", "|---|---|---:|---|"]
+    rows += ["", "| workload | target | paired ratio (p10-p90) | rounds | verdict |", "|---|---|---:|---:|---|"]
     for wl, x in facts.items():
         for t in x["targets"]:
+            n = t.get("rounds", x["rounds"])
             rows.append(f"| {wl} | {t['faster']} vs {t['slower']} >= {t['at_least']}x | {t['median']:.2f}x "
-                        f"({t['p10']:.2f}-{t['p90']:.2f}) | {'met' if t['met'] else 'NOT met'} |")
+                        f"({t['p10']:.2f}-{t['p90']:.2f}) | {n} | {_common.verdict(t['met'], n)} |")
     return "\n".join(rows)
 
 

@@ -19,7 +19,8 @@ Workloads, each a list of batches run to the end by every path:
   and on processes, for models of 2, 200 and 2,000 parameter tensors
   (benchmarks/_map_batch_cost.py, two CPU replicas whatever ``--device``).
 
-Paths, interleaved round by round (each round in a fresh random order, so drift of the
+Paths, interleaved round by round (``_common.interleave``: each round in a random order,
+balanced so that every path runs in every position equally often, so drift of the
 shared host hits them alike and no path always follows the same one):
 
 - ``map``            ``list(dp.map(method, batches))`` on threads: each batch whole on the first free replica;
@@ -40,6 +41,7 @@ Run: ``PYTHONPATH=. python benchmarks/bench_map.py [--quick] [--device cpu|cuda]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -65,7 +67,6 @@ from dpmethods import DataParallel
 __all__ = ["Figure", "main", "report", "run", "speeds", "table", "target_rounds"]
 
 PROMPT, PAD, VOCAB = 8, 1, 4096
-MIN_ROUNDS = 5  # fewer paired rounds than this give a median, but no verdict on a target
 # (workload, faster path, slower path, at least): slower's time / faster's time, paired per round.
 TARGETS = [
     ("gil", "map-processes", "map", 2.0),
@@ -282,7 +283,7 @@ def _st_pool(model: Any, n: int, per_replica: int) -> Any:
 
 def _startups(model: Any, ids: list[Any], per_replica: int, first: list[str], rounds: int) -> dict[str, list[float]]:
     """Each pool's start-up to its first output (``first`` encoded), a fresh pool each
-    time, closed after: one pair per round, in alternating order."""
+    time, closed after: one pair per round, in :func:`_common.interleave`'s orders."""
 
     def ours() -> float:
         dpp = DataParallel(model, device_ids=ids, workers="processes")
@@ -301,11 +302,14 @@ def _startups(model: Any, ids: list[Any], per_replica: int, first: list[str], ro
         return t
 
     seconds: dict[str, list[float]] = {"processes start-up": [], "st-pool start-up": []}
-    pair = [("processes start-up", ours), ("st-pool start-up", theirs)]
-    for r in range(rounds):
-        for name, fn in pair if r % 2 == 0 else pair[::-1]:
-            seconds[name].append(fn())
+    pools = {"processes start-up": ours, "st-pool start-up": theirs}
+    _common.interleave({name: functools.partial(_append, seconds[name], fn) for name, fn in pools.items()},
+                       rounds, label="start-ups")
     return seconds
+
+
+def _append(to: list[float], fn: Callable[[], float]) -> None:
+    to.append(fn())
 
 
 def _encode_paths(
@@ -353,10 +357,6 @@ def _encode(device: torch.device, quick: bool) -> dict[str, Any] | None:
     }
 
 
-def _ratios(times: dict[str, list[float]], fast: str, slow: str) -> list[float]:
-    return sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
-
-
 def _measure(
     name: str, w: dict[str, Any], ids: list[Any], device: str, threads: tuple[int, int]
 ) -> tuple[list[Figure], dict[str, Any]]:
@@ -378,12 +378,8 @@ def _measure(
     targets = []
     for wl, fast, slow, least in TARGETS:
         if wl == name and fast in rounds and slow in rounds:
-            rs = _ratios(rounds, fast, slow)
-            targets.append({
-                "faster": fast, "slower": slow, "at_least": least, "median": statistics.median(rs),
-                "p10": _common.quantile(rs, 0.1), "p90": _common.quantile(rs, 0.9),
-                "rounds": len(rs), "met": statistics.median(rs) >= least,
-            })
+            r = _common.paired(rounds, slow, fast)
+            targets.append({"faster": fast, "slower": slow, "at_least": least, **r, "met": r["median"] >= least})
     facts = {
         "workload": w["describe"],
         "method": w["method"],
@@ -451,7 +447,7 @@ def speeds(times: dict[str, list[float]]) -> dict[str, float]:
     """
     if "one-device" not in times:
         return {}
-    return {p: statistics.median(_ratios(times, p, "one-device")) for p in times}
+    return {p: _common.paired(times, "one-device", p)["median"] for p in times}
 
 
 def table(figures: list[Figure], facts: dict[str, Any]) -> str:
@@ -470,8 +466,7 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
     for wl, x in facts.items():
         for t in x["targets"]:
             n = target_rounds(x, t)
-            verdict = ("no target" if t["met"] is None else "too few rounds" if n < MIN_ROUNDS
-                       else "met" if t["met"] else "NOT met")
+            verdict = _common.verdict(t["met"], n)
             bound = f" >= {t['at_least']}" if "at_least" in t else f" <= {t['at_most']}" if "at_most" in t else ""
             rows.append(
                 f"| {wl} | {t['slower']} time / {t['faster']} time{bound} | "

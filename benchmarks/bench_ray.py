@@ -20,8 +20,8 @@ The hand-written class does what Ray's users write by hand: load the model in
 ``__init__``, turn the numpy columns into arguments, call the method under
 ``torch.inference_mode()`` and turn the outputs into numpy columns.
 
-Rounds interleave the two paths (the order alternates), so drift of the shared host
-hits both alike; the ratio is paired per round (Predictor's throughput / the hand-written
+Rounds interleave the two paths (``_common.interleave``: a balanced random order each
+round), so drift of the shared host hits both alike; the ratio is paired per round (Predictor's throughput / the hand-written
 class's), reported as its median and p10-p90. Then, in this process with one torch
 thread, the first (up to) 8 batches as Ray hands them go through each class's
 ``__call__`` and through the model's method alone, in interleaved rounds: the
@@ -199,7 +199,7 @@ def _calls(w: dict[str, Any], batch: int, rounds: int) -> dict[str, Any]:
     """Per-batch time, in this process with no Ray between, of the two classes'
     ``__call__`` and of the model's method alone, on the first (up to) ``CALL_BATCHES``
     batches as Ray hands them (read-only numpy): ``rounds`` interleaved rounds of one
-    sweep each, the order rotating, the ratio paired per round."""
+    sweep each (``_common.interleave``), the ratio paired per round."""
     batches = list(w["data"].iter_batches(batch_size=batch, batch_format="numpy"))[:CALL_BATCHES]
     cls, kw = w["hand"]
     build, bare = w["model"]
@@ -211,18 +211,17 @@ def _calls(w: dict[str, Any], batch: int, rounds: int) -> dict[str, Any]:
     for f in callers.values():
         for b in batches:
             f(b)
-    times: dict[str, list[float]] = {p: [] for p in callers}
-    order = list(callers)
-    for r in range(rounds):
-        for p in order[r % len(order):] + order[: r % len(order)]:
-            t0 = time.perf_counter()
-            for b in batches:
-                callers[p](b)
-            times[p].append((time.perf_counter() - t0) / len(batches))
-    ratios = [h / o for h, o in zip(times["hand-written"], times["predictor"], strict=True)]
+    sweeps = {p: functools.partial(_sweep, f, batches) for p, f in callers.items()}
+    times, _ = _common.interleave(sweeps, rounds, label=f"calls of {len(batches)} batches")
+    times = {p: [t / len(batches) for t in ts] for p, ts in times.items()}
     return {"batches": len(batches), "rounds": rounds,
             "per_batch_us": {p: _summary([t * 1e6 for t in ts]) for p, ts in times.items()},
-            "ratio_predictor_over_hand": _summary(ratios)}
+            "ratio_predictor_over_hand": _summary(_common.ratios(times, "hand-written", "predictor"))}
+
+
+def _sweep(call: Callable[[Any], Any], batches: list[Any]) -> None:
+    for b in batches:
+        call(b)
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
@@ -235,21 +234,14 @@ def run(ray: Any, rounds: int, rows: int, sentences: int, batch: int, actors: in
     for name, w in _workloads(ray, rows, sentences, tmp).items():
         n = w["data"].count()
         paths = {"predictor": (Predictor, w["ours"]), "hand-written": w["hand"]}
-        times: dict[str, list[float]] = {p: [] for p in paths}
-        ratios: list[float] = []
         outputs: dict[str, Any] = {}
         for p, (cls, kw) in paths.items():  # warm-up: the workers import torch and dpmethods
             _, outputs[p] = _pass(ray, w["data"], cls, kw, batch, actors)
         diff = float(np.abs(_column(outputs["predictor"], "embedding")
                             - _column(outputs["hand-written"], "embedding")).max())
-        for r in range(rounds):
-            order = list(paths) if r % 2 == 0 else list(reversed(paths))
-            got = {p: _pass(ray, w["data"], *paths[p], batch, actors)[0] for p in order}
-            for p, t in got.items():
-                times[p].append(t)
-            ratios.append(got["hand-written"] / got["predictor"])  # = throughput ratio
-            print(f"{name} round {r}: " + ", ".join(f"{p} {n / t:.0f} rows/s" for p, t in got.items()),
-                  flush=True)
+        passes = {p: functools.partial(_pass, ray, w["data"], cls, kw, batch, actors) for p, (cls, kw) in paths.items()}
+        times, _ = _common.interleave(passes, rounds, label=f"{name} passes")
+        ratios = _common.ratios(times, "hand-written", "predictor")  # = throughput ratio
         with torch.inference_mode():
             torch.set_num_threads(1)  # as Ray gives a 1-CPU actor (OMP_NUM_THREADS=1)
             calls = _calls(w, batch, 2 * rounds)
