@@ -436,6 +436,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--full-grid", action="store_true", help="with --markdown-from: add every case's row"
     )
+    ap.add_argument(
+        "--only", nargs="+", choices=("grid", "targets"), default=["grid", "targets"],
+        help="the grid of cases, the acceptance targets, or both (default both)",
+    )
     args = ap.parse_args(argv)
     if args.markdown_from:
         data = json.loads(Path(args.markdown_from).read_text())
@@ -462,11 +466,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("-" * len(header))
     rows = []
     t_start = time.perf_counter()
-    grid = _grid(args.quick)
+    grid = _grid(args.quick) if "grid" in args.only else []
     # One unmeasured fwd+bwd case first: the first backward of the process starts
     # autograd's worker threads and warms the allocators, which otherwise lands on
     # whichever path the first measured case times first (seen: 0.6x instead of 1.1x).
-    run_case(next(c for c in grid if c.mode == "fwd+bwd"), device, budget / 4)
+    if grid:
+        run_case(next(c for c in grid if c.mode == "fwd+bwd"), device, budget / 4)
     for case in grid:
         b = budget * (0.5 if case.size == "large" else 1.0)
         r = run_case(case, device, b)
@@ -479,7 +484,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flush=True,
         )
     targets = None
-    if device.type == "cpu":
+    if "targets" not in args.only:
+        pass
+    elif device.type == "cpu":
         targets = cpu_targets(args.quick)
     else:
         targets = cuda_targets(device, args.quick, copy_gbps=bw["gbps"])
@@ -510,23 +517,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "units": {"time": "seconds", "bandwidth": "GB/s of output bytes written"},
         "targets": targets,
         "cases": rows,
-        "ratio_summary": summarize([r["ratio"] for r in rows]),
+        "ratio_summary": summarize([r["ratio"] for r in rows]) if rows else None,
     }
-    stem = args.tag or f"gather_{device.type}" + ("_quick" if args.quick else "")
+    # A run without the whole grid is no result of the benchmark: it never takes its name.
+    partial = ("_quick" if args.quick else "") + ("" if set(args.only) == {"grid", "targets"} else "_" + args.only[0])
+    stem = args.tag or f"gather_{device.type}{partial}"
     out = Path(args.out)
     write_json(out / f"{stem}.json", data)
-    png = plot_ratios(
-        out / f"{stem}.png",
-        [r["case"] for r in rows],
-        [r["ratio"] for r in rows],
-        lows=[r["ratio_p10"] for r in rows],
-        highs=[r["ratio_p90"] for r in rows],
-        title=f"gather_coalesced vs {baseline} on {device} (median, p10-p90)",
-        ylabel=f"speedup ({baseline} time / fused time)",
-    )
-    print(
-        f"wrote {out / (stem + '.json')}" + (f" and {png}" if png else " (no matplotlib: no PNG)")
-    )
+    png = None
+    if rows:
+        png = plot_ratios(
+            out / f"{stem}.png",
+            [r["case"] for r in rows],
+            [r["ratio"] for r in rows],
+            lows=[r["ratio_p10"] for r in rows],
+            highs=[r["ratio_p90"] for r in rows],
+            title=f"gather_coalesced vs {baseline} on {device} (median, p10-p90)",
+            ylabel=f"speedup ({baseline} time / fused time)",
+        )
+    print(f"wrote {out / (stem + '.json')}" + (f" and {png}" if png else " (no PNG: no grid, or no matplotlib)"))
     print(f"elapsed {elapsed:.0f} s")
     return data
 

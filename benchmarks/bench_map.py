@@ -17,7 +17,10 @@ Workloads, each a list of batches run to the end by every path:
   whatever ``--device``; drawn in ``map_<device>_long_runs.png``);
 - ``batch-cost`` (only when named in ``--only``): what one batch of a map costs on threads
   and on processes, for models of 2, 200 and 2,000 parameter tensors
-  (benchmarks/_map_batch_cost.py, two CPU replicas whatever ``--device``).
+  (benchmarks/_map_batch_cost.py, two CPU replicas whatever ``--device``);
+- ``digest`` (only when named in ``--only``): what ``checkpoint=`` costs per batch to know
+  its input again, the digest of a batch of four kinds and the record's bookkeeping, in
+  CPU time (benchmarks/_map_digest.py).
 
 Paths, interleaved round by round (``_common.interleave``: each round in a random order,
 balanced so that every path runs in every position equally often, so drift of the
@@ -59,6 +62,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
 import _common
 import _map_batch_cost
+import _map_digest
 import _map_long_runs
 
 import dpmethods
@@ -67,6 +71,7 @@ from dpmethods import DataParallel
 __all__ = ["Figure", "main", "report", "run", "speeds", "table", "target_rounds"]
 
 PROMPT, PAD, VOCAB = 8, 1, 4096
+WORKLOADS = ("gil", "ragged", "uniform", "encode", *_map_long_runs.NAMES, *_map_batch_cost.NAMES, *_map_digest.NAMES)
 # (workload, faster path, slower path, at least): slower's time / faster's time, paired per round.
 TARGETS = [
     ("gil", "map-processes", "map", 2.0),
@@ -432,7 +437,10 @@ def run(
         print(f"{name}: {w['describe']}", file=sys.stderr, flush=True)
         figs, facts[name] = _measure(name, w, ids, device, threads)
         figures += figs
-    for m in [*_map_long_runs.run(_devices("cpu"), quick, only), *_map_batch_cost.run(_devices("cpu"), quick, only)]:
+    cpu_ids = _devices("cpu")
+    extra = (_map_long_runs.run(cpu_ids, quick, only), _map_batch_cost.run(cpu_ids, quick, only),
+             _map_digest.run(cpu_ids, quick, only))
+    for m in [m for ms in extra for m in ms]:
         m.facts["speed_over_one_device"] = speeds(m.times)
         figures += _figures(m.name, m.times, m.cpu, m.items)
         facts[m.name] = m.facts
@@ -457,6 +465,8 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|",
     ]
     for f in figures:
+        if f.workload in _map_digest.NAMES:  # microseconds, in its own rows
+            continue
         speed = facts[f.workload]["speed_over_one_device"].get(f.path)
         rows.append(
             f"| {f.workload} | {f.path} | {f.median_s:.3f} ({f.p10_s:.3f}-{f.p90_s:.3f}) | "
@@ -478,7 +488,7 @@ def table(figures: list[Figure], facts: dict[str, Any]) -> str:
             rs = x.get("startup_rounds_s", {}).get(pool)
             spread = f" ({_common.quantile(rs, 0.1):.2f}-{_common.quantile(rs, 0.9):.2f}, {len(rs)} rounds)" if rs else ""
             rows.append(f"| {wl} | {pool} | {s:.2f}{spread} |")
-    return "\n".join(rows + _map_long_runs.rows(facts) + _map_batch_cost.rows(facts))
+    return "\n".join(rows + _map_long_runs.rows(facts) + _map_batch_cost.rows(facts) + _map_digest.rows(facts))
 
 
 def target_rounds(facts: dict[str, Any], target: dict[str, Any]) -> int:
@@ -511,7 +521,7 @@ def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -
     times = {wl: {f.path: f.rounds for f in figures if f.workload == wl} for wl in facts}
     _map_long_runs.plot(facts, times, path.with_name(f"{path.stem}_long_runs.png"), title)
     _map_batch_cost.plot(facts, path.with_name(f"{path.stem}_batch_cost.png"), title)
-    apart = (*_map_long_runs.NAMES, *_map_batch_cost.NAMES)
+    apart = (*_map_long_runs.NAMES, *_map_batch_cost.NAMES, *_map_digest.NAMES)
     workloads = list(dict.fromkeys(f.workload for f in figures if f.workload not in apart))
     if not workloads:
         return
@@ -557,8 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads of the one-device loop on the CPU (default: --threads)",
     )
     parser.add_argument("--from-json", type=Path, help="redraw the table and plot of a saved run")
-    parser.add_argument("--only", nargs="*", help="these workloads only (gil ragged uniform encode checkpoint sigkill oom-split "
-                        "batch-cost; batch-cost runs only when named)")
+    parser.add_argument("--only", nargs="*", choices=WORKLOADS, metavar="WORKLOAD",
+                        help=f"these workloads only ({' '.join(WORKLOADS)}; batch-cost and digest run only when named)")
     args = parser.parse_args(argv)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())

@@ -14,6 +14,7 @@
 # Usage: OUT=out bash benchmarks/gpu_check.sh
 set -u
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the dpmethods built in place below
 OUT="${OUT:-./out}"
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
