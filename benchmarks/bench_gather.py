@@ -12,6 +12,7 @@ Usage (from the repository root, ``PYTHONPATH=.``):
     python benchmarks/bench_gather.py                  # full CPU grid
     python benchmarks/bench_gather.py --quick          # reduced grid
     python benchmarks/bench_gather.py --only targets   # the targets alone
+    python benchmarks/bench_gather.py --compare-with main   # main's code against this checkout's
     python benchmarks/bench_gather.py --device cuda --quick --out out/
     python benchmarks/bench_gather.py --markdown-from benchmarks/results/gather_cpu.json
     python benchmarks/bench_gather.py --markdown-from benchmarks/results/gather_cpu.json --full-grid
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
 
 import _common
+import _compare
 from _common import (
     copy_bandwidth,
     finished_run,
@@ -421,7 +423,8 @@ def markdown(data: dict[str, Any], full_grid: bool = False) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark grid, print a table, write JSON and PNG; returns the JSON dict."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--quick", action="store_true", help="reduced grid")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -440,10 +443,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--only", nargs="+", choices=("grid", "targets"), default=["grid", "targets"],
         help="the grid of cases, the acceptance targets, or both (default both)",
     )
+    ap.add_argument("--compare-with", metavar="REF", help="run on REF's code (before) and on this checkout's "
+                    "(after) in one sitting, round by round in turns (benchmarks/_compare.py)")
     args = ap.parse_args(argv)
+    if args.compare_with:
+        _compare.main(Path(__file__).resolve(), args.compare_with, sys.argv[1:] if argv is None else argv,
+                      Path(args.out))
+        return {}
     if args.markdown_from:
         data = json.loads(Path(args.markdown_from).read_text())
-        print(markdown(data, full_grid=args.full_grid))
+        print(_compare.report(data) if "pairs" in data else markdown(data, full_grid=args.full_grid))
         return data
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

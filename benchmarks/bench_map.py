@@ -38,7 +38,8 @@ ratios against the targets, the pools' start-up times (measured apart, never in 
 whether every path's outputs equal the one-device loop's, and writes
 ``map_<device>.json`` and ``.png``.
 
-Run: ``PYTHONPATH=. python benchmarks/bench_map.py [--quick] [--device cpu|cuda] [--out DIR]``
+Run: ``PYTHONPATH=. python benchmarks/bench_map.py [--quick] [--device cpu|cuda] [--only ...] [--out DIR]``;
+``--compare-with REF`` runs it on REF's code and this checkout's in one sitting (benchmarks/_compare.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as a script
 import _common
+import _compare
 import _map_batch_cost
 import _map_digest
 import _map_long_runs
@@ -549,7 +551,7 @@ def plot(figures: list[Figure], facts: dict[str, Any], path: Path, title: str) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--quick", action="store_true", help="fewer batches and rounds")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -569,9 +571,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from-json", type=Path, help="redraw the table and plot of a saved run")
     parser.add_argument("--only", nargs="*", choices=WORKLOADS, metavar="WORKLOAD",
                         help=f"these workloads only ({' '.join(WORKLOADS)}; batch-cost and digest run only when named)")
+    parser.add_argument("--compare-with", metavar="REF", help="run on REF's code (before) and on this checkout's "
+                        "(after) in one sitting, round by round in turns (benchmarks/_compare.py)")
     args = parser.parse_args(argv)
+    if args.compare_with:
+        return _compare.main(Path(__file__).resolve(), args.compare_with,
+                             sys.argv[1:] if argv is None else argv, args.out)
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
+        if "pairs" in saved:  # a --compare-with result
+            print(_compare.report(saved))
+            return 0
         print(report(saved))
         plot([Figure(**f) for f in saved["figures"]], saved["workloads"], args.from_json.with_suffix(".png"),
              saved["title"])

@@ -24,10 +24,11 @@ _ROOT = Path(__file__).resolve().parent.parent
 _RESULTS = _ROOT / "benchmarks" / "results"
 _DOCS = ["README.md", *sorted(str(p.relative_to(_ROOT)) for p in (_ROOT / "docs").glob("*.md")),
          "benchmarks/README.md"]
-# A result per benchmark and device: <script>_<device>.json, and the script that draws its text.
-_RESULT_NAME = re.compile(r"(dispatch|gather|map|ray)_(cpu|cuda)\.json")
+# A result per benchmark and device: <script>_<device>.json, and the script that draws its text;
+# and the latest before/after sitting of a benchmark, <script>_<device>_compare.json (--compare-with).
+_RESULT_NAME = re.compile(r"(dispatch|gather|map|ray|items)_(cpu|cuda)(_compare)?\.json")
 _REPORTS = {"dispatch": ("bench_dispatch", "report"), "gather": ("bench_gather", "markdown"),
-            "map": ("bench_map", "report"), "ray": ("bench_ray", "report")}
+            "map": ("bench_map", "report"), "ray": ("bench_ray", "report"), "items": ("bench_items", "report")}
 
 # What reads like a measurement: a number with a unit of time, a ratio, a rate or a share.
 _FIGURE = re.compile(
@@ -142,7 +143,7 @@ def _quotes() -> dict[str, list[str]]:
 def _report(name: str, saved: dict[str, Any]) -> str:
     match = _RESULT_NAME.fullmatch(name)
     assert match, name
-    module, function = _REPORTS[match.group(1)]
+    module, function = ("_compare", "report") if match.group(3) else _REPORTS[match.group(1)]
     return str(getattr(_script(module), function)(saved))
 
 
