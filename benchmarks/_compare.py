@@ -15,8 +15,8 @@ The result, ``<benchmark>_<device>_compare.json`` beside its plot, names both co
 and the host, holds both runs' own JSON whole, and pairs them: for every path (every
 workload's path for bench_map; every case's and target's fused and baseline paths for
 bench_gather), the median over the rounds of before's time over after's (above 1: the
-after code is faster) with its p10-p90. bench_gather's baseline is torch's own code,
-the same on both sides: its ratios show the sitting's noise.
+after code is faster) with its p10-p90. Paths that run no dpmethods code (bench_map's
+``one-device`` loop, bench_gather's baselines) show the sitting's noise.
 
 The extension: a ``dpmethods/_C*.so`` built here is copied into the worktree when
 ``csrc/`` and ``setup.py`` are the same at ``REF``; otherwise the worktree builds its

@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for _common, run as 
 import _common
 
 import dpmethods
-import dpmethods.core.call as flow_module
 import dpmethods.core.devices as devices_module
 import dpmethods.data_parallel as dp_module
+import dpmethods.wrapper.call as flow_module
 from dpmethods import DataParallel, parallel_method
 
 __all__ = ["Figure", "main", "report", "run", "table", "targets", "targets_table"]

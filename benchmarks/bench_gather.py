@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 + "  ".join(
                     f"{k} median {v['median'] * 1e6:.1f} us [p10 {v['p10'] * 1e6:.1f}, p90 {v['p90'] * 1e6:.1f}]"
                     for k, v in t.items()
-                    if isinstance(v, dict) and "median" in v
+                    if isinstance(v, dict) and "median" in v and k != "ratio"
                 )
             )
     elapsed = time.perf_counter() - t_start

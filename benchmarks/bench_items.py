@@ -355,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--items", type=int, help="items (default 4096; --quick 512)")
     parser.add_argument("--prompts", type=int, help="generate prompts (default 512; --quick 128)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 5; --quick 2)")
-    parser.add_argument("--only", nargs="*", default=["bert", "encode", "generate", "ray"])
+    parser.add_argument("--only", nargs="*", choices=("bert", "encode", "generate", "ray"),
+                        default=["bert", "encode", "generate", "ray"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--from-json", type=Path, help="print the README text of a saved run")
     args = parser.parse_args(argv)

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6, help="timed rounds per workload (default: 6)")
     parser.add_argument("--rows", type=int, default=16384, help="rows of the mlp workload (default: 16384)")
-    parser.add_argument("--sentences", type=int, default=4096, help="rows of the text workload (default: 4096)")
+    parser.add_argument("--sentences", type=int, default=16384, help="rows of the text workload (default: 16384)")
     parser.add_argument("--batch", type=int, default=64, help="map_batches batch_size (default: 64)")
     parser.add_argument("--actors", type=int, default=1, help="actors in the pool, 1 CPU each (default: 1)")
     parser.add_argument("--quick", action="store_true", help="2 rounds of 2048 rows and 512 sentences (default: off)")
