@@ -21,8 +21,8 @@ The hand-written class does what Ray's users write by hand: load the model in
 ``torch.inference_mode()`` and turn the outputs into numpy columns.
 
 Rounds interleave the two paths (``_common.interleave``: a balanced random order each
-round), so drift of the shared host hits both alike; the ratio is paired per round (Predictor's throughput / the hand-written
-class's), reported as its median and p10-p90. Then, in this process with one torch
+round), so drift of the shared host hits both alike; the ratio is paired per round
+(Predictor's throughput / the hand-written class's), reported as its median and p10-p90. Then, in this process with one torch
 thread, the first (up to) 8 batches as Ray hands them go through each class's
 ``__call__`` and through the model's method alone, in interleaved rounds: the
 Predictor's cost per batch without Ray, and the model's share of a pass (its compute
