@@ -9,7 +9,8 @@ sentence-transformers. Two CPU replicas, one torch thread each. Workloads:
   tokens, on threads. Paths: ``input-order`` (batches of 32 in input order, each padded
   to its longest), ``batch_size`` (``batch_size=32``), ``max_tokens``
   (``max_tokens=2048``), ``hand-sorted`` (every item sorted by length by hand, longest
-  first, cut into batches of 32: the ideal);
+  first, cut into batches of 32: the ideal); every path pads its batches as it runs,
+  as a ``DataLoader`` collates in the loop;
 - ``encode`` (needs sentence-transformers): ``SentenceTransformer.encode`` of the texts
   (the same BERT, mean pooling): ``items-threads`` and ``items-processes``
   (``dp.map("encode", texts, batch_size=32)``) against sentence-transformers' own
@@ -149,13 +150,15 @@ def _bert(ids: list[torch.Tensor], rounds: int) -> dict[str, Any]:
     order = _chunks(list(range(len(ids))), BATCH)
     by_length = sorted(range(len(ids)), key=lambda i: -lengths[i])
     ideal = _chunks(by_length, BATCH)
-    ordered_batches = [_padded([ids[i] for i in b]) for b in order]
-    ideal_batches = [_padded([ids[i] for i in b]) for b in ideal]
+    # Every path builds its batches while it runs, as a DataLoader collates in the loop.
+    def collated(plan: list[list[int]]) -> Any:
+        return (_padded([ids[i] for i in b]) for b in plan)
+
     paths: dict[str, Callable[[], Any]] = {
-        "input-order": lambda: _rows(list(dp.map("forward", ordered_batches)), order, len(ids)),
+        "input-order": lambda: _rows(list(dp.map("forward", collated(order))), order, len(ids)),
         "batch_size": lambda: list(dp.map("forward", items, batch_size=BATCH)),
         "max_tokens": lambda: list(dp.map("forward", items, max_tokens=MAX_TOKENS)),
-        "hand-sorted": lambda: _rows(list(dp.map("forward", ideal_batches)), ideal, len(ids)),
+        "hand-sorted": lambda: _rows(list(dp.map("forward", collated(ideal))), ideal, len(ids)),
     }
     plans = {"input-order": order, "hand-sorted": ideal,
              "batch_size": _planned(lengths, ItemOptions(batch_size=BATCH)),
@@ -231,13 +234,13 @@ def _generate(ids: list[torch.Tensor], rounds: int) -> dict[str, Any]:
     kwargs = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
     prompts = [{"input_ids": t} for t in ids]
     order = _chunks(list(range(len(ids))), GEN_BATCH)
-    batches = [_padded([ids[i] for i in b], left=True) for b in order]
     list(dp.map("generate", prompts[:4], batch_size=2, **kwargs))  # the workers start
 
     def input_order() -> list[Any]:
         rows = []  # each prompt's tokens without its batch's left padding, as item mode gives them
-        for out, b, batch in zip(dp.map("generate", batches, **kwargs), order, batches):
-            width = batch["input_ids"].shape[1]
+        batches = (_padded([ids[i] for i in b], left=True) for b in order)  # collated in the loop
+        for out, b in zip(dp.map("generate", batches, **kwargs), order):
+            width = max(len(ids[i]) for i in b)
             rows += [r[width - len(ids[i]):] for i, r in zip(b, out)]
         return rows
 
@@ -272,7 +275,12 @@ def _ray(ids: list[torch.Tensor], rounds: int) -> dict[str, Any] | None:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
     ray.data.DataContext.get_current().enable_progress_bars = False
-    ds = ray.data.from_items([{"id": i, "input_ids": t.numpy()} for i, t in enumerate(ids)]).materialize()
+    if len(ids) % RAY_BATCH:
+        raise ValueError(f"the ray workload: --items: expected a multiple of {RAY_BATCH}, got {len(ids)}")
+    # One block per Ray batch: each batch the padding step pads is then the batch the
+    # Predictor takes (one spanning two padded blocks would mix their widths).
+    ds = ray.data.from_items([{"id": i, "input_ids": t.numpy()} for i, t in enumerate(ids)],
+                             override_num_blocks=len(ids) // RAY_BATCH).materialize()
     common = dict(factory=mean_pooled_bert, method="forward", keep=["id"], output="embedding",
                   device_ids=["cpu"] * 2)
 
