@@ -159,14 +159,10 @@ def _unflatten_transformed(children: list[Any], context: Any) -> Any:
     return TransformedDistribution(base, transforms.transforms, validate_args=validate)
 
 
-def install_distributions() -> bool:
-    """Register the ``torch.distributions`` rules once that module is imported.
-
-    Returns whether it was (the caller retries on a later unseen class otherwise).
-    """
-    module = sys.modules.get("torch.distributions")
-    if module is None:
-        return False
+def install_distributions() -> None:
+    """Register the ``torch.distributions`` rules (a step that waits for that module:
+    :func:`dpmethods.vocab.loading.when_imported`)."""
+    module = sys.modules["torch.distributions"]
     # Exact classes: a subclass's constructor may take other arguments.
     rule = _tree.TypeRule(_flatten_distribution, _unflatten_distribution, per_item=True, exact=True)
     for name in _PARAMS:
@@ -182,17 +178,4 @@ def install_distributions() -> bool:
         module.TransformedDistribution,
         _tree.TypeRule(_flatten_transformed, _unflatten_transformed, per_item=True, exact=True),
     )
-    return True
 
-
-_installed: list[bool] = []
-
-
-def install_distributions_once() -> None:
-    """A loader (``dpmethods.vocab.loading``): install the distribution rules once they can be.
-
-    Example:
-        >>> install_distributions_once()
-    """
-    if not _installed and install_distributions():
-        _installed.append(True)

@@ -19,7 +19,6 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.types.coupled_modules import resolve_pending
 from dpmethods.types.owners import method_owner
 from dpmethods.vocab.options import MethodOptions
 from dpmethods.wrapper.registry import MethodsArg, resolve_methods
@@ -92,7 +91,6 @@ class MethodWrapper(nn.Module):
 
     def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
         check_module(module)
-        resolve_pending()  # batch-coupled classes of libraries imported by now
         self._dpm_methods = resolve_methods(module, methods)
         self._dpm_warned: set[str] = set()
         # The instance moves to a subclass holding one method per parallel method. Done
