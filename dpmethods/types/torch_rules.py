@@ -25,7 +25,7 @@ from typing import Any
 
 from dpmethods.types import tree as _tree
 
-__all__: list[str] = []
+__all__ = ["install_distributions", "install_packed_sequence"]
 
 
 # --- PackedSequence -------------------------------------------------------------------
@@ -47,7 +47,11 @@ def _unflatten_packed(children: list[Any], _: Any) -> Any:
 
 
 def install_packed_sequence() -> None:
-    """Register the ``PackedSequence`` rule (torch.nn is always imported with torch)."""
+    """Register the ``PackedSequence`` rule (torch.nn is always imported with torch).
+
+    Example:
+        >>> install_packed_sequence()
+    """
     from torch.nn.utils.rnn import PackedSequence
 
     rule = _tree.TypeRule(_flatten_packed, _unflatten_packed, per_item=True, ragged=True)
@@ -161,7 +165,12 @@ def _unflatten_transformed(children: list[Any], context: Any) -> Any:
 
 def install_distributions() -> None:
     """Register the ``torch.distributions`` rules (a step that waits for that module:
-    :func:`dpmethods.vocab.loading.when_imported`)."""
+    :func:`dpmethods.vocab.loading.when_imported`).
+
+    Example:
+        >>> import torch.distributions
+        >>> install_distributions()
+    """
     module = sys.modules["torch.distributions"]
     # Exact classes: a subclass's constructor may take other arguments.
     rule = _tree.TypeRule(_flatten_distribution, _unflatten_distribution, per_item=True, exact=True)

@@ -27,7 +27,12 @@ from torch import Size, Tensor
 
 from dpmethods.vocab.loading import load_pending
 
-__all__: list[str] = []
+__all__ = [
+    "DATACLASS", "DICT", "LEAF", "LEAVES", "LIST", "NAMEDTUPLE", "NODE", "NONE", "OTHER", "RULES",
+    "TUPLE", "Node", "Spec", "TypeRule", "children_labels", "describe", "describe_mismatch",
+    "flatten", "leaf_paths", "move", "per_item_leaves", "ragged_leaves", "rule_for", "set_rule",
+    "unflatten",
+]
 
 # Leaf markers. Tensors, None and other values are told apart in the spec, so equal
 # specs mean the replicas agree on which positions hold tensors.
@@ -75,7 +80,15 @@ _resolved: dict[type, TypeRule | None] = {}
 
 
 def set_rule(cls: type, rule: TypeRule | None) -> None:
-    """Add (or with ``None`` remove) the rule of ``cls``; forget resolved lookups."""
+    """Add (or with ``None`` remove) the rule of ``cls``; forget resolved lookups.
+
+    Example:
+        >>> class Pair(tuple): ...
+        >>> set_rule(Pair, TypeRule(lambda p: (list(p), None), lambda c, _: Pair(c)))
+        >>> rule_for(Pair) is RULES[Pair]
+        True
+        >>> set_rule(Pair, None)
+    """
     if rule is None:
         RULES.pop(cls, None)
     else:
@@ -84,7 +97,12 @@ def set_rule(cls: type, rule: TypeRule | None) -> None:
 
 
 def rule_for(kind: type) -> TypeRule | None:
-    """The rule that walks objects of type ``kind``, or None."""
+    """The rule that walks objects of type ``kind``, or None.
+
+    Example:
+        >>> rule_for(int) is None
+        True
+    """
     try:
         return _resolved[kind]
     except KeyError:
@@ -251,7 +269,14 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
 
 
 def flatten(obj: Any) -> tuple[Spec, list[Any]]:
-    """Split ``obj`` into ``(spec, leaves)``; ``unflatten(spec, leaves)`` rebuilds it."""
+    """Split ``obj`` into ``(spec, leaves)``; ``unflatten(spec, leaves)`` rebuilds it.
+
+    Example:
+        >>> import torch
+        >>> spec, leaves = flatten({"x": torch.ones(2), "n": 3})
+        >>> len(leaves), unflatten(spec, leaves)["n"]
+        (2, 3)
+    """
     leaves: list[Any] = []
     return _flatten(obj, leaves), leaves
 
@@ -283,7 +308,13 @@ def _build(spec: Spec, it: Iterator[Any]) -> Any:
 
 
 def unflatten(spec: Spec, leaves: list[Any]) -> Any:
-    """Rebuild the structure described by ``spec`` with ``leaves`` in order."""
+    """Rebuild the structure described by ``spec`` with ``leaves`` in order.
+
+    Example:
+        >>> spec, _ = flatten((1, [2, 3]))
+        >>> unflatten(spec, ["a", "b", "c"])
+        ('a', ['b', 'c'])
+    """
     return _build(spec, iter(leaves))
 
 
@@ -307,7 +338,12 @@ def move(obj: Any, device: Any, non_blocking: bool = False) -> Any:
 
 
 def children_labels(spec: Spec) -> list[str]:
-    """How each child of a container's spec is reached from it (``['k']``, ``.field``, ``[0]``)."""
+    """How each child of a container's spec is reached from it (``['k']``, ``.field``, ``[0]``).
+
+    Example:
+        >>> children_labels(flatten({"a": 1, "b": 2})[0])
+        ["['a']", "['b']"]
+    """
     kind, cls, meta, children = spec
     if kind == DICT:
         return [f"[{k!r}]" for k in meta]
@@ -319,7 +355,12 @@ def children_labels(spec: Spec) -> list[str]:
 
 
 def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
-    """The key path of every leaf, in leaf order (for error messages)."""
+    """The key path of every leaf, in leaf order (for error messages).
+
+    Example:
+        >>> leaf_paths(flatten({"a": (1, 2)})[0])
+        ["output['a'][0]", "output['a'][1]"]
+    """
     if spec in LEAVES:
         return [root]
     paths: list[str] = []
@@ -329,14 +370,24 @@ def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
 
 
 def per_item_leaves(spec: Spec) -> set[int]:
-    """Indices of the leaves under a node whose rule says its children are per item."""
+    """Indices of the leaves under a node whose rule says its children are per item.
+
+    Example:
+        >>> per_item_leaves(flatten([1, 2])[0])
+        set()
+    """
     found: set[int] = set()
     _walk_flag(spec, 0, False, found, "per_item")
     return found
 
 
 def ragged_leaves(spec: Spec) -> set[int]:
-    """Indices of the leaves under a node whose rule joins its children padded."""
+    """Indices of the leaves under a node whose rule joins its children padded.
+
+    Example:
+        >>> ragged_leaves(flatten([1, 2])[0])
+        set()
+    """
     found: set[int] = set()
     _walk_flag(spec, 0, False, found, "ragged")
     return found
@@ -356,7 +407,12 @@ def _walk_flag(node: Spec, start: int, inside: bool, found: set[int], flag: str)
 
 
 def describe(spec: Spec) -> str:
-    """What a spec is, in words, for messages (``"a tensor"``, ``"list of length 3"``)."""
+    """What a spec is, in words, for messages.
+
+    Example:
+        >>> describe(flatten([1, 2, 3])[0]), describe(LEAF)
+        ('list of length 3', 'a tensor')
+    """
     if spec in LEAVES:
         return {LEAF: "a tensor", NONE: "None"}.get(spec, "a non-tensor value")
     kind, cls, meta, children = spec
@@ -371,7 +427,12 @@ def describe(spec: Spec) -> str:
 
 
 def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
-    """Where two specs first differ, as 'path: X in one, Y in the other'."""
+    """Where two specs first differ, as 'path: X in one, Y in the other'.
+
+    Example:
+        >>> describe_mismatch(flatten({"a": [1]})[0], flatten({"a": [1, 2]})[0])
+        "output['a']: list of length 1 vs list of length 2"
+    """
     if a in LEAVES or b in LEAVES or a[:3] != b[:3] or len(a.children) != len(b.children):
         return f"{root}: {describe(a)} vs {describe(b)}"
     for label, ca, cb in zip(children_labels(a), a.children, b.children):

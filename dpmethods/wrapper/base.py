@@ -23,7 +23,7 @@ from dpmethods.types.owners import method_owner
 from dpmethods.vocab.options import MethodOptions
 from dpmethods.wrapper.registry import MethodsArg, resolve_methods
 
-__all__: list[str] = []
+__all__ = ["MethodWrapper", "check_argument_names", "check_flag", "check_module"]
 
 # Weak all ways: an entry lives while wrappers of its class do (the value), and its key
 # holds the wrapper base (maybe a user's subclass) and the module class only weakly, so
@@ -85,6 +85,11 @@ class MethodWrapper(nn.Module):
     Subclasses define ``_run_method(name, args, kwargs)`` and may override
     ``_undecorated_warning(name)``. ``self._dpm_methods`` maps each parallel method
     name to its :class:`MethodOptions`; ``self.module`` is the wrapped module.
+
+    Example:
+        >>> from dpmethods import DataParallel, DistributedDataParallel
+        >>> issubclass(DataParallel, MethodWrapper), issubclass(DistributedDataParallel, MethodWrapper)
+        (True, True)
     """
 
     _dpm_methods: dict[str, MethodOptions]
