@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 # Importing dpmethods loads torch and the compiled extension (so its op exists once
@@ -28,16 +30,16 @@ _EXPORTS: dict[str, str] = {
     "MethodOptions": "dpmethods.vocab.options",
     "fully_shard": "dpmethods.distributed",
     "get_options": "dpmethods.wrapper.registry",
-    "load_state_dict": "dpmethods.checkpoints",
+    "load_state_dict": "dpmethods.state_dicts",
     "parallel_method": "dpmethods.wrapper.registry",
     "parallel_methods": "dpmethods.wrapper.registry",
     "register": "dpmethods.wrapper.registry",
     "register_type": "dpmethods.types.rules",
     "route": "dpmethods.distributed",
-    "unwrap": "dpmethods.checkpoints",
+    "unwrap": "dpmethods.state_dicts",
 }
-# Names of earlier versions, kept working outside __all__: the stages (now in
-# dpmethods.parallel, as torch.nn.parallel has them) and helpers with a home of their own.
+# Top-level spellings that code may use, resolved outside __all__: the stages (whose home
+# is dpmethods.parallel, as torch.nn.parallel is theirs) and helpers with a home of their own.
 _ALIASES: dict[str, str] = {
     "chunk_sizes": "dpmethods.parallel",
     "extension_info": "dpmethods.ops",
@@ -48,13 +50,13 @@ _ALIASES: dict[str, str] = {
     "replicate": "dpmethods.parallel",
     "scatter": "dpmethods.parallel",
     "scatter_call": "dpmethods.parallel",
-    "strip_prefix": "dpmethods.checkpoints",
+    "strip_prefix": "dpmethods.state_dicts",
 }
 
 if TYPE_CHECKING:
-    from dpmethods.checkpoints import load_state_dict, unwrap
     from dpmethods.data_parallel import DataParallel
     from dpmethods.distributed import DistributedDataParallel, fully_shard, route
+    from dpmethods.state_dicts import load_state_dict, unwrap
     from dpmethods.types.rules import register_type
     from dpmethods.vocab.options import MethodOptions
     from dpmethods.wrapper.registry import get_options, parallel_method, parallel_methods, register
@@ -95,13 +97,13 @@ def __getattr__(name: str) -> Any:
 # The subpackages and modules that are homes of public names (dpmethods.parallel.gather,
 # dpmethods.extending.register_gather_mode, ...); the others are the layers under them.
 _PUBLIC_MODULES = (
-    "checkpoints", "distributed", "extending", "integrations", "ops", "parallel", "testing",
+    "distributed", "extending", "integrations", "ops", "parallel", "state_dicts", "testing",
 )
 
 
 def __dir__() -> list[str]:
     # The public names only: not this file's own imports (importlib, Any, ...), the
-    # internal layers, or the old spellings that __getattr__ still resolves.
+    # internal layers, or the aliases that __getattr__ also resolves.
     return sorted({*__all__, *_PUBLIC_MODULES, "__version__"})
 
 
@@ -114,8 +116,34 @@ def __dir__() -> list[str]:
 from dpmethods import integrations as _integrations  # noqa: E402, F401
 from dpmethods import ops as _ops  # noqa: E402, F401
 
-# A wrapper pickled by release 0.1.0 names its classes by these module paths; pickle
-# imports them by name, so each old path is the module that holds them now.
+# A wrapper pickled by version 0.1.0 names its classes by these module paths; pickle
+# imports them by name, so each path is the module that holds those classes.
 _PICKLED_PATHS = {"dpmethods._wrapping": "dpmethods.wrapper.base", "dpmethods.options": "dpmethods.vocab.options"}
 for _old, _new in _PICKLED_PATHS.items():
     sys.modules.setdefault(_old, importlib.import_module(_new))
+
+
+class _Renamed(ModuleType):
+    """A module's former name: each name read through it is the new module's, with one
+    FutureWarning per process that gives the new name."""
+
+    def __init__(self, old: str, new: str) -> None:
+        super().__init__(old, f"The former name of {new}.")
+        self._new = new
+        self._warned = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.__name__} is named {self._new}: import {name} from {self._new}",
+                FutureWarning, stacklevel=2,
+            )
+        return getattr(importlib.import_module(self._new), name)
+
+
+# The state-dict helpers' module is dpmethods.state_dicts (map(checkpoint=) is the map's
+# record): code that imports them by the module's former name gets them, and is told.
+sys.modules.setdefault("dpmethods.checkpoints", _Renamed("dpmethods.checkpoints", "dpmethods.state_dicts"))

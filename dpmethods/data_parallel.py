@@ -15,17 +15,17 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from dpmethods.checkpoints import load_fitted
 from dpmethods.core import devices as _placement
 from dpmethods.core.call import current, gather_outputs, scatter_shares
 from dpmethods.core.devices import DeviceLike
 from dpmethods.core.oom import Fit, check_on_oom
-from dpmethods.core.parallel_apply import WorkerPool
+from dpmethods.core.parallel_apply import ReplicaThreads
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.items import item_options, map_items
 from dpmethods.processes.calls import call_chunks
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
+from dpmethods.state_dicts import load_matched
 from dpmethods.streaming.map import map_batches
 from dpmethods.streaming.resume import checkpointed
 from dpmethods.wrapper import call as _flow
@@ -57,7 +57,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             ``{"generate": {"gather": "pad", "pad_value": 0}}``.
         cache_replicas: keep replicas between calls under ``torch.no_grad()``; they are
             rebuilt whenever a parameter, buffer, attribute or mode of the module changes.
-            The replicas' worker threads are kept too (daemon threads, stopped when the
+            The replicas' threads are kept too (daemon threads, stopped when the
             wrapper is garbage-collected).
         cpu_replicas: ``"shared"`` (CPU replicas use the module's tensors) or
             ``"distinct"`` (each CPU entry of ``device_ids`` gets its own parameter and
@@ -118,7 +118,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         self.cpu_replicas = cpu_replicas_mode(cpu_replicas)
         self.workers = check_workers(workers)
         self.on_oom = check_on_oom(on_oom)
-        self._devices = _placement._resolve_devices(device_ids)
+        self._devices = _placement.resolve_devices(device_ids)
         self.__dict__["_process_pool"] = ProcessPool(self._devices, check_factory(factory))
         self._init_call_state()
         self._init_methods(module, methods)
@@ -130,7 +130,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         ]
         if not self._devices:
             return
-        out = _placement._resolve_output(output_device, self._devices)
+        out = _placement.resolve_output_device(output_device, self._devices)
         self.output_device: int | torch.device = out.index if out.type == "cuda" else out  # type: ignore[assignment]
         self.src_device_obj = self._devices[0]
         if len(self._devices) == 1:
@@ -138,14 +138,14 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
 
     def _init_call_state(self) -> None:
         """The state kept across calls (:mod:`dpmethods.wrapper.call`), empty."""
-        self._workers: WorkerPool | None = None  # cache_replicas: the replicas' threads, kept
-        self._oom_fits: dict[tuple[int, str], Fit] = {}  # on_oom: (replica, method) -> its record
+        self._replica_threads: ReplicaThreads | None = None  # cache_replicas: the replicas' threads, kept
+        self._oom_fits: dict[tuple[int, str], Fit] = {}  # on_oom: (replica, method) -> what fits
         self._warned_small: set[tuple[int, int]] = set()  # (items, devices) warned as too few
         self._dim_options: MethodOptions | None = None  # an undecorated forward's, for self.dim
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # A wrapper pickled by release 0.1.0 has neither the call state nor on_oom: the
-        # state starts empty, and its calls raise out-of-memory errors, as they did then.
+        # The call state is never pickled: it starts empty. A pickle without on_oom (version
+        # 0.1.0's) keeps the behaviour it was made with: out-of-memory errors raise.
         self._init_call_state()
         self.on_oom = "raise"
         super().__setstate__(state)
@@ -274,7 +274,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_replica_cache"] = None  # rebuilt on demand; threads can't be copied
-        state["_workers"] = None  # threads can't be copied; a copy starts its own
+        state["_replica_threads"] = None  # threads can't be copied; a copy starts its own
         return state
 
     def close(self) -> None:
@@ -287,7 +287,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             >>> dp = dpmethods.DataParallel(torch.nn.Linear(2, 2), ["cpu"] * 2, workers="processes")
             >>> dp.close()
         """
-        if "_process_pool" in self.__dict__:  # a wrapper pickled by an earlier release has none
+        if "_process_pool" in self.__dict__:  # none in a pickle of version 0.1.0
             self._process_pool.close()
 
     def parallel_apply(  # type: ignore[override]
@@ -296,7 +296,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         """Run the current method on every replica in parallel; see :func:`dpmethods.parallel.parallel_apply`.
 
         As torch: ``kwargs`` may be None, and an input that is not a tuple or list is
-        the replica's only argument. With ``cache_replicas`` the worker threads are kept.
+        the replica's only argument. With ``cache_replicas`` the replicas' threads are kept.
         """
         return _flow.apply_on(self, replicas, inputs, kwargs)
 
@@ -310,8 +310,8 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
         """Load a state dict saved from this wrapper, the bare module or ``torch.compile``
-        (see :func:`dpmethods.load_state_dict`): wrapper prefixes fitted once each."""
-        return load_fitted(
+        (see :func:`dpmethods.load_state_dict`): wrapper prefixes matched once each."""
+        return load_matched(
             super().load_state_dict, self.state_dict(keep_vars=True).keys(), state_dict,
             strict, assign=assign,
         )

@@ -6,6 +6,7 @@ and the top level has twelve public names (and the old ones as aliases)."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ _LIBRARIES = (*INTEGRATIONS, *_ENGINES.values())
 _FLOORS: list[tuple[str, ...]] = [
     ("vocab", "ops"),
     ("types",),
-    ("core", "checkpoints"),
+    ("core", "state_dicts"),
     ("wrapper", "processes", "parallel", "testing"),
     ("streaming", "distributed", "extending"),
     ("items", "integrations"),
@@ -118,6 +119,21 @@ def test_every_unit_is_declared_once() -> None:
     assert sorted(declared) == sorted(set(declared)) == sorted(_unit_graph())
 
 
+def test_the_architecture_page_draws_these_floors() -> None:
+    # docs/architecture.md's drawing: "  N  unit  text" opens a floor, "     unit  text"
+    # adds a unit to it, deeper lines go on with the text.
+    page = (_PKG.parent / "docs" / "architecture.md").read_text()
+    drawing = page.split("## The floors", 1)[1].split("```", 2)[1]
+    drawn: dict[int, set[str]] = {}
+    floor = -1
+    for line in drawing.splitlines():
+        entry = re.match(r"^  (\d| )  (\S+)", line)
+        if entry:
+            floor = int(entry.group(1)) if entry.group(1) != " " else floor
+            drawn.setdefault(floor, set()).add(entry.group(2).removesuffix(".py").removesuffix("/"))
+    assert drawn == {i: set(names) for i, names in enumerate(_FLOORS)}
+
+
 def test_layers_import_downwards_only() -> None:
     wrong = [f"{where} imports {target} (floor {_declared(target)} >= {_declared(unit)})"
              for unit, edges in _unit_graph().items() for target, where in edges.items()
@@ -147,21 +163,57 @@ def test_the_import_walk_sees_every_form(tmp_path: Path) -> None:
         "__init__", "__init__", "parallel", "types.tree", "streaming.threads", "parallel"]
 
 
-def test_no_private_name_crosses_units() -> None:
-    # A helper another unit needs is a public name of the module that owns it.
-    modules = _modules()
-    wrong = []
-    for module, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("dpmethods"):
+def _private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """The private names ``module`` takes from another module: imported by name
+    (``from dpmethods.x import _y``, relative or not) or read from an imported module
+    (``tree._y`` after ``from dpmethods.types import tree``)."""
+    package = module.split(".")[:-1]
+    tree = ast.parse(path.read_text())
+    bound: dict[str, str] = {}  # a local name -> the dpmethods module it is
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update((a.asname or a.name.split(".")[0], a.name) for a in node.names
+                         if a.name.split(".")[0] == "dpmethods")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                above = ".".join(["dpmethods", *package[: len(package) - node.level + 1]])
+                base = f"{above}.{node.module}" if node.module else above
+            if base.split(".")[0] != "dpmethods":
                 continue
-            source = _resolve(node.module.removeprefix("dpmethods").lstrip("."), modules)  # type: ignore[union-attr]
-            parts = (node.module or "").split(".")[1:]
+            source = _resolve(base.removeprefix("dpmethods").lstrip("."), modules)
             for alias in node.names:
-                private = [p for p in [*parts, alias.name] if p.startswith("_") and not p.startswith("__")]
-                if private and private != ["_C"] and source is not None and _unit(source) != _unit(module):
-                    wrong.append(f"{module}:{node.lineno} imports {node.module}.{alias.name}")
+                full = f"{base}.{alias.name}".removeprefix("dpmethods.")
+                if full in modules or f"{full}.__init__" in modules:
+                    bound[alias.asname or alias.name] = full
+                private = [p for p in [*base.split(".")[1:], alias.name] if p.startswith("_") and not p.startswith("__")]
+                if private and private != ["_C"] and source != module:
+                    found.append(f"{module}:{node.lineno} imports {base}.{alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{module}:{node.lineno} reads {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_private_name_crosses_modules() -> None:
+    # A helper another module needs, in its unit or another, is a public name of the
+    # module that owns it.
+    modules = _modules()
+    wrong = [use for module, path in modules.items() for use in _private_uses(module, path, modules)]
     assert wrong == []
+
+
+def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
+    modules = _modules()
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "from dpmethods.types.tree import _walk\nfrom .tree import _walk\n"
+        "from dpmethods.types import tree as t\nt._walk\nfrom dpmethods.types.tree import flatten\n"
+    )
+    assert [use.split(" ", 1)[1] for use in _private_uses("types.probe", probe, modules)] == [
+        "imports dpmethods.types.tree._walk", "imports dpmethods.types.tree._walk", "reads t._walk"]
 
 
 def _wrapper_private_attributes() -> set[str]:
@@ -187,7 +239,7 @@ def test_core_reads_no_private_state_of_a_wrapper() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in private:
                 wrong.append(f"{module}:{node.lineno} reads .{node.attr}")
-            elif isinstance(node, ast.Constant) and node.value in private:  # __dict__["_workers"]
+            elif isinstance(node, ast.Constant) and node.value in private:  # __dict__["_replica_threads"]
                 wrong.append(f"{module}:{node.lineno} names {node.value!r}")
     assert wrong == []
 
@@ -239,13 +291,13 @@ def test_twelve_public_names_and_the_old_ones_as_aliases() -> None:
         "register", "register_type", "MethodOptions", "get_options", "parallel_methods",
         "unwrap", "load_state_dict",
     ])
-    from dpmethods import checkpoints, distributed, ops, parallel
+    from dpmethods import distributed, ops, parallel, state_dicts
 
     aliases = {
         "chunk_sizes": parallel.chunk_sizes, "scatter": parallel.scatter,
         "scatter_call": parallel.scatter_call, "replicate": parallel.replicate,
         "parallel_apply": parallel.parallel_apply, "gather": parallel.gather,
-        "extension_info": ops.extension_info, "strip_prefix": checkpoints.strip_prefix,
+        "extension_info": ops.extension_info, "strip_prefix": state_dicts.strip_prefix,
         "register_fsdp_methods": distributed.register_fsdp_methods,
     }
     for name, value in aliases.items():

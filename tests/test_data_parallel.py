@@ -471,29 +471,29 @@ def test_cnn_trained_through_training_step_matches_single_device() -> None:
     assert not torch.equal(model.head.weight, SmallCNN().double().head.weight)
 
 
-# --- worker threads kept with cached replicas --------------------------------------------
+# --- threads kept with cached replicas ---------------------------------------------------
 
 
-def _worker_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("dpmethods-worker-")]
+def _kept_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("dpmethods-replica-thread-")]
 
 
-def test_cached_replicas_keep_workers_until_the_wrapper_goes() -> None:
+def test_cached_replicas_keep_threads_until_the_wrapper_goes() -> None:
     ref, _, dp = _ref_and_dp(cache_replicas=True)
     x = torch.randn(9, 8)
     with torch.no_grad():
         for _ in range(3):
             assert_close_to_reference(dp.encode(x).mu, ref.encode(x).mu, terms=VAE_TERMS)
-    workers = _worker_threads()
-    assert len(workers) == 3  # replica 0 runs in the caller
+    kept = _kept_threads()
+    assert len(kept) == 3  # replica 0 runs in the caller
     x[5] = float("nan")
     with torch.no_grad():
-        assert torch.isnan(dp.encode(x).mu[5]).all()  # workers still serve after many calls
+        assert torch.isnan(dp.encode(x).mu[5]).all()  # the kept threads still serve after many calls
     del dp
     gc.collect()
-    for t in workers:
+    for t in kept:
         t.join(timeout=30)
-    assert not any(t.is_alive() for t in workers)
+    assert not any(t.is_alive() for t in kept)
 
 
 def test_worker_pool_errors_and_reentry() -> None:

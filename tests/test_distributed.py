@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpmethods.checkpoints import unwrap
 from dpmethods.distributed import (
     DistributedDataParallel,
     fully_shard,
     register_fsdp_methods,
     route,
 )
+from dpmethods.state_dicts import unwrap
 from dpmethods.testing import assert_close_to_reference as close
 from dpmethods.wrapper.registry import parallel_method
 

@@ -54,7 +54,7 @@ def _randomized(m: nn.Module) -> nn.Module:
 
 @pytest.mark.parametrize("saved_wrapped", [False, True])
 @pytest.mark.parametrize("into", ["bare", "ours", "torch"])
-def test_averaged_model_checkpoints_load_bare_or_wrapped(saved_wrapped: bool, into: str) -> None:
+def test_averaged_model_state_dicts_load_bare_or_wrapped(saved_wrapped: bool, into: str) -> None:
     src = AveragedModel(_randomized(Net()))
     src.n_averaged.fill_(7)
     saved = DataParallel(src, CPU3).state_dict() if saved_wrapped else src.state_dict()
@@ -68,7 +68,7 @@ def test_averaged_model_checkpoints_load_bare_or_wrapped(saved_wrapped: bool, in
 
 
 @pytest.mark.parametrize("saved_wrapped", [False, True])
-def test_wrapper_load_state_dict_takes_averaged_model_checkpoints(saved_wrapped: bool) -> None:
+def test_wrapper_load_state_dict_takes_averaged_model_state_dicts(saved_wrapped: bool) -> None:
     src = AveragedModel(_randomized(Net()))
     saved = DataParallel(src, CPU3).state_dict() if saved_wrapped else src.state_dict()
     dst = AveragedModel(Net())
@@ -87,7 +87,7 @@ def test_compiled_models_orig_mod_prefix_is_fitted_both_ways() -> None:
     dst = Net()
     DataParallel(dst, CPU3).load_state_dict(saved)
     assert _equal_params(src, dst)
-    # A bare checkpoint into a wrapper of a compiled module, and the wrapped one into it.
+    # A bare state dict into a wrapper of a compiled module, and the wrapped one into it.
     dst2 = Net()
     DataParallel(torch.compile(dst2), CPU3).load_state_dict(src.state_dict())
     assert _equal_params(src, dst2)
@@ -98,7 +98,7 @@ def test_compiled_models_orig_mod_prefix_is_fitted_both_ways() -> None:
 
 def test_strict_false_with_nothing_matching_warns_and_reports_keys() -> None:
     dst = Net()
-    with pytest.warns(UserWarning, match=r"none of the 2 keys of the checkpoint .* nothing was loaded"):
+    with pytest.warns(UserWarning, match=r"none of the 2 keys of the state dict .* nothing was loaded"):
         result = dpmethods.load_state_dict(dst, {"a.w": torch.ones(1), "a.b": torch.ones(1)}, strict=False)
     assert sorted(result.unexpected_keys) == ["a.b", "a.w"] and "lin.weight" in result.missing_keys
     with pytest.warns(UserWarning, match="nothing was loaded"):
@@ -128,7 +128,7 @@ def test_bytes_and_file_objects_load_and_other_types_are_a_clear_error() -> None
         dpmethods.load_state_dict(Net(), 5)  # type: ignore[arg-type]
     buf2 = io.BytesIO()
     torch.save([1, 2], buf2)
-    with pytest.raises(TypeError, match=r"state_dict: expected the checkpoint to hold a mapping .* got list"):
+    with pytest.raises(TypeError, match=r"state_dict: expected the file to hold a mapping .* got list"):
         dpmethods.load_state_dict(Net(), buf2.getvalue())
 
 

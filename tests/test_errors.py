@@ -59,7 +59,7 @@ class _Unsafe:
     pass
 
 
-def _not_a_safe_checkpoint() -> bytes:
+def _not_a_safe_state_dict() -> bytes:
     buf = io.BytesIO()
     torch.save({"weight": _Unsafe()}, buf)
     return buf.getvalue()
@@ -73,37 +73,37 @@ def _not_a_safe_checkpoint() -> bytes:
          "not a ZIP archive."),
         (b"", "EOFError"),
         (pickle.dumps({"weight": 1}, protocol=2)[:-1], "EOFError"),
-        (_not_a_safe_checkpoint(), "UnpicklingError: Unsupported global: GLOBAL "
+        (_not_a_safe_state_dict(), "UnpicklingError: Unsupported global: GLOBAL "
          f"{__name__}._Unsafe was not an allowed global by default."),
     ],
     ids=["text", "zip", "empty", "truncated", "unsafe"],
 )
-def test_bytes_that_are_not_a_checkpoint_say_they_were_taken_as_one(data: bytes, cause: str) -> None:
+def test_bytes_that_are_not_a_saved_state_dict_say_they_were_taken_as_one(data: bytes, cause: str) -> None:
     with pytest.raises(ValueError) as exc:
         dpmethods.load_state_dict(torch.nn.Linear(2, 2), data)
     message = str(exc.value)
     assert message.startswith(
-        f"state_dict: the {len(data)} bytes given were taken as a serialized checkpoint (read with "
+        f"state_dict: the {len(data)} bytes given were taken as a saved state dict (read with "
         "torch.load(..., weights_only=True)), and they could not be read: "
     ), message
-    assert message.split(" It is a checkpoint")[0].endswith(": " + cause), message
+    assert message.split(" It is a file")[0].endswith(": " + cause), message
     # One line, without torch's advice paragraphs or terminal escape codes; torch's own
     # error stays reachable as the cause.
     assert "\n" not in message and "\x1b" not in message and "weights_only` set to" not in message
     assert exc.value.__cause__ is not None
 
 
-def test_a_checkpoint_that_needs_weights_only_false_says_so() -> None:
+def test_a_saved_state_dict_that_needs_weights_only_false_says_so() -> None:
     with pytest.raises(ValueError) as exc:
-        dpmethods.load_state_dict(torch.nn.Linear(2, 2), _not_a_safe_checkpoint())
+        dpmethods.load_state_dict(torch.nn.Linear(2, 2), _not_a_safe_state_dict())
     assert str(exc.value).endswith(
-        "was not an allowed global by default. It is a checkpoint that needs weights_only=False: "
+        "was not an allowed global by default. It is a file that needs weights_only=False: "
         "if you trust its source, load it with torch.load(..., weights_only=False) and pass the "
         "state dict."
     ), str(exc.value)
 
 
-def test_real_checkpoint_bytes_still_load() -> None:
+def test_saved_state_dict_bytes_load() -> None:
     src, dst = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
     buf = io.BytesIO()
     torch.save(src.state_dict(), buf)

@@ -7,6 +7,9 @@ whole batch, as the replicas must see it per row). Compared with one device.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,12 +21,14 @@ from dpmethods import DataParallel, MethodOptions
 from dpmethods.extending import (
     Call,
     CallHooks,
+    is_batch_coupled,
     known_modes,
     mark_batch_coupled,
     register_gather_mode,
     register_method_finder,
     register_type,
 )
+from dpmethods.parallel import scatter
 from dpmethods.testing import assert_close_to_reference
 
 
@@ -148,6 +153,27 @@ def test_a_named_class_that_its_imported_module_lacks_is_refused() -> None:
     mark_batch_coupled("torch.nn:NoSuchLossInThisVersion", missing_ok=True)
     # A module not imported yet: the name waits for it, as before.
     mark_batch_coupled("a_module_never_imported_here:Loss")
+
+
+def test_names_of_a_library_imported_later_apply_at_the_next_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rule and a mark named before their module is imported wait in the one table of
+    # what waits on an import; the first lookup after the import applies both.
+    name = "dpm_library_imported_later"
+    (tmp_path / f"{name}.py").write_text(
+        "import torch\n"
+        "class Box:\n    def __init__(self, t):\n        self.t = t\n"
+        "class PairLoss(torch.nn.Module):\n    def forward(self, a):\n        return a.sum()\n"
+    )
+    register_type(f"{name}:Box", lambda b: ([b.t], None), lambda c, _: sys.modules[name].Box(c[0]))
+    mark_batch_coupled(f"{name}:PairLoss", what="pairs")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    library = importlib.import_module(name)
+    parts = scatter(library.Box(torch.arange(7)), ["cpu"] * 3)
+    assert [p.t.tolist() for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert is_batch_coupled(library.PairLoss)
 
 
 class _Echo(nn.Module):

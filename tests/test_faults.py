@@ -369,9 +369,9 @@ def test_no_threads_left_after_calls_and_after_the_wrapper_goes(cache: bool) -> 
     for _ in range(3):
         _calls(dp, model, cache, fault=True)
     kept = _dpmethods_threads() - before
-    # Per-call threads are joined; a cached wrapper keeps one worker per extra device.
+    # Per-call threads are joined; a cached wrapper keeps one thread per extra device.
     assert sorted(t.name for t in kept) == (
-        [f"dpmethods-worker-{i}" for i in range(1, N_DEV)] if cache else []
+        [f"dpmethods-replica-thread-{i}" for i in range(1, N_DEV)] if cache else []
     )
     gone = weakref.ref(dp)
     del dp

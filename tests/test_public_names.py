@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,18 @@ def test_the_docs_name_public_names_at_their_homes(doc: str, reference: str) -> 
         if part in ("py", "md"):  # the end of a file name in prose (dpmethods.py)
             break
         owner = _public(owner, part)
+
+
+def test_the_former_name_of_state_dicts_gives_its_names_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dpmethods.checkpoints as former  # type: ignore[import-not-found]
+
+    from dpmethods import state_dicts
+
+    monkeypatch.setattr(former, "_warned", False)
+    with pytest.warns(FutureWarning, match=r"^dpmethods\.checkpoints is named dpmethods\.state_dicts: import "
+                      r"unwrap from dpmethods\.state_dicts$"):
+        assert former.unwrap is state_dicts.unwrap
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert former.load_state_dict is state_dicts.load_state_dict
+    assert "checkpoints" not in dir(dpmethods)

@@ -242,7 +242,7 @@ def test_options_validate_split_and_gather_dim() -> None:
         MethodOptions(split="a", broadcast="a")
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['splits'\]"):
         MethodOptions().with_updates(splits=("a",))
-    assert "extend" in dpmethods.vocab.options.GATHER_MODES
+    assert "extend" in dpmethods.vocab.gather_modes.BUILTIN_MODES
 
     class M(nn.Module):
         @parallel_method(split="xs", gather_dim=1)

@@ -42,10 +42,9 @@ from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["one_at_a_time", "takes_turns"]
 
-# Two threads calling one torch.compile'd Linear segfaulted in 6 of 8 runs on torch 2.11
-# and in none of 12 on 2.14; DataParallel(torch.compile(model)) on 3 CPU replicas
-# segfaulted on 2.11 even with the threads' calls serialized by a lock, and not when
-# the caller's thread ran them in turn. Versions between 2.11 and 2.14 were not tried.
+# Compiled code called from several threads can crash the process (a segfault) on torch
+# 2.11, even with the threads' calls serialized by a lock; the caller's thread running
+# the replicas in turn is safe. 2.14 is the first version known to run them in threads.
 _CONCURRENT_COMPILE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 _COMPILE_LOCK = threading.RLock()  # re-entrant: a replica's method may call another replica
 _TAKING_TURNS: weakref.WeakSet[nn.Module] = weakref.WeakSet()

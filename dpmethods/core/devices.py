@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceLike", "as_device", "check_source_device"]
+__all__ = ["DeviceLike", "as_device", "check_source_device", "resolve_devices", "resolve_output_device"]
 
 # A device as the user gives it: an index (CUDA; negative for the CPU), a string or a device.
 DeviceLike = int | str | torch.device
@@ -52,7 +52,13 @@ def _check_device(dev: torch.device, where: str, given: DeviceLike) -> torch.dev
     return dev
 
 
-def _resolve_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
+def resolve_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.device]:
+    """``device_ids`` checked, as devices (None: every GPU, or none without GPUs).
+
+    Example:
+        >>> resolve_devices(["cpu", "cpu:0"])
+        [device(type='cpu'), device(type='cpu')]
+    """
     if device_ids is None:
         if not torch.cuda.is_available():
             return []  # as torch: without GPUs the wrapper is a plain call
@@ -97,7 +103,13 @@ def _resolve_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.devi
     return devices
 
 
-def _resolve_output(output_device: DeviceLike | None, devices: list[torch.device]) -> torch.device:
+def resolve_output_device(output_device: DeviceLike | None, devices: list[torch.device]) -> torch.device:
+    """``output_device`` checked, as a device (None: the first of ``devices``).
+
+    Example:
+        >>> resolve_output_device(None, [torch.device("cpu")])
+        device(type='cpu')
+    """
     if output_device is None:
         return devices[0]
     if isinstance(output_device, bool) or not isinstance(output_device, (int, str, torch.device)):

@@ -32,8 +32,13 @@ __all__ = ["ON_OOM", "Fit", "check_on_oom", "run_splitting"]
 ON_OOM = ("raise", "split")
 
 class Fit:
-    """What one replica learned of its memory: the largest share that ran after it ran
-    out (0: it never ran out, so nothing is cut up front)."""
+    """What fits in one replica's memory, for one method: the largest share that ran
+    after it ran out (0: it never ran out, so nothing is cut up front).
+
+    Example:
+        >>> fit = Fit(); fit.ran_out(4); fit.cut_up_front(5), fit.cut_up_front(4)
+        (True, False)
+    """
 
     def __init__(self) -> None:
         self.largest = 0
@@ -96,7 +101,7 @@ def run_splitting(
         count: ``piece -> items``.
         halve: ``piece -> (parts, sizes, join)``: the piece cut in two, their sizes, and
             ``join(outputs)``, the parts' outputs joined as the piece's.
-        fit: the replica's record.
+        fit: what fits in the replica's memory, learned so far (updated here).
         device: the replica's device (its cached memory is freed before the halves run).
 
     Example:

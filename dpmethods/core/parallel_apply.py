@@ -1,7 +1,7 @@
 """Parallel apply: run one named method on every replica, one thread per replica.
 
 Replica 0 runs in the caller's thread; the others run in threads started for the
-call and joined before it returns, or, for cached replicas, in a :class:`WorkerPool`
+call and joined before it returns, or, for cached replicas, in a :class:`ReplicaThreads`
 kept with them. Each thread gets the caller's grad mode, inference mode and autocast
 state, and on CUDA the caller's current stream for that device. A second replica on
 the same GPU runs on a side stream of its own, ordered after the caller's stream on
@@ -29,7 +29,7 @@ from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.types import tree as _tree
 from dpmethods.types.coupled_modules import split_call
 
-__all__ = ["ReplicaError", "WorkerPool", "parallel_apply"]
+__all__ = ["ReplicaError", "ReplicaThreads", "ThreadState", "add_note", "parallel_apply", "record_streams"]
 
 _SIDE_STREAMS: dict[tuple[int, int], Any] = {}
 # Context factories entered around each replica's call, in its thread: the seam for
@@ -45,12 +45,25 @@ class ReplicaError(RuntimeError):
 
 @dataclass(frozen=True)
 class ThreadState:
+    """The caller's grad mode, inference mode and autocast state, to apply in the thread
+    (or worker process) that runs a replica for it.
+
+    Example:
+        >>> import torch
+        >>> with torch.no_grad():
+        ...     state = ThreadState.capture()
+        >>> with state.applied():
+        ...     torch.is_grad_enabled()
+        False
+    """
+
     grad: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
 
     @classmethod
     def capture(cls) -> ThreadState:
+        """The current thread's state."""
         autocast = tuple(
             (kind, torch.get_autocast_dtype(kind))
             for kind in ("cuda", "cpu")
@@ -65,7 +78,7 @@ class ThreadState:
             and self.inference == torch.is_inference_mode_enabled()
             and self.grad == torch.is_grad_enabled()
         ):
-            return _NOTHING  # the caller's own thread, or a pool worker from the last call
+            return _NOTHING  # the caller's own thread, or a kept thread from the last call
         stack = contextlib.ExitStack()
         if self.inference:
             stack.enter_context(torch.inference_mode())
@@ -98,12 +111,12 @@ def _stop(tasks: list[queue.SimpleQueue[Any]]) -> None:
 def _wait(done: queue.SimpleQueue[int], finished: list[bool], queued: int) -> None:
     """Wait for tasks ``1..queued``; if interrupted, still wait for them, then raise.
 
-    Ctrl-C lands in the caller's thread while the workers still run the call's
+    Ctrl-C lands in the caller's thread while the kept threads still run the call's
     replicas. Returning at once would let the next call race them on the same
     replicas, so the interrupt waits for them first. The wait after an interrupt
-    reads the workers' flags, not the tokens: the interrupt may land just after a
+    reads the threads' flags, not the tokens: the interrupt may land just after a
     token was taken. A second interrupt while waiting propagates; tokens are per
-    call and each worker runs its tasks in order, so later calls are still right.
+    call and each thread runs its tasks in order, so later calls are still right.
     """
     try:
         for _ in range(queued):
@@ -126,47 +139,47 @@ def _join(threads: Sequence[threading.Thread]) -> None:
         raise
 
 
-# Pools alive in this process, so a forked child can reset them (its threads are gone).
-_POOLS: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+# Kept threads alive in this process, so a forked child can reset them (its threads are gone).
+_KEPT: weakref.WeakSet[ReplicaThreads] = weakref.WeakSet()
 
 
-class WorkerPool:
+class ReplicaThreads:
     """Threads kept between calls, for replicas that are kept too (``cache_replicas``).
 
     Starting and joining a thread per replica costs more than a tiny model's whole
-    call; a pool hands work to idle threads instead. The threads stop when the pool
-    is garbage-collected or :meth:`close` is called. A call that finds the pool busy
+    call; kept threads take the work instead. They stop when this object is
+    garbage-collected or :meth:`close` is called. A call that finds them busy
     (re-entered from a replica, or from another thread) uses fresh threads.
 
     Each call gets its own completion queue, and an interrupted call (Ctrl-C)
     waits for its in-flight tasks before raising, so a later call never sees an
-    earlier call's work. In a child made by ``os.fork()`` the pool has no threads;
+    earlier call's work. In a child made by ``os.fork()`` the threads are gone;
     it starts new ones on its first call there.
 
     Args:
-        size: the number of worker threads (replicas beyond the caller's own).
+        size: the number of threads (replicas beyond the caller's own).
 
     Example:
-        >>> pool = WorkerPool(1)
+        >>> threads = ReplicaThreads(1)
         >>> seen = []
-        >>> pool.run(seen.append, 2)
+        >>> threads.run(seen.append, 2)
         True
         >>> sorted(seen)
         [0, 1]
-        >>> pool.close()
+        >>> threads.close()
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._lock = threading.Lock()
         self._start()
-        _POOLS.add(self)
+        _KEPT.add(self)
 
     def _start(self) -> None:
         self._forked = False
         self._tasks: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(self.size)]
         self._threads = [
-            threading.Thread(target=_serve, args=(q,), name=f"dpmethods-worker-{i + 1}", daemon=True)
+            threading.Thread(target=_serve, args=(q,), name=f"dpmethods-replica-thread-{i + 1}", daemon=True)
             for i, q in enumerate(self._tasks)
         ]
         for t in self._threads:
@@ -174,8 +187,8 @@ class WorkerPool:
         self._finalizer = weakref.finalize(self, _stop, self._tasks)
 
     def _after_fork(self) -> None:
-        # The child has only the forking thread: the workers, and whoever held the
-        # lock, are gone. Start afresh, unless the pool was closed.
+        # The child has only the forking thread: the kept threads, and whoever held the
+        # lock, are gone. Start afresh, unless they were closed.
         alive = self._finalizer.alive
         self._finalizer.detach()
         self._lock = threading.Lock()
@@ -183,13 +196,13 @@ class WorkerPool:
         self._forked = alive  # threads start on the next call, not inside the fork handler
 
     def close(self) -> None:
-        """Stop the worker threads and wait for them."""
+        """Stop the threads and wait for them."""
         self._finalizer()
         for t in self._threads:
             t.join()
 
     def run(self, fn: Any, n: int) -> bool:
-        """Run ``fn(0)`` here and ``fn(1..n-1)`` on the workers; False if busy or too small."""
+        """Run ``fn(0)`` here and ``fn(1..n-1)`` on the kept threads; False if busy or too few."""
         if n - 1 > self.size or not self._lock.acquire(blocking=False):
             return False
         try:
@@ -213,8 +226,8 @@ class WorkerPool:
 
 
 def _reset_after_fork() -> None:
-    for pool in list(_POOLS):
-        pool._after_fork()
+    for kept in list(_KEPT):
+        kept._after_fork()
     global _SIDE_STREAMS_LOCK
     _SIDE_STREAMS_LOCK = threading.Lock()
 
@@ -321,7 +334,7 @@ def parallel_apply(
     inputs: Sequence[tuple[Any, ...]],
     kwargs: Sequence[dict[str, Any]],
     devices: Sequence[torch.device],
-    workers: WorkerPool | None = None,
+    kept: ReplicaThreads | None = None,
     *,
     call_share: Callable[[int, Callable[..., Any], Any, Any], Any] | None = None,
 ) -> list[Any]:
@@ -333,7 +346,8 @@ def parallel_apply(
         inputs: positional arguments per replica.
         kwargs: keyword arguments per replica.
         devices: the device of each replica.
-        workers: threads to reuse; by default threads are started for this call.
+        kept: threads kept between calls, to run the call on; by default threads are
+            started for this call.
         call_share: ``call_share(i, fn, inputs[i], kwargs[i])`` runs replica ``i``'s
             method ``fn`` instead (out-of-memory splitting).
 
@@ -371,7 +385,7 @@ def parallel_apply(
     elif any(map(takes_turns, replicas)):
         for i in range(n):  # compiled code on a torch that can't compile in threads
             work(i)
-    elif workers is None or not workers.run(work, n):
+    elif kept is None or not kept.run(work, n):
         threads = [
             threading.Thread(target=work, args=(i,), name=f"dpmethods-replica-{i}", daemon=True)
             for i in range(1, n)
@@ -379,7 +393,7 @@ def parallel_apply(
         try:
             for t in threads:
                 t.start()
-            work(0)  # the caller's thread is one of the workers
+            work(0)  # the caller's thread runs replica 0
         finally:
             _join([t for t in threads if t.ident is not None])
     for s, c in zip(streams, callers):

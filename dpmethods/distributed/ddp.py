@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods.distributed.redirect import _redirected_call
+from dpmethods.distributed.redirect import redirected_call
 from dpmethods.wrapper.base import MethodWrapper, check_module
 from dpmethods.wrapper.registry import MethodsArg
 
@@ -76,7 +76,7 @@ class DistributedDataParallel(MethodWrapper, torch.nn.parallel.DistributedDataPa
     def _run_method(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Calling the wrapper itself (not DDP.forward) keeps hooks on the DDP module
         # and whatever torch adds to __call__ in later versions.
-        return _redirected_call(
+        return redirected_call(
             self, self.module, name, args, kwargs, where=f"{type(self).__name__}.{name}"
         )
 

@@ -19,12 +19,12 @@ from typing import Any
 
 from torch import nn
 
-__all__: list[str] = []
+__all__ = ["redirected_call"]
 
 _MISSING = object()
 
 
-def _redirected_call(
+def redirected_call(
     call: Callable[..., Any],
     inner: nn.Module,
     name: str,
@@ -51,7 +51,7 @@ def _redirected_call(
         ...     def double(self, x):
         ...         return 2 * x
         >>> net = Net()
-        >>> _redirected_call(net, net, "double", (torch.ones(1),), {}, where="demo").item()
+        >>> redirected_call(net, net, "double", (torch.ones(1),), {}, where="demo").item()
         2.0
     """
     if name == "forward":

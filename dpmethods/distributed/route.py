@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.distributed.redirect import _redirected_call
+from dpmethods.distributed.redirect import redirected_call
 from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["route"]
@@ -49,7 +49,7 @@ class _Router:
 
         @functools.wraps(attr)
         def call(*args: Any, **kwargs: Any) -> Any:
-            return _redirected_call(wrapper, module, name, args, kwargs, where=where)
+            return redirected_call(wrapper, module, name, args, kwargs, where=where)
 
         return call
 

@@ -2,23 +2,24 @@
 
 Each module here is written with the public extension API (:mod:`dpmethods.extending`
 and :func:`dpmethods.register_type`), as an integration of your own would be. This
-package only loads them: before the methods of a class are looked up, before a class
-is first walked, and before a gather mode that dpmethods does not know is refused, the
-integrations of the libraries imported by then are imported. None of them imports its library itself.
+package only loads them, each as a step that waits for its library
+(:func:`dpmethods.vocab.loading.when_imported`): before the methods of a class are
+looked up, before a class is first walked, and before a gather mode that dpmethods does
+not know is refused, the integrations of the libraries imported by then are imported.
+None of them imports its library itself.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
 from typing import Any
 
-import torch
+from dpmethods.vocab.loading import when_imported
 
-from dpmethods.vocab.loading import add_loader
-
-__all__ = ["INTEGRATIONS", "load_imported", "registrations"]
+__all__ = ["INTEGRATIONS", "registrations"]
 
 # library import name -> the integration modules that know it.
 INTEGRATIONS: dict[str, tuple[str, ...]] = {
@@ -30,24 +31,11 @@ INTEGRATIONS: dict[str, tuple[str, ...]] = {
     "open_clip": (f"{__name__}.open_clip",),
     "torchvision": (f"{__name__}.torchvision",),
 }
-_loaded: set[str] = set()
 
 
-def load_imported() -> None:
-    """Import the integration of every library imported since the last call.
-
-    Example:
-        >>> load_imported()
-    """
-    if torch.compiler.is_compiling():
-        # An import can't be traced: the next eager call loads them (a rule registered
-        # then clears the tree's lookups, so nothing stale is kept).
-        return
-    for library, modules in INTEGRATIONS.items():
-        if library not in _loaded and library in sys.modules:
-            _loaded.add(library)
-            for module in modules:
-                importlib.import_module(module)
+def _import_all(modules: tuple[str, ...]) -> None:
+    for module in modules:
+        importlib.import_module(module)
 
 
 def registrations() -> list[dict[str, Any]]:
@@ -75,4 +63,5 @@ def registrations() -> list[dict[str, Any]]:
     return rows
 
 
-add_loader(load_imported)
+for _library, _modules in INTEGRATIONS.items():
+    when_imported(_library, functools.partial(_import_all, _modules))

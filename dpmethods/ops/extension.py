@@ -67,7 +67,7 @@ def _load() -> _State:
         except Exception as exc:  # ImportError, OSError (undefined symbol), ...
             reason = _import_failure(exc, built)
         else:
-            # An older build wrote no record: the library itself knows its torch version.
+            # A build without a record: the library itself knows its torch version.
             lib: Any = _C
             reason = mismatch({"torch": lib.torch_version()}) if built is None else None
             if reason is None:

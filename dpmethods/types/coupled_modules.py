@@ -23,28 +23,26 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.types.named_classes import check_class_path, take_imported
+from dpmethods.types.named_classes import check_class_path, when_class_imported
 from dpmethods.vocab.warn_once import warn_once
 
 __all__ = [
-    "class_marks", "in_split_call", "is_batch_coupled", "mark_batch_coupled", "marks",
-    "resolve_pending", "split_call",
+    "class_marks", "is_batch_coupled", "mark_batch_coupled", "marks", "split_call",
 ]
 
 _state = threading.local()
 _MARKED: dict[type, str] = {}  # class -> what couples its batch, for the message
-_PENDING: dict[str, str] = {}  # "module:Class" -> what, for modules not imported yet
 _WRAPPED = "__dpmethods_batch_coupled__"
 
 
 @contextlib.contextmanager
 def split_call(active: bool) -> Iterator[None]:
-    """Mark this thread as running one replica of a call split over several (``active``).
+    """Mark this thread as running one replica of a call split over several (``active``):
+    a marked class's ``forward`` warns there.
 
     Example:
         >>> with split_call(True):
-        ...     in_split_call()
-        True
+        ...     pass
     """
     before = getattr(_state, "active", False)
     _state.active = active
@@ -52,16 +50,6 @@ def split_call(active: bool) -> Iterator[None]:
         yield
     finally:
         _state.active = before
-
-
-def in_split_call() -> bool:
-    """Whether this thread runs one replica's share of a split call.
-
-    Example:
-        >>> in_split_call()
-        False
-    """
-    return getattr(_state, "active", False)
 
 
 def is_batch_coupled(cls: type) -> bool:
@@ -95,17 +83,6 @@ def class_marks(classes: Iterable[type]) -> dict[type, str]:
     return {k: _MARKED[k] for cls in classes for k in cls.__mro__ if k in _MARKED}
 
 
-def resolve_pending() -> None:
-    """Mark the classes named by ``"module:Class"`` whose module is imported by now.
-
-    Example:
-        >>> resolve_pending()
-    """
-    for cls, what in take_imported(_PENDING):
-        if isinstance(cls, type) and issubclass(cls, nn.Module):
-            mark_batch_coupled(cls, what=what)
-
-
 def mark_batch_coupled(
     cls: type | str, *, what: str = "it computes over the whole batch", missing_ok: bool = False
 ) -> None:
@@ -133,8 +110,7 @@ def mark_batch_coupled(
         raise TypeError(f"mark_batch_coupled: what: expected a str, got {type(what).__name__} {what!r}")
     if isinstance(cls, str):
         check_class_path("mark_batch_coupled", cls, missing_ok)
-        _PENDING[cls] = what
-        resolve_pending()
+        when_class_imported(cls, functools.partial(_mark_found, what=what))
         return
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"mark_batch_coupled: cls: expected an nn.Module subclass, got {cls!r}")
@@ -151,6 +127,11 @@ def mark_batch_coupled(
 
     setattr(coupled_forward, _WRAPPED, True)
     cls.forward = coupled_forward  # type: ignore[method-assign]
+
+
+def _mark_found(cls: Any, what: str) -> None:
+    if isinstance(cls, type) and issubclass(cls, nn.Module):  # None: missing_ok's skip
+        mark_batch_coupled(cls, what=what)
 
 
 def _warn(cls: type) -> None:

@@ -52,22 +52,22 @@ class Padding(NamedTuple):
 
 
 _SHARED = (Mode.STACK, Mode.MEAN, Mode.SUM, Mode.SAME, Mode.LIST)  # modes of whole-batch values
-_SEQUENCES = (_tree._TUPLE, _tree._LIST)
+_SEQUENCES = (_tree.TUPLE, _tree.LIST)
 
 
 def _count(spec: _tree.Spec) -> int:
-    if spec in _tree._LEAVES:
+    if spec in _tree.LEAVES:
         return 1
     return sum(_count(c) for c in spec.children)
 
 
 def _labels(spec: _tree.Spec) -> list[str]:
     kind, cls, meta, children = spec
-    if kind == _tree._DICT:
+    if kind == _tree.DICT:
         return [f"[{k!r}]" for k in meta]
-    if kind == _tree._DATACLASS:
+    if kind == _tree.DATACLASS:
         return [f".{n}" for n in meta[0]]
-    if kind == _tree._NAMEDTUPLE:
+    if kind == _tree.NAMEDTUPLE:
         return [f".{n}" for n in cls._fields]
     return [f"[{i}]" for i in range(len(children))]
 
@@ -95,10 +95,10 @@ class _Cutter:
 
     def node(self, spec: _tree.Spec, pos: int, path: str, mode: Any, dim: Any, top: bool) -> tuple[list[Any], int]:
         if isinstance(mode, str) and mode in _SHARED:
-            shown = _got(self.leaves[pos]) if spec in _tree._LEAVES else _tree._describe(spec)
+            shown = _got(self.leaves[pos]) if spec in _tree.LEAVES else _tree.describe(spec)
             raise self.refuse(path, shown, f"gathered with {str(mode)!r}, one value for the whole batch")
         own = dim[None] if isinstance(dim, Mapping) else dim  # a leaf or list at the top: dim
-        if spec in _tree._LEAVES:
+        if spec in _tree.LEAVES:
             return self.leaf(self.leaves[pos], path, own), pos + 1
         end = pos + _count(spec)
         if self.per_item(spec, pos, mode, own):
@@ -122,8 +122,8 @@ class _Cutter:
         if spec.kind not in _SEQUENCES or spec.cls not in (None, list, tuple) or len(spec.children) != self.rows:
             return False
         if mode == Mode.EXTEND:  # entries of different kinds are a fixed-arity return
-            return len({c if c in _tree._LEAVES else c[:2] for c in spec.children} - {_tree.NONE}) <= 1
-        if spec.kind == _tree._TUPLE:  # a fixed-arity return, as the gather takes it
+            return len({c if c in _tree.LEAVES else c[:2] for c in spec.children} - {_tree.NONE}) <= 1
+        if spec.kind == _tree.TUPLE:  # a fixed-arity return, as the gather takes it
             return False
         # A list of batch outputs (one per layer) holds tensors with the batch on dim.
         leaves = self.leaves[pos: pos + len(spec.children)]

@@ -2,18 +2,21 @@
 
 An integration may register something for a library's class without importing the
 library: it names the class, and the registration waits until the module is in
-``sys.modules``. :func:`register_type` and ``mark_batch_coupled`` both take such names.
+``sys.modules`` (:func:`when_class_imported`, through the one table of what waits on an
+import, :mod:`dpmethods.vocab.loading`). :func:`~dpmethods.types.rules.register_type`
+and :func:`~dpmethods.types.coupled_modules.mark_batch_coupled` both take such names.
 """
 
 from __future__ import annotations
 
 import difflib
 import sys
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["check_class_path", "take_imported"]
+from dpmethods.vocab.loading import when_imported
 
-_T = TypeVar("_T")
+__all__ = ["check_class_path", "when_class_imported"]
 
 
 def check_class_path(where: str, path: str, missing_ok: bool = False) -> None:
@@ -55,19 +58,20 @@ def _lookup(module: Any, qualname: str) -> Any:
     return obj
 
 
-def take_imported(pending: dict[str, _T]) -> list[tuple[Any, _T]]:
-    """Remove from ``pending`` the names whose module is imported by now, and return
-    ``(the named object or None, its value)`` for each.
+def when_class_imported(path: str, apply: Callable[[Any], object]) -> None:
+    """``apply(the class named path)`` once its module is imported: now if it is. The
+    class is None where the module lacks it (``missing_ok``).
 
     Example:
-        >>> take_imported({"sys:version_info": 1})[0][1]
-        1
+        >>> when_class_imported("collections:OrderedDict", lambda cls: print(cls.__name__))
+        OrderedDict
     """
-    found = []
-    for path, value in list(pending.items()):
-        module_name, _, qualname = path.partition(":")
-        module = sys.modules.get(module_name)
-        if module is not None:
-            del pending[path]
-            found.append((_lookup(module, qualname), value))
-    return found
+    module_name, _, qualname = path.partition(":")
+
+    def step() -> None:
+        apply(_lookup(sys.modules[module_name], qualname))
+
+    if module_name in sys.modules:
+        step()
+    else:
+        when_imported(module_name, step)

@@ -2,7 +2,7 @@
 
 ``torch.compile(model)`` returns an ``OptimizedModule`` that forwards attributes to the
 model; decorated methods, options and signatures are the model's class's. Everything
-that asks "whose methods are these" (the registry, the wrapper, the checkpoints, the
+that asks "whose methods are these" (the registry, the wrapper, the state dicts, the
 integrations) asks here.
 """
 

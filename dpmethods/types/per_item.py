@@ -35,8 +35,8 @@ from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["Items", "Whole", "extend", "mark_items", "needs_marking", "wants_extend"]
 
-_SEQUENCES = (_tree._TUPLE, _tree._LIST)
-_KEYED = (_tree._DICT, _tree._DATACLASS, _tree._NAMEDTUPLE)
+_SEQUENCES = (_tree.TUPLE, _tree.LIST)
+_KEYED = (_tree.DICT, _tree.DATACLASS, _tree.NAMEDTUPLE)
 
 
 class Items(list):  # type: ignore[type-arg]
@@ -66,18 +66,18 @@ class Whole:
 
 
 def _count(spec: _tree.Spec) -> int:
-    if spec in _tree._LEAVES:
+    if spec in _tree.LEAVES:
         return 1
-    return sum(1 if c in _tree._LEAVES else _count(c) for c in spec.children)
+    return sum(1 if c in _tree.LEAVES else _count(c) for c in spec.children)
 
 
 def _keys(spec: _tree.Spec) -> Sequence[Any]:
     kind, cls, meta, _ = spec
-    return meta if kind == _tree._DICT else meta[0] if kind == _tree._DATACLASS else cls._fields
+    return meta if kind == _tree.DICT else meta[0] if kind == _tree.DATACLASS else cls._fields
 
 
 def _is_sequence(spec: _tree.Spec) -> bool:
-    if spec in _tree._LEAVES or spec.kind not in _SEQUENCES:
+    if spec in _tree.LEAVES or spec.kind not in _SEQUENCES:
         return False
     return spec.cls is None or spec.cls in (list, tuple)
 
@@ -106,7 +106,7 @@ def wants_extend(mode: Any) -> bool:
 
 
 def _kind(spec: _tree.Spec) -> Any:
-    return spec if spec in _tree._LEAVES else spec[:2]
+    return spec if spec in _tree.LEAVES else spec[:2]
 
 
 def _mixed(specs: list[_tree.Spec], sizes: Sequence[int] | None) -> bool:
@@ -119,7 +119,7 @@ def _mixed(specs: list[_tree.Spec], sizes: Sequence[int] | None) -> bool:
     kinds = {_kind(c) for c in specs[0].children} - {_tree.NONE}
     if len(kinds) > 1:
         return True
-    is_tuple = specs[0].kind == _tree._TUPLE
+    is_tuple = specs[0].kind == _tree.TUPLE
     return is_tuple and sizes is not None and [len(s.children) for s in specs] != list(sizes)
 
 
@@ -131,7 +131,7 @@ def top_keys(spec: _tree.Spec) -> list[Any] | None:
         >>> top_keys(_tree.flatten({"a": 1})[0]), top_keys(_tree.flatten((1, 2))[0])
         (['a'], [0, 1])
     """
-    if spec in _tree._LEAVES:
+    if spec in _tree.LEAVES:
         return None
     if spec.kind in _KEYED:
         return [str(k) for k in _keys(spec)]
@@ -152,14 +152,14 @@ def needs_marking(spec: _tree.Spec, share: int) -> bool:
         >>> needs_marking(_tree.flatten((1, (2, 3)))[0], 2)
         False
     """
-    if spec in _tree._LEAVES:
+    if spec in _tree.LEAVES:
         return False
     children = spec.children
-    if spec.kind == _tree._LIST and _is_sequence(spec) and len(children) == share:
+    if spec.kind == _tree.LIST and _is_sequence(spec) and len(children) == share:
         return True
     if all(map(isinstance, children, itertools.repeat(str))):  # leaf markers only, in C
         return False
-    return any(needs_marking(c, share) for c in children if c not in _tree._LEAVES)
+    return any(needs_marking(c, share) for c in children if c not in _tree.LEAVES)
 
 
 def mark_items(
@@ -199,7 +199,7 @@ class _Marker:
 
     def walk(self, specs: list[_tree.Spec], starts: list[int], path: str, m: Any, top: bool) -> list[Any]:
         first = specs[0]
-        if any(s in _tree._LEAVES for s in specs):
+        if any(s in _tree.LEAVES for s in specs):
             return specs
         if all(_is_sequence(s) for s in specs):
             done = self._sequence(specs, starts, path, m)
@@ -212,7 +212,7 @@ class _Marker:
         keys = top_keys(first) if top and isinstance(m, Mapping) else None
         offsets = list(starts)
         children: list[list[Any]] = [[] for _ in range(self.n)]
-        for i, label in enumerate(_tree._children_labels(first)):
+        for i, label in enumerate(_tree.children_labels(first)):
             column = [s.children[i] for s in specs]
             child_mode = m.get(keys[i], "cat") if keys is not None and isinstance(m, Mapping) else m
             if child_mode == Mode.LIST:
@@ -235,7 +235,7 @@ class _Marker:
             return self._cut(specs, starts)
         # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)), lists of
         # batch tensors for lists of batch outputs; other lists warn.
-        if specs[0].kind == _tree._LIST and not all(
+        if specs[0].kind == _tree.LIST and not all(
             _batched(e, sizes[r], self.dim) for r, e in enumerate(self._entries(specs, starts))
         ):
             warn_once(
@@ -260,7 +260,7 @@ class _Marker:
         return [_tree.OTHER] * self.n
 
     def _whole(self, specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
-        if all(s in _tree._LEAVES for s in specs):
+        if all(s in _tree.LEAVES for s in specs):
             return specs  # one leaf per replica: "list" joins it as it is
         return self._cut(specs, starts, Whole)
 

@@ -15,21 +15,20 @@ without importing the library. Rules for torch's own types (``PackedSequence``,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from dpmethods.types import torch_rules
 from dpmethods.types import tree as _tree
-from dpmethods.types.named_classes import check_class_path, take_imported
+from dpmethods.types.named_classes import check_class_path, when_class_imported
 from dpmethods.vocab.call_hooks import check_arity
-from dpmethods.vocab.loading import add_loader
+from dpmethods.vocab.loading import when_imported
 
 __all__ = ["register_type"]
 
 Flatten = Callable[[Any], tuple[list[Any], Any]]
 Unflatten = Callable[[list[Any], Any], Any]
-# "module:Class" -> the rule, for classes whose module is not imported yet.
-_PENDING: dict[str, _tree.TypeRule] = {}
 
 
 def register_type(
@@ -102,21 +101,15 @@ def register_type(
     rule = _tree.TypeRule(flatten, unflatten, per_item, ragged, exact)
     if isinstance(cls, str):
         check_class_path("register_type", cls, missing_ok)
-        _PENDING[cls] = rule
-        _resolve_pending()
+        when_class_imported(cls, functools.partial(_set_found, rule=rule))
         return
     _tree.set_rule(cls, rule)
 
 
-def _resolve_pending() -> None:
-    """Register the rules of named classes whose module is imported by now."""
-    if not _PENDING:
-        return
-    for cls, rule in take_imported(_PENDING):
-        if isinstance(cls, type):
-            _tree.set_rule(cls, rule)
+def _set_found(cls: Any, rule: _tree.TypeRule) -> None:
+    if isinstance(cls, type):  # None: a class its module lacks (missing_ok)
+        _tree.set_rule(cls, rule)
 
 
 torch_rules.install_packed_sequence()
-add_loader(torch_rules.install_distributions_once)
-add_loader(_resolve_pending)
+when_imported("torch.distributions", torch_rules.install_distributions)

@@ -25,7 +25,7 @@ from typing import Any
 
 from dpmethods.types import tree as _tree
 
-__all__: list[str] = []
+__all__ = ["install_distributions", "install_packed_sequence"]
 
 
 # --- PackedSequence -------------------------------------------------------------------
@@ -47,7 +47,11 @@ def _unflatten_packed(children: list[Any], _: Any) -> Any:
 
 
 def install_packed_sequence() -> None:
-    """Register the ``PackedSequence`` rule (torch.nn is always imported with torch)."""
+    """Register the ``PackedSequence`` rule (torch.nn is always imported with torch).
+
+    Example:
+        >>> install_packed_sequence()
+    """
     from torch.nn.utils.rnn import PackedSequence
 
     rule = _tree.TypeRule(_flatten_packed, _unflatten_packed, per_item=True, ragged=True)
@@ -159,14 +163,15 @@ def _unflatten_transformed(children: list[Any], context: Any) -> Any:
     return TransformedDistribution(base, transforms.transforms, validate_args=validate)
 
 
-def install_distributions() -> bool:
-    """Register the ``torch.distributions`` rules once that module is imported.
+def install_distributions() -> None:
+    """Register the ``torch.distributions`` rules (a step that waits for that module:
+    :func:`dpmethods.vocab.loading.when_imported`).
 
-    Returns whether it was (the caller retries on a later unseen class otherwise).
+    Example:
+        >>> import torch.distributions
+        >>> install_distributions()
     """
-    module = sys.modules.get("torch.distributions")
-    if module is None:
-        return False
+    module = sys.modules["torch.distributions"]
     # Exact classes: a subclass's constructor may take other arguments.
     rule = _tree.TypeRule(_flatten_distribution, _unflatten_distribution, per_item=True, exact=True)
     for name in _PARAMS:
@@ -182,17 +187,4 @@ def install_distributions() -> bool:
         module.TransformedDistribution,
         _tree.TypeRule(_flatten_transformed, _unflatten_transformed, per_item=True, exact=True),
     )
-    return True
 
-
-_installed: list[bool] = []
-
-
-def install_distributions_once() -> None:
-    """A loader (``dpmethods.vocab.loading``): install the distribution rules once they can be.
-
-    Example:
-        >>> install_distributions_once()
-    """
-    if not _installed and install_distributions():
-        _installed.append(True)

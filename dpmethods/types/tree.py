@@ -27,13 +27,19 @@ from torch import Size, Tensor
 
 from dpmethods.vocab.loading import load_pending
 
-__all__: list[str] = []
+__all__ = [
+    "DATACLASS", "DICT", "LEAF", "LEAVES", "LIST", "NAMEDTUPLE", "NODE", "NONE", "OTHER", "RULES",
+    "TUPLE", "Node", "Spec", "TypeRule", "children_labels", "describe", "describe_mismatch",
+    "flatten", "leaf_paths", "move", "per_item_leaves", "ragged_leaves", "rule_for", "set_rule",
+    "unflatten",
+]
 
 # Leaf markers. Tensors, None and other values are told apart in the spec, so equal
 # specs mean the replicas agree on which positions hold tensors.
 LEAF, NONE, OTHER = "*", "-", "="
-_LEAVES = (LEAF, NONE, OTHER)
-_TUPLE, _LIST, _NAMEDTUPLE, _DICT, _DATACLASS, _NODE = range(6)
+LEAVES = (LEAF, NONE, OTHER)
+# The kinds of container a Node is (its first field).
+TUPLE, LIST, NAMEDTUPLE, DICT, DATACLASS, NODE = range(6)
 Spec = Any  # a leaf marker or a Node
 
 
@@ -74,7 +80,15 @@ _resolved: dict[type, TypeRule | None] = {}
 
 
 def set_rule(cls: type, rule: TypeRule | None) -> None:
-    """Add (or with ``None`` remove) the rule of ``cls``; forget resolved lookups."""
+    """Add (or with ``None`` remove) the rule of ``cls``; forget resolved lookups.
+
+    Example:
+        >>> class Pair(tuple): ...
+        >>> set_rule(Pair, TypeRule(lambda p: (list(p), None), lambda c, _: Pair(c)))
+        >>> rule_for(Pair) is RULES[Pair]
+        True
+        >>> set_rule(Pair, None)
+    """
     if rule is None:
         RULES.pop(cls, None)
     else:
@@ -83,7 +97,12 @@ def set_rule(cls: type, rule: TypeRule | None) -> None:
 
 
 def rule_for(kind: type) -> TypeRule | None:
-    """The rule that walks objects of type ``kind``, or None."""
+    """The rule that walks objects of type ``kind``, or None.
+
+    Example:
+        >>> rule_for(int) is None
+        True
+    """
     try:
         return _resolved[kind]
     except KeyError:
@@ -164,7 +183,7 @@ def _node(rule: TypeRule, obj: Any, kind: type, leaves: list[Any]) -> Spec:
     children, context = out
     if type(children) is not list and type(children) is not tuple:
         children = _check_children(children, kind)
-    return _make_node((_NODE, kind, (rule, context), _children(children, leaves)))
+    return _make_node((NODE, kind, (rule, context), _children(children, leaves)))
 
 
 def _got(value: Any) -> str:
@@ -212,11 +231,11 @@ def _check_children(children: Any, kind: type) -> list[Any]:
 def _flatten(obj: Any, leaves: list[Any]) -> Spec:
     kind = type(obj)
     if kind is tuple:
-        return _make_node((_TUPLE, None, None, _children(list(obj), leaves)))
+        return _make_node((TUPLE, None, None, _children(list(obj), leaves)))
     if kind is list:
-        return _make_node((_LIST, None, None, _children(obj, leaves)))
+        return _make_node((LIST, None, None, _children(obj, leaves)))
     if kind is dict:
-        return _make_node((_DICT, dict, tuple(obj), _children(list(obj.values()), leaves)))
+        return _make_node((DICT, dict, tuple(obj), _children(list(obj.values()), leaves)))
     if isinstance(obj, Tensor):
         leaves.append(obj)
         return LEAF
@@ -231,17 +250,17 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
         names = tuple(f.name for f in fields)
         init = tuple(f.init for f in fields)
         values = [getattr(obj, name) for name in names]
-        return _make_node((_DATACLASS, kind, (names, init), _children(values, leaves)))
+        return _make_node((DATACLASS, kind, (names, init), _children(values, leaves)))
     if kind is Size:  # a shape is a value, not a container of batch items
         leaves.append(obj)
         return OTHER
     if isinstance(obj, tuple) and hasattr(kind, "_fields"):
-        return _make_node((_NAMEDTUPLE, kind, None, _children(list(obj), leaves)))
+        return _make_node((NAMEDTUPLE, kind, None, _children(list(obj), leaves)))
     if isinstance(obj, Mapping):
         cls: Any = _DictOf(kind, obj.default_factory) if isinstance(obj, defaultdict) else kind
-        return _make_node((_DICT, cls, tuple(obj.keys()), _children(list(obj.values()), leaves)))
+        return _make_node((DICT, cls, tuple(obj.keys()), _children(list(obj.values()), leaves)))
     if isinstance(obj, (tuple, list)):
-        return _make_node((_TUPLE if isinstance(obj, tuple) else _LIST, kind, None, _children(list(obj), leaves)))
+        return _make_node((TUPLE if isinstance(obj, tuple) else LIST, kind, None, _children(list(obj), leaves)))
     rule = _pytree_rule(kind)
     if rule is not None:
         return _node(rule, obj, kind, leaves)
@@ -250,28 +269,35 @@ def _flatten(obj: Any, leaves: list[Any]) -> Spec:
 
 
 def flatten(obj: Any) -> tuple[Spec, list[Any]]:
-    """Split ``obj`` into ``(spec, leaves)``; ``unflatten(spec, leaves)`` rebuilds it."""
+    """Split ``obj`` into ``(spec, leaves)``; ``unflatten(spec, leaves)`` rebuilds it.
+
+    Example:
+        >>> import torch
+        >>> spec, leaves = flatten({"x": torch.ones(2), "n": 3})
+        >>> len(leaves), unflatten(spec, leaves)["n"]
+        (2, 3)
+    """
     leaves: list[Any] = []
     return _flatten(obj, leaves), leaves
 
 
 def _build(spec: Spec, it: Iterator[Any]) -> Any:
-    if spec in _LEAVES:
+    if spec in LEAVES:
         return next(it)
     kind, cls, meta, children = spec
     if all(map(isinstance, children, itertools.repeat(str))):  # leaf markers only
         values = list(itertools.islice(it, len(children)))
     else:
-        values = [next(it) if c in _LEAVES else _build(c, it) for c in children]
-    if kind == _TUPLE:
+        values = [next(it) if c in LEAVES else _build(c, it) for c in children]
+    if kind == TUPLE:
         return tuple(values) if cls is None else cls(values)
-    if kind == _LIST:
+    if kind == LIST:
         return values if cls is None else cls(values)
-    if kind == _DICT:
+    if kind == DICT:
         return dict(zip(meta, values)) if cls is dict else _mapping(cls, meta, values)
-    if kind == _NODE:
+    if kind == NODE:
         return meta[0].unflatten(values, meta[1])
-    if kind == _NAMEDTUPLE:
+    if kind == NAMEDTUPLE:
         return cls(*values)
     names, init = meta
     obj = cls(**{n: v for n, v, i in zip(names, values, init) if i})
@@ -282,7 +308,13 @@ def _build(spec: Spec, it: Iterator[Any]) -> Any:
 
 
 def unflatten(spec: Spec, leaves: list[Any]) -> Any:
-    """Rebuild the structure described by ``spec`` with ``leaves`` in order."""
+    """Rebuild the structure described by ``spec`` with ``leaves`` in order.
+
+    Example:
+        >>> spec, _ = flatten((1, [2, 3]))
+        >>> unflatten(spec, ["a", "b", "c"])
+        ('a', ['b', 'c'])
+    """
     return _build(spec, iter(leaves))
 
 
@@ -305,36 +337,57 @@ def move(obj: Any, device: Any, non_blocking: bool = False) -> Any:
     return unflatten(spec, [t.to(device, non_blocking=non_blocking) if isinstance(t, Tensor) else t for t in leaves])
 
 
-def _children_labels(spec: Spec) -> list[str]:
+def children_labels(spec: Spec) -> list[str]:
+    """How each child of a container's spec is reached from it (``['k']``, ``.field``, ``[0]``).
+
+    Example:
+        >>> children_labels(flatten({"a": 1, "b": 2})[0])
+        ["['a']", "['b']"]
+    """
     kind, cls, meta, children = spec
-    if kind == _DICT:
+    if kind == DICT:
         return [f"[{k!r}]" for k in meta]
-    if kind == _DATACLASS:
+    if kind == DATACLASS:
         return [f".{n}" for n in meta[0]]
-    if kind == _NAMEDTUPLE:
+    if kind == NAMEDTUPLE:
         return [f".{n}" for n in cls._fields]
     return [f"[{i}]" for i in range(len(children))]
 
 
 def leaf_paths(spec: Spec, root: str = "output") -> list[str]:
-    """The key path of every leaf, in leaf order (for error messages)."""
-    if spec in _LEAVES:
+    """The key path of every leaf, in leaf order (for error messages).
+
+    Example:
+        >>> leaf_paths(flatten({"a": (1, 2)})[0])
+        ["output['a'][0]", "output['a'][1]"]
+    """
+    if spec in LEAVES:
         return [root]
     paths: list[str] = []
-    for label, child in zip(_children_labels(spec), spec.children):
+    for label, child in zip(children_labels(spec), spec.children):
         paths.extend(leaf_paths(child, root + label))
     return paths
 
 
 def per_item_leaves(spec: Spec) -> set[int]:
-    """Indices of the leaves under a node whose rule says its children are per item."""
+    """Indices of the leaves under a node whose rule says its children are per item.
+
+    Example:
+        >>> per_item_leaves(flatten([1, 2])[0])
+        set()
+    """
     found: set[int] = set()
     _walk_flag(spec, 0, False, found, "per_item")
     return found
 
 
 def ragged_leaves(spec: Spec) -> set[int]:
-    """Indices of the leaves under a node whose rule joins its children padded."""
+    """Indices of the leaves under a node whose rule joins its children padded.
+
+    Example:
+        >>> ragged_leaves(flatten([1, 2])[0])
+        set()
+    """
     found: set[int] = set()
     _walk_flag(spec, 0, False, found, "ragged")
     return found
@@ -342,36 +395,47 @@ def ragged_leaves(spec: Spec) -> set[int]:
 
 def _walk_flag(node: Spec, start: int, inside: bool, found: set[int], flag: str) -> int:
     # Module level, not nested: a recursive closure is a reference cycle per call.
-    if node in _LEAVES:
+    if node in LEAVES:
         if inside:
             found.add(start)
         return start + 1
     kind, _, meta, children = node
-    inside = inside or (kind == _NODE and getattr(meta[0], flag))
+    inside = inside or (kind == NODE and getattr(meta[0], flag))
     for child in children:
         start = _walk_flag(child, start, inside, found, flag)
     return start
 
 
-def _describe(spec: Spec) -> str:
-    if spec in _LEAVES:
+def describe(spec: Spec) -> str:
+    """What a spec is, in words, for messages.
+
+    Example:
+        >>> describe(flatten([1, 2, 3])[0]), describe(LEAF)
+        ('list of length 3', 'a tensor')
+    """
+    if spec in LEAVES:
         return {LEAF: "a tensor", NONE: "None"}.get(spec, "a non-tensor value")
     kind, cls, meta, children = spec
-    name = {_TUPLE: "tuple", _LIST: "list"}.get(kind) if cls is None else cls.__name__
-    if kind == _DICT:
+    name = {TUPLE: "tuple", LIST: "list"}.get(kind) if cls is None else cls.__name__
+    if kind == DICT:
         return f"{name} with keys {list(meta)}"
-    if kind == _DATACLASS:
+    if kind == DATACLASS:
         return f"{name} with fields {list(meta[0])}"
-    if kind == _NODE:
+    if kind == NODE:
         return f"{name} of {len(children)} parts"
     return f"{name} of length {len(children)}"
 
 
 def describe_mismatch(a: Spec, b: Spec, root: str = "output") -> str:
-    """Where two specs first differ, as 'path: X in one, Y in the other'."""
-    if a in _LEAVES or b in _LEAVES or a[:3] != b[:3] or len(a.children) != len(b.children):
-        return f"{root}: {_describe(a)} vs {_describe(b)}"
-    for label, ca, cb in zip(_children_labels(a), a.children, b.children):
+    """Where two specs first differ, as 'path: X in one, Y in the other'.
+
+    Example:
+        >>> describe_mismatch(flatten({"a": [1]})[0], flatten({"a": [1, 2]})[0])
+        "output['a']: list of length 1 vs list of length 2"
+    """
+    if a in LEAVES or b in LEAVES or a[:3] != b[:3] or len(a.children) != len(b.children):
+        return f"{root}: {describe(a)} vs {describe(b)}"
+    for label, ca, cb in zip(children_labels(a), a.children, b.children):
         if ca != cb:
             return describe_mismatch(ca, cb, root + label)
     return f"{root}: structures differ"

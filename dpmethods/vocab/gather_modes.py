@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import enum
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from dpmethods.vocab.call_hooks import Call, check_arity
 from dpmethods.vocab.loading import load_pending
@@ -59,8 +59,14 @@ BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 GatherFn = Callable[[list[Any], Any, "Call | None"], Any]
 CheckFn = Callable[["Call"], None]
-_NAMED: dict[str, GatherFn] = {}
-_CHECKS: dict[str, CheckFn] = {}
+
+
+class _Named(NamedTuple):
+    fn: GatherFn
+    check: CheckFn | None
+
+
+_NAMED: dict[str, _Named] = {}  # the named modes, by name
 
 
 def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = None) -> None:
@@ -97,10 +103,7 @@ def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = Non
         )
     if check is not None:
         check_arity("register_gather_mode: check", check, "check(call)")
-    _NAMED[name] = fn
-    _CHECKS.pop(name, None)
-    if check is not None:
-        _CHECKS[name] = check
+    _NAMED[name] = _Named(fn, check)
 
 
 def mode_check(name: Any) -> CheckFn | None:
@@ -110,7 +113,8 @@ def mode_check(name: Any) -> CheckFn | None:
         >>> mode_check("cat") is None
         True
     """
-    return _CHECKS.get(name) if isinstance(name, str) else None
+    named = _NAMED.get(name) if isinstance(name, str) else None
+    return None if named is None else named.check
 
 
 def named_mode(name: str, where: str | None = None) -> GatherFn | None:
@@ -129,13 +133,13 @@ def named_mode(name: str, where: str | None = None) -> GatherFn | None:
     """
     if name in BUILTIN_MODES:
         return None
-    fn = _NAMED.get(name)
-    if fn is None:
+    named = _NAMED.get(name)
+    if named is None:
         load_pending()  # an integration imported since may provide it ("generate")
-        fn = _NAMED.get(name)
-    if fn is None and where is not None:
+        named = _NAMED.get(name)
+    if named is None and where is not None:
         raise ValueError(_unknown(where, name))
-    return fn
+    return None if named is None else named.fn
 
 
 def _unknown(where: str, name: str) -> str:

@@ -11,11 +11,10 @@ from dpmethods.vocab.call_hooks import CallHooks
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, check_mode_name, known_modes
 
 __all__ = [
-    "GATHER_MODES", "OPTION_NAMES", "GatherOption", "MethodOptions",
+    "OPTION_NAMES", "GatherOption", "MethodOptions",
     "check_option_names",
 ]
 
-GATHER_MODES: tuple[str, ...] = BUILTIN_MODES  # named modes (a library's) are registered apart
 # A mode; a mapping of top-level output keys, field names or tuple positions to modes;
 # a tuple of modes, one per position of a tuple output; or a callable.
 GatherOption = Union[  # noqa: UP007 (runtime alias on 3.10)
@@ -228,10 +227,10 @@ def _check_gather(gather: Any) -> None:
                     f"gather: expected output keys or field names (str) or tuple positions "
                     f"(int) as the mapping's keys, got {type(key).__name__} {key!r}"
                 )
-            if not isinstance(mode, str) or mode not in GATHER_MODES:
+            if not isinstance(mode, str) or mode not in BUILTIN_MODES:
                 # A named mode joins a whole output, not one of its keys.
                 raise ValueError(
-                    f"gather[{key!r}]: expected one of {list(GATHER_MODES)}, got {mode!r}"
+                    f"gather[{key!r}]: expected one of {list(BUILTIN_MODES)}, got {mode!r}"
                 )
     elif not callable(gather):
         raise TypeError(

@@ -3,7 +3,7 @@
 A gather runs on every call; a warning about the shape of an output (a per-item list,
 a batch-coupled matrix, an object without a rule) is useful once, not on every step.
 Python's own "default" filter would also repeat it whenever the message or the calling
-line differs, and not at all under a caller's "ignore", so the record is kept here.
+line differs, and not at all under a caller's "ignore", so the messages given are kept here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def warn_once(message: str, stacklevel: int = 4) -> bool:
     """Warn with ``message`` (UserWarning) unless it was given before; True if it warned.
 
     Args:
-        message: the full text; the record is keyed by it.
+        message: the full text; it is what is remembered.
         stacklevel: as for :func:`warnings.warn`.
 
     Example:
@@ -45,7 +45,7 @@ def first_time(message: str) -> bool:
     """Record ``message`` as given; True unless it was given before.
 
     A worker process's warnings are given again in the caller through it, so the
-    caller keeps the one record.
+    caller keeps one set of the messages given.
 
     Example:
         >>> reset()

@@ -19,12 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from dpmethods.types.coupled_modules import resolve_pending
 from dpmethods.types.owners import method_owner
 from dpmethods.vocab.options import MethodOptions
 from dpmethods.wrapper.registry import MethodsArg, resolve_methods
 
-__all__: list[str] = []
+__all__ = ["MethodWrapper", "check_argument_names", "check_flag", "check_module"]
 
 # Weak all ways: an entry lives while wrappers of its class do (the value), and its key
 # holds the wrapper base (maybe a user's subclass) and the module class only weakly, so
@@ -86,13 +85,17 @@ class MethodWrapper(nn.Module):
     Subclasses define ``_run_method(name, args, kwargs)`` and may override
     ``_undecorated_warning(name)``. ``self._dpm_methods`` maps each parallel method
     name to its :class:`MethodOptions`; ``self.module`` is the wrapped module.
+
+    Example:
+        >>> from dpmethods import DataParallel, DistributedDataParallel
+        >>> issubclass(DataParallel, MethodWrapper), issubclass(DistributedDataParallel, MethodWrapper)
+        (True, True)
     """
 
     _dpm_methods: dict[str, MethodOptions]
 
     def _init_methods(self, module: nn.Module, methods: MethodsArg) -> None:
         check_module(module)
-        resolve_pending()  # batch-coupled classes of libraries imported by now
         self._dpm_methods = resolve_methods(module, methods)
         self._dpm_warned: set[str] = set()
         # The instance moves to a subclass holding one method per parallel method. Done

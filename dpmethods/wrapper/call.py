@@ -1,6 +1,6 @@
 """A call through ``DataParallel``: the flow between its seams, and the state the wrapper
-keeps across calls (cached replicas and their threads, out-of-memory records, the
-warnings given).
+keeps across calls (cached replicas and their threads, what fits in each replica's memory
+(:class:`~dpmethods.core.oom.Fit`), the warnings given).
 
 :func:`run_method` is the flow of one call: the ``prepare`` hook, then each stage
 through the wrapper's seam (scatter, replicate, parallel_apply, gather), then ``finish``.
@@ -20,7 +20,7 @@ import torch
 from dpmethods.core.call import CallContext, current, entered, split_on_oom
 from dpmethods.core.devices import DeviceLike, as_device
 from dpmethods.core.oom import Fit
-from dpmethods.core.parallel_apply import WorkerPool, parallel_apply
+from dpmethods.core.parallel_apply import ReplicaThreads, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
 from dpmethods.vocab.call_hooks import Call, check_prepared
@@ -107,20 +107,20 @@ def replicas_for(wrapper: Any, module: Any, device_ids: Sequence[DeviceLike]) ->
 def apply_on(wrapper: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwargs: Any) -> list[Any]:
     """What the parallel_apply seam does: the current method on every replica, as
     torch's seam takes its arguments (``kwargs`` None, bare inputs); with
-    ``cache_replicas`` the worker threads are kept between calls."""
+    ``cache_replicas`` the replicas' threads are kept between calls."""
     n = len(replicas)
     inputs = [x if isinstance(x, (tuple, list)) else (x,) for x in inputs]
     kwargs = [{}] * n if kwargs is None else kwargs
     ctx = current(wrapper)
-    workers = None
+    kept = None
     if wrapper.cache_replicas and len(wrapper._devices) > 1:
-        workers = wrapper._workers
-        if workers is None:
-            workers = wrapper._workers = WorkerPool(len(wrapper._devices) - 1)
+        kept = wrapper._replica_threads
+        if kept is None:
+            kept = wrapper._replica_threads = ReplicaThreads(len(wrapper._devices) - 1)
     try:
         return parallel_apply(
             replicas, ctx.name if ctx is not None else "forward", inputs, kwargs,
-            wrapper._devices[:n], workers, call_share=share_runner(wrapper, ctx),
+            wrapper._devices[:n], kept, call_share=share_runner(wrapper, ctx),
         )
     finally:
         CachedReplicas.give_back(replicas)
@@ -154,6 +154,6 @@ def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, 
 
 
 def _fit(wrapper: Any, i: int, name: str) -> Fit:
-    """Replica ``i``'s memory record for method ``name``, kept with the wrapper across
+    """What fits in replica ``i``'s memory for method ``name``, kept with the wrapper across
     calls: one per method, as the methods' needs differ."""
     return wrapper._oom_fits.setdefault((i, name), Fit())  # type: ignore[no-any-return]

@@ -78,7 +78,7 @@ def _per_key(spec: _tree.Spec, by_key: Mapping[Any, Any], default: Any, what: st
     if counts is None or (counts and not any(type(k) is key_kind for k in by_key)):
         raise ValueError(
             f"{what} {dict(by_key)} needs outputs with keys, fields or positions "
-            f"(dict, dataclass, namedtuple, tuple), got {_tree._describe(spec)}"
+            f"(dict, dataclass, namedtuple, tuple), got {_tree.describe(spec)}"
         )
     # Names that are not in a keyed output are likely typos; positions past the end of a
     # tuple, and names given for a tuple (or positions for a dict), are not: one mapping

@@ -24,14 +24,14 @@ from dpmethods.core.gather.modes import join_tensor_leaf, join_value_leaf
 from dpmethods.types import per_item
 from dpmethods.types import tree as _tree
 from dpmethods.vocab.call_hooks import Call
-from dpmethods.vocab.gather_modes import Mode, named_mode
-from dpmethods.vocab.options import GATHER_MODES, GatherOption, positional_modes
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, named_mode
+from dpmethods.vocab.options import GatherOption, positional_modes
 
 __all__ = ["gather", "join_outputs"]
 
 # `all(map(isinstance, xs, itertools.repeat(Tensor)))` checks a list in C. The repeat is
 # made per call, not kept in a global: torch.compile models an itertools.repeat built
-# while tracing, but not one it finds (fullgraph=True failed on the public gather).
+# while tracing, but not one it finds (a global one breaks fullgraph=True on the gather).
 
 
 def _check_dim(dim: Any) -> None:
@@ -191,7 +191,7 @@ def _joined(
     mode = positional_modes(mode)
     if callable(mode) and not isinstance(mode, (str, Mapping)):
         return mode(outputs, device)
-    if isinstance(mode, str) and mode not in GATHER_MODES:
+    if isinstance(mode, str) and mode not in BUILTIN_MODES:
         # A library's mode joins the whole output (the one place named modes are looked
         # up); an unknown name raises, listing the modes.
         named = named_mode(mode, "gather: mode")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dpmethods.extending import Call, CallHooks, register_type, warn_once
 
-__all__ = ["CACHE_IN_PLACE", "in_place_types"]
+__all__ = ["CACHE_IN_PLACE"]
 
 _CACHE_MODULE = "transformers.cache_utils"
 
@@ -162,16 +162,6 @@ _IN_PLACE: dict[str, Callable[[Any, Any], None]] = {
     "StaticCache": _update_layers,
     "EncoderDecoderCache": _update_encoder_decoder,
 }
-
-
-def in_place_types() -> list[str]:
-    """The cache classes updated in place when passed into a parallel call.
-
-    Example:
-        >>> in_place_types()
-        ['DynamicCache', 'StaticCache', 'EncoderDecoderCache']
-    """
-    return list(_IN_PLACE)
 
 
 def _class(name: str) -> type | None:

@@ -1,4 +1,6 @@
-"""Unwrapping and state-dict helpers that work across our wrappers and torch's."""
+"""State dicts across wrappers: the module under any wrapper (:func:`unwrap`), and
+loading a state dict saved wrapped or bare into a model wrapped or bare
+(:func:`load_state_dict`, through :func:`match_prefixes`)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from dpmethods.types.owners import unwrap_compiled
 
-__all__ = ["add_prefix", "fit_state_dict", "load_state_dict", "strip_prefix", "unwrap"]
+__all__ = ["add_prefix", "load_matched", "load_state_dict", "match_prefixes", "strip_prefix", "unwrap"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -117,22 +119,22 @@ def _wrapper_prefixes(keys: list[str]) -> list[str]:
     return chain
 
 
-def fit_state_dict(
+def match_prefixes(
     state_dict: Mapping[str, Any], target_keys: Iterable[str]
 ) -> tuple[OrderedDict[str, Any], int]:
-    """``state_dict`` with wrapper prefixes removed or added so its keys fit ``target_keys``.
+    """``state_dict`` with wrapper prefixes removed or added so its keys match ``target_keys``.
 
     Prefixes that every key shares (``module.``, ``_orig_mod.``, in any nesting) are
-    removed from the checkpoint and added for the target, each at most once, choosing
+    removed from the state dict and added for the target, each at most once, choosing
     the change that makes the most keys match, and no change on a tie. Returns the
-    fitted copy and the number of its keys that the target has.
+    renamed copy and the number of its keys that the target has.
 
     Args:
-        state_dict: the checkpoint.
+        state_dict: the state dict to load.
         target_keys: the keys of the module it is loaded into.
 
     Example:
-        >>> sd, matched = fit_state_dict({"module.w": 1}, ["_orig_mod.w"])
+        >>> sd, matched = match_prefixes({"module.w": 1}, ["_orig_mod.w"])
         >>> list(sd), matched
         (['_orig_mod.w'], 1)
     """
@@ -169,7 +171,7 @@ def _as_state_dict(state_dict: Any) -> Mapping[str, Any]:
         source = _torch_load(source, state_dict)
         if not isinstance(source, Mapping):
             raise TypeError(
-                f"state_dict: expected the checkpoint to hold a mapping of names to tensors, "
+                f"state_dict: expected the file to hold a mapping of names to tensors, "
                 f"got {type(source).__name__}"
             )
     return source
@@ -192,7 +194,7 @@ def _short_cause(exc: BaseException) -> str:
 
 def _torch_load(source: Any, given: Any) -> Any:
     if not isinstance(given, (bytes, bytearray, memoryview)):
-        # A path or file the user named as a checkpoint: torch's own errors fit.
+        # A path or file the user named as a saved state dict: torch's own errors say what is wrong.
         return torch.load(source, map_location="cpu", weights_only=True)
     try:
         return torch.load(source, map_location="cpu", weights_only=True)
@@ -202,34 +204,45 @@ def _torch_load(source: Any, given: Any) -> Any:
         hint = ""
         if "Weights only load failed" in str(exc):
             hint = (
-                " It is a checkpoint that needs weights_only=False: if you trust its source, "
+                " It is a file that needs weights_only=False: if you trust its source, "
                 "load it with torch.load(..., weights_only=False) and pass the state dict."
             )
         raise ValueError(
-            f"state_dict: the {memoryview(given).nbytes} bytes given were taken as a serialized "
-            "checkpoint (read with torch.load(..., weights_only=True)), and they could not be "
+            f"state_dict: the {memoryview(given).nbytes} bytes given were taken as a saved "
+            "state dict (read with torch.load(..., weights_only=True)), and they could not be "
             f"read: {_short_cause(exc)}{hint}"
         ) from exc
 
 
-def load_fitted(
+def load_matched(
     loader: Callable[..., Any],
     target_keys: Iterable[str],
     state_dict: Any,
     strict: bool,
     **kwargs: Any,
 ) -> Any:
+    """``loader(state_dict, strict=strict, **kwargs)``, with ``state_dict`` read (from a
+    path, bytes or a file) and its prefixes matched to ``target_keys``
+    (:func:`match_prefixes`); a wrapper's ``load_state_dict`` runs through it.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(1, 1)
+        >>> load_matched(lin.load_state_dict, lin.state_dict().keys(), {"module.weight": torch.ones(1, 1),
+        ...     "module.bias": torch.zeros(1)}, strict=True)
+        <All keys matched successfully>
+    """
     state_dict = _as_state_dict(state_dict)
-    fitted, matched = fit_state_dict(state_dict, target_keys)
-    if not strict and fitted and not matched:
-        keys = list(fitted)
+    matched_dict, matched = match_prefixes(state_dict, target_keys)
+    if not strict and matched_dict and not matched:
+        keys = list(matched_dict)
         warnings.warn(
-            f"load_state_dict: none of the {len(keys)} keys of the checkpoint (such as "
+            f"load_state_dict: none of the {len(keys)} keys of the state dict (such as "
             f"{keys[0]!r}) is a key of the model, so nothing was loaded (strict=False)",
             UserWarning,
             stacklevel=3,
         )
-    return loader(fitted, strict=strict, **kwargs)
+    return loader(matched_dict, strict=strict, **kwargs)
 
 
 def load_state_dict(
@@ -237,13 +250,13 @@ def load_state_dict(
     state_dict: Mapping[str, Any] | str | os.PathLike[str] | bytes | BinaryIO,
     strict: bool = True,
 ) -> Any:
-    """Load a checkpoint into ``model``, wrapped or not, whether it was saved wrapped or not.
+    """Load a state dict into ``model``, wrapped or not, whether it was saved wrapped or not.
 
     Wrapper prefixes (``module.``, ``torch.compile``'s ``_orig_mod.``) are removed or
-    added once each, as the model's own keys call for (see :func:`fit_state_dict`),
+    added once each, as the model's own keys call for (see :func:`match_prefixes`),
     so models with a child named ``module`` (``AveragedModel``) load too. A path,
     bytes or a binary file object is read with ``torch.load(..., weights_only=True)``.
-    With ``strict=False``, a checkpoint of which no key matches warns.
+    With ``strict=False``, a state dict of which no key matches warns.
 
     Args:
         model: the target, bare or wrapped.
@@ -260,6 +273,6 @@ def load_state_dict(
         >>> torch.equal(a.weight, b.weight)
         True
     """
-    return load_fitted(
+    return load_matched(
         model.load_state_dict, model.state_dict(keep_vars=True).keys(), state_dict, strict
     )
