@@ -119,3 +119,16 @@ def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
     pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2, generator=g)  # all images' patches
     return model, dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
                        mm_token_type_ids=(ids == 60).int())
+
+
+def tiny_vae() -> Any:
+    """A random diffusers AutoencoderKL (blocks of 8 and 16 channels, 4 latent channels,
+    16 x 16 images), in eval mode."""
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, sample_size=16,
+    ).eval()

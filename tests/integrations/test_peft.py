@@ -4,7 +4,6 @@ against one device: adapter_names split per row, and generate with no configurat
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import pytest
 import torch
@@ -12,9 +11,8 @@ import torch
 from dpmethods import DataParallel
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
+from tests.helpers import SPLITS
 from tests.helpers.terms import transformer_terms
-
-SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 
 
 @pytest.fixture(autouse=True)
@@ -22,9 +20,8 @@ def _fresh_warnings() -> None:
     warn_once.reset()
 
 
-def _close(got: Any, ref: Any) -> None:
-    # A GPT-2 of 2 blocks, width 32 (MLP 128, LoRA rank 4), over 5 tokens; 64 logits.
-    assert_close_to_reference(got, ref, terms=transformer_terms(width=32, ff=128 + 4, seq=5, layers=2))
+# A GPT-2 of 2 blocks, width 32 (MLP 128, LoRA rank 4), over 5 tokens; 64 logits.
+TERMS = transformer_terms(width=32, ff=128 + 4, seq=5, layers=2)
 
 
 # The tiny GPT-2 every test here adapts (the token ids differ per test).
@@ -47,7 +44,7 @@ def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
     with torch.no_grad():
         got = dp(input_ids=ids, adapter_names=names, use_cache=False)
         ref = model(input_ids=ids, adapter_names=names, use_cache=False)
-    _close(got.logits, ref.logits)
+    assert_close_to_reference(got.logits, ref.logits, terms=TERMS)
     # Without split= every replica would get all the names: said, not silently done.
     plain = DataParallel(model, device_ids=["cpu"] * devices)
     with pytest.warns(UserWarning, match=r"argument 'adapter_names' is a list of .*split=\('adapter_names',\)"):

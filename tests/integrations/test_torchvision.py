@@ -14,6 +14,7 @@ from torch import nn
 
 from dpmethods import DataParallel, chunk_sizes
 from dpmethods.testing import assert_close_to_reference
+from tests.helpers import SPLITS
 from tests.helpers.terms import FASTER_RCNN_TERMS, RETINANET_TERMS
 
 detection = pytest.importorskip("torchvision.models.detection")
@@ -100,3 +101,58 @@ def test_detection_training_losses_with_no_configuration(batch: int, devices: in
     weighted = {k: sum(size / batch * losses[k] for size, losses in shares) for k in ref}
     assert_close_to_reference(got, weighted, terms=terms)
     assert_close_to_reference({k: got[k] for k in ROI_LOSSES}, {k: ref[k] for k in ROI_LOSSES}, terms=terms)
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_torchvision_detection_eval(batch: int, devices: int) -> None:
+    model = _faster_rcnn().eval()
+    images = _images(batch)
+    dp = DataParallel(
+        model,
+        device_ids=["cpu"] * devices,
+        methods={"forward": {"split": ("images", "targets"), "gather": "extend"}},
+    )
+    with torch.no_grad():
+        ref = model(images)
+        got = dp(images)
+    assert isinstance(got, list) and len(got) == batch
+    for g, r in zip(got, ref):
+        assert g.keys() == r.keys()
+        assert_close_to_reference(g, r, terms=FASTER_RCNN_TERMS)  # labels exactly
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_torchvision_detection_training_with_targets(batch: int, devices: int) -> None:
+    model = _faster_rcnn().train()
+    for m in model.modules():  # batch statistics would couple the items (see docs)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.eval()
+    images = _images(batch)
+    targets = [  # two boxes per image, of sizes and places that differ: the images' losses differ
+        {
+            "boxes": torch.tensor([[5.0 + 3 * i, 5.0, 30.0 + 5 * i, 40.0], [10.0 + i, 20.0, 50.0, 60.0 - 2 * i]]),
+            "labels": torch.tensor([1, 1 + i % 2]),
+        }
+        for i in range(batch)
+    ]
+    dp = DataParallel(
+        model,
+        device_ids=["cpu"] * devices,
+        methods={"forward": {"split": ("images", "targets"), "gather": "mean"}},
+    )
+    ref = model(images, targets)
+    ref_grad = torch.autograd.grad(sum(ref.values()), model.roi_heads.box_predictor.cls_score.weight)[0]
+    got = dp(images, targets)
+    assert got.keys() == ref.keys()
+    # The losses: means over up to 8 images x about 30 boxes; the gradient sums over them.
+    # The heads' losses are the full batch's; every loss is the shares' weighted by images.
+    terms = FASTER_RCNN_TERMS + batch * 30
+    sizes = [batch // devices + (i < batch % devices) for i in range(devices)]
+    starts = [sum(sizes[:i]) for i in range(devices)]
+    shares = [model(images[a:a + s], targets[a:a + s]) for a, s in zip(starts, sizes)]
+    assert_close_to_reference(got, {k: sum(s / batch * share[k] for s, share in zip(sizes, shares)) for k in ref}, terms=terms)
+    heads = ("loss_classifier", "loss_box_reg")
+    assert_close_to_reference({k: got[k] for k in heads}, {k: ref[k] for k in heads}, terms=terms)
+    grad = torch.autograd.grad(sum(got.values()), model.roi_heads.box_predictor.cls_score.weight)[0]
+    assert_close_to_reference(grad, ref_grad, terms=2 * FASTER_RCNN_TERMS + batch * 30)
+

@@ -20,9 +20,8 @@ from dpmethods import DataParallel, MethodOptions, parallel_method
 from dpmethods.core.gather import gather
 from dpmethods.testing import assert_close_to_reference as close
 from dpmethods.vocab import warn_once as warn_once
+from tests.helpers import SPLITS
 from tests.helpers.terms import mlp_terms
-
-SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 
 
 @pytest.fixture(autouse=True)

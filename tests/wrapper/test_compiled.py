@@ -20,9 +20,9 @@ from torch import nn
 import dpmethods
 from dpmethods import DataParallel
 from dpmethods.testing import assert_close_to_reference as close
+from tests.helpers import SPLITS
 from tests.helpers.terms import mlp_terms
 
-SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 TERMS = mlp_terms(4, 6)  # Net: Linear(4, 6), then Linear(6, 3)
 
 

@@ -18,16 +18,17 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from dpmethods import DataParallel
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
+from tests.helpers import SPLITS
 from tests.helpers.terms import transformer_terms
 
 pytest.importorskip("transformers")
 import tests.helpers.contrastive_models as models
 
-SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 # A tower (2 blocks of width 32, MLP 37, up to 17 tokens), its projection, the
 # normalisation and the 32-wide products of the logits; a gradient runs the path back and
 # sums over the batch's rows.
@@ -214,3 +215,64 @@ def test_threads_and_processes_give_one_devices_logits_and_loss(workers: str) ->
                 assert_close_to_reference(got_tuple[i], want[key], terms=TERMS, scale=scale, msg=key)
     finally:
         dp.close()
+
+
+# CLIP: the 3x4x4 patch embedding and 2 blocks over 17 tokens (the text tower's 6 are
+# fewer), the 32 -> 16 projection, the normalisation and the 16-wide products.
+CLIP_TERMS = 48 + transformer_terms(width=32, ff=37, seq=17, layers=2) + 3 * 16
+
+
+# --- CLIP: logits_per_image has the texts on dim 1 --------------------------------
+
+
+def _clip_model() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    text = dict(vocab_size=99, hidden_size=32, intermediate_size=37, num_attention_heads=4,
+                num_hidden_layers=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=2,
+                pad_token_id=1)
+    vision = dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=37,
+                  num_attention_heads=4, num_hidden_layers=2)
+    config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    return transformers.CLIPModel(config).eval()
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_clip_logits_per_text_and_per_image_with_gather_dim(batch: int, devices: int) -> None:
+    clip = _clip_model()
+    ids, pixels = torch.randint(3, 99, (batch, 6)), torch.randn(5, 3, 16, 16)
+    dp = DataParallel(clip, device_ids=["cpu"] * devices, methods={"forward": {
+        "broadcast": ("pixel_values",),  # every replica scores its texts against all images
+        "gather_dim": {"logits_per_image": 1},  # [images, texts]: the texts are on dim 1
+        "gather": {"image_embeds": "mean", "vision_model_output": "mean"},  # same on every replica
+    }})
+    with torch.no_grad():
+        ref = clip(input_ids=ids, pixel_values=pixels)
+        got = dp(input_ids=ids, pixel_values=pixels)
+    for key in ("logits_per_text", "logits_per_image", "text_embeds", "image_embeds"):
+        assert_close_to_reference(got[key], ref[key], terms=CLIP_TERMS, msg=key)
+
+
+# Uneven shares: with equal ones a [share, share] output can't be told from [share, classes].
+@pytest.mark.parametrize("batch,devices", [pytest.param(7, 3, id="7-on-3"), pytest.param(7, 2, id="7-on-2")])
+def test_clip_contrastive_loss_split_per_replica_is_warned(batch: int, devices: int) -> None:
+    clip = _clip_model()
+    ids, pixels = torch.randint(3, 99, (batch, 6)), torch.randn(batch, 3, 16, 16)
+    dp = DataParallel(clip, device_ids=["cpu"] * devices, methods={"forward": {"gather": {"loss": "mean"}}})
+    with torch.no_grad(), pytest.warns(UserWarning) as record:
+        got = dp(input_ids=ids, pixel_values=pixels, return_loss=True)
+    messages = [str(w.message) for w in record]
+    assert any("gather: output.logits_per_image has each replica's share" in m for m in messages)
+    assert any(
+        "output.loss is reduced with 'mean' across replicas alongside the batch-coupled" in m
+        and "NOT the full-batch loss" in m
+        for m in messages
+    )
+    # The right pattern: gather the embeddings, compute the loss on the whole batch.
+    with torch.no_grad():
+        ref = clip(input_ids=ids, pixel_values=pixels, return_loss=True)
+        logits = clip.logit_scale.exp() * got.text_embeds @ got.image_embeds.T
+        labels = torch.arange(batch)
+        loss = (nn.functional.cross_entropy(logits, labels) + nn.functional.cross_entropy(logits.T, labels)) / 2
+    # The logits' log-sum-exp over the batch and the mean: the logits' scale is the magnitude.
+    assert_close_to_reference(loss, ref.loss, terms=CLIP_TERMS + 2 * batch, scale=float(clip.logit_scale.detach().exp()))
+

@@ -131,10 +131,6 @@ def test_sequences_equal_one_device(built: tuple[str, Any], n: int, replicas: in
 TERMS = transformer_terms(width=16, ff=64, seq=24, layers=2) + 48 + NEW
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert_close_to_reference(got, want, terms=TERMS)
-
-
 def _dict_call(name: str, n: int, replicas: int, beams: int, **extra: Any) -> tuple[Any, Any, Any, list[int]]:
     torch.manual_seed(0)
     model = MODELS[name]().eval()
@@ -169,9 +165,9 @@ def test_greedy_dict_scores_and_transition_scores(name: str, n: int, replicas: i
     for field in ("scores", "logits"):
         ts_want = model.compute_transition_scores(want.sequences, getattr(want, field))
         ts_got = model.compute_transition_scores(got.sequences, getattr(got, field))
-        _close(ts_got[live], ts_want[live])
+        assert_close_to_reference(ts_got[live], ts_want[live], terms=TERMS)
         for t, (g, w) in enumerate(zip(getattr(got, field), getattr(want, field))):
-            _close(g[live[:, t]], w[live[:, t]])
+            assert_close_to_reference(g[live[:, t]], w[live[:, t]], terms=TERMS)
     # Filled steps of finished rows score the fill token 0 (log-prob 0), others -inf.
     ts = model.compute_transition_scores(got.sequences, got.scores, normalize_logits=True)
     assert torch.isfinite(ts[live]).all()
@@ -183,13 +179,13 @@ def test_beam_dict_beam_indices_and_transition_scores(name: str, n: int, replica
     model, want, got, _ = _dict_call(name, n, replicas, beams=3)
     assert torch.equal(got.sequences, want.sequences)
     assert torch.equal(got.beam_indices, want.beam_indices)  # offset to the full batch
-    _close(got.sequences_scores, want.sequences_scores)
+    assert_close_to_reference(got.sequences_scores, want.sequences_scores, terms=TERMS)
     assert len(got.scores) == len(want.scores)
     if name == "whisper":  # its scores are per returned sequence, not per beam row
         return
     ts_want = model.compute_transition_scores(want.sequences, want.scores, want.beam_indices)
     ts_got = model.compute_transition_scores(got.sequences, got.scores, got.beam_indices)
-    _close(ts_got, ts_want)
+    assert_close_to_reference(ts_got, ts_want, terms=TERMS)
 
 
 def test_attentions_and_hidden_states_padded_per_step() -> None:
@@ -202,7 +198,7 @@ def test_attentions_and_hidden_states_padded_per_step() -> None:
     for g_step, w_step in zip(got.hidden_states, want.hidden_states):
         assert [t.shape for t in g_step] == [t.shape for t in w_step]
     for g, w in zip(got.hidden_states[0], want.hidden_states[0]):  # the prompt's step
-        _close(g, w)
+        assert_close_to_reference(g, w, terms=TERMS)
 
 
 def test_caches_of_different_lengths_come_back_per_replica_with_a_warning() -> None:
@@ -302,8 +298,8 @@ def test_caches_of_equal_lengths_are_joined() -> None:
     assert type(got.cache) is type(want.cache)
     assert got.cache.get_seq_length() == want.cache.get_seq_length()
     for g, w in zip(got.cache.layers, want.cache.layers):
-        _close(g.keys, w.keys)
-        _close(g.values, w.values)
+        assert_close_to_reference(g.keys, w.keys, terms=TERMS)
+        assert_close_to_reference(g.values, w.values, terms=TERMS)
 
 
 @pytest.mark.parametrize("beams", [1, 2])

@@ -18,12 +18,11 @@ import dpmethods
 from dpmethods import DataParallel, parallel_methods
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
+from tests.helpers import SPLITS
 from tests.helpers.models import batch_sizes_seen, shares, tiny_qwen2_vl
 from tests.helpers.terms import transformer_terms
 
 transformers = pytest.importorskip("transformers")
-
-SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +36,6 @@ def _fresh_warnings() -> None:
 # tokens. A gradient runs the path back and sums over the tokens.
 TERMS = transformer_terms(width=32, ff=128, seq=16, layers=2) + 99 + 8 * 16
 GRAD_TERMS = 2 * TERMS + 8 * 16
-
-
-def _close(got: Any, want: Any, terms: int = TERMS) -> None:
-    assert_close_to_reference(got, want, terms=terms)
 
 
 # --- which methods are parallel ----------------------------------------------------------
@@ -81,7 +76,7 @@ def test_clip_get_features_without_configuration(n: int, devices: int) -> None:
     for got, want in ((got_t, want_t), (got_i, want_i)):
         if not isinstance(want, torch.Tensor):  # transformers 5 returns a ModelOutput
             got, want = got.pooler_output, want.pooler_output
-        _close(got, want)
+        assert_close_to_reference(got, want, terms=TERMS)
 
 
 def test_methods_list_takes_the_registered_options_and_a_dict_overrides_them() -> None:
@@ -149,8 +144,8 @@ def test_gpt2_left_padded_loss_equals_the_full_batch_loss(n: int, devices: int) 
     got, want, warned = _loss_call(model, dict(input_ids=ids, attention_mask=mask, labels=labels), devices)
     assert warned == []
     assert got.loss.dim() == 0
-    _close(got.loss, want.loss)
-    _close(got.logits, want.logits)
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
     # Gradients too: each replica's loss is its share of the full-batch loss.
     model.train()
     model.config.embd_pdrop = model.config.resid_pdrop = model.config.attn_pdrop = 0.0
@@ -162,7 +157,7 @@ def test_gpt2_left_padded_loss_equals_the_full_batch_loss(n: int, devices: int) 
     want_grad = model.transformer.wte.weight.grad.clone()
     model.zero_grad()
     DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
-    _close(model.transformer.wte.weight.grad, want_grad, GRAD_TERMS)
+    assert_close_to_reference(model.transformer.wte.weight.grad, want_grad, terms=GRAD_TERMS)
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
@@ -176,7 +171,7 @@ def test_masked_lm_loss_with_ignored_labels_equals_the_full_batch_loss(n: int, d
     ids, labels = _tokens(n)
     got, want, warned = _loss_call(transformers.ModernBertForMaskedLM(config), dict(input_ids=ids, labels=labels), devices)
     assert warned == []
-    _close(got.loss, want.loss)
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS)
 
 
 def _wav2vec2(reduction: str) -> nn.Module:
@@ -199,7 +194,7 @@ def test_ctc_loss_follows_the_configured_reduction(n: int, devices: int, reducti
     got, want, warned = _loss_call(_wav2vec2(reduction), dict(input_values=audio, labels=labels), devices)
     assert warned == []
     # The CTC recursion: a log-sum-exp of 3 per frame over 39 frames, then the batch's sum or mean.
-    _close(got.loss, want.loss, TERMS + 3 * 39 + n)
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS + 3 * 39 + n)
 
 
 def _uneven_labels(ids: torch.Tensor, devices: int) -> torch.Tensor:
@@ -276,7 +271,7 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
     assert warned == []
     assert got.loss.dim() == 0 and torch.isfinite(got.loss)  # the empty replica adds 0, not NaN
     assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=float(want.logits.abs().max()))
-    _close(got.logits, want.logits)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
     # Gradients too (no dropout in these configs): the weighted join is differentiable,
     # the empty replica left out.
     model.train()
@@ -286,7 +281,7 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
     want_grad, weight.grad = weight.grad.clone(), None
     model.zero_grad()
     DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
-    _close(weight.grad, want_grad, GRAD_TERMS)
+    assert_close_to_reference(weight.grad, want_grad, terms=GRAD_TERMS)
 
 
 _BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -361,7 +356,7 @@ def test_classification_heads_losses_equal_the_full_batch_loss(n: int, devices: 
     scale = float(want.logits.abs().max())
     assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=scale)
     assert_close_to_reference(got[0], want[0], terms=TERMS, scale=scale)  # the loss, as on one device
-    _close(got.logits, want.logits)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
 
 
 def _question_answering(kind: str) -> nn.Module:
@@ -411,7 +406,7 @@ def test_question_answering_loss_equals_the_full_batch_loss(
     assert got[0].dim() == 0
     scale = float(torch.cat([want[1], want[2]]).abs().max())  # the logits: the loss's magnitude
     assert_close_to_reference(got[0], want[0], terms=TERMS, scale=scale)  # the loss first, as on one device
-    _close(got[1], want[1])
+    assert_close_to_reference(got[1], want[1], terms=TERMS)
 
 
 def test_question_answering_positions_ignored_by_one_loss_only_are_said() -> None:
@@ -426,7 +421,7 @@ def test_question_answering_positions_ignored_by_one_loss_only_are_said() -> Non
     assert [w for w in warned if "BertForQuestionAnswering.forward: some rows' start and end "
             "positions are not both inside the sequence" in w and "one value per replica" in w]
     assert not [w for w in warned if "gather='mean'" in w], warned  # not the full-batch loss
-    _close(got.start_logits, want.start_logits)
+    assert_close_to_reference(got.start_logits, want.start_logits, terms=TERMS)
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
@@ -438,7 +433,7 @@ def test_a_weighted_loss_with_return_dict_false_is_the_first_element(n: int, dev
     got, want, warned = _loss_call(model, dict(input_ids=ids, labels=labels, return_dict=False), devices)
     assert type(got) is tuple and warned == []
     assert_close_to_reference(got[0], want[0], terms=TERMS, scale=float(want[1].abs().max()))
-    _close(got[1], want[1])
+    assert_close_to_reference(got[1], want[1], terms=TERMS)
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
@@ -458,7 +453,7 @@ def test_a_loss_dpmethods_cannot_identify_keeps_per_replica_losses_with_a_warnin
         and "{'loss': 'mean'}" in w
         for w in warned
     ), warned
-    _close(got.prediction_logits, want.prediction_logits)
+    assert_close_to_reference(got.prediction_logits, want.prediction_logits, terms=TERMS)
 
 
 def test_a_router_auxiliary_loss_keeps_per_replica_losses_with_a_warning() -> None:
@@ -473,10 +468,10 @@ def test_a_router_auxiliary_loss_keeps_per_replica_losses_with_a_warning() -> No
     got, want, warned = _loss_call(transformers.MixtralForCausalLM(config), kwargs, 3)
     assert got.loss.shape == (3,)
     assert any("or it adds a router's auxiliary loss" in w for w in warned), warned
-    _close(got.logits, want.logits)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
     got, want, warned = _loss_call(transformers.MixtralForCausalLM(config), dict(input_ids=ids, labels=labels), 3)
     assert warned == []  # without the router's loss: shares of the full-batch loss
-    _close(got.loss, want.loss)
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS)
 
 
 def test_forward_without_labels_and_with_gather_given_is_unchanged() -> None:
@@ -487,13 +482,13 @@ def test_forward_without_labels_and_with_gather_given_is_unchanged() -> None:
     ids, labels = _tokens(7)
     got, want, warned = _loss_call(model, dict(input_ids=ids), 3)
     assert warned == [] and got.loss is None
-    _close(got.logits, want.logits)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
     # The user's gather wins, and then no num_items_in_batch is passed: row-weighted mean.
     dp = DataParallel(model, device_ids=["cpu"] * 3, methods={"forward": {"gather": {"loss": "mean"}}})
     with torch.no_grad():
         per_row = [model(input_ids=ids[a:b], labels=labels[a:b]).loss for a, b in ((0, 3), (3, 5), (5, 7))]
         mean = dp(input_ids=ids, labels=labels).loss
-    _close(mean, sum(loss * w for loss, w in zip(per_row, (3 / 7, 2 / 7, 2 / 7))))
+    assert_close_to_reference(mean, sum(loss * w for loss, w in zip(per_row, (3 / 7, 2 / 7, 2 / 7))), terms=TERMS)
 
 # --- caches: joined, and updated in place when passed in --------------------------
 
@@ -518,8 +513,8 @@ def test_gpt2_cache_joined_and_used_for_the_next_step(batch: int, devices: int) 
         assert type(cache) is type(ref_cache) and cache.get_seq_length() == 5
         assert cache.layers[0].keys.shape[0] == batch
         got2 = dp(nxt, use_cache=True, **{cache_arg: cache})
-    _close(got1.logits, ref1.logits)
-    _close(got2.logits, ref2.logits)
+    assert_close_to_reference(got1.logits, ref1.logits, terms=TERMS)
+    assert_close_to_reference(got2.logits, ref2.logits, terms=TERMS)
     next_cache = got2[cache_arg] if cache_arg in got2 else got2.past_key_values
     assert next_cache.get_seq_length() == 6 and next_cache.layers[1].keys.shape[0] == batch
 
@@ -554,10 +549,10 @@ def test_a_cache_passed_in_is_updated_in_place_as_on_one_device(batch: int, devi
         cache, got1, got2 = steps(dp)
     assert cache.get_seq_length() == ref_cache.get_seq_length() == 6
     assert got2.past_key_values is cache  # the object passed in, as on one device
-    _close(got1.logits, ref1.logits)
-    _close(got2.logits, ref2.logits)
+    assert_close_to_reference(got1.logits, ref1.logits, terms=TERMS)
+    assert_close_to_reference(got2.logits, ref2.logits, terms=TERMS)
     for g, w in zip(cache.layers, ref_cache.layers):
-        _close(g.keys, w.keys)
+        assert_close_to_reference(g.keys, w.keys, terms=TERMS)
 
 
 # --- Encodec: codes with the batch in dim 1 -----------------------------------------
@@ -590,10 +585,10 @@ def test_encodec_codes_batch_in_dim_1(batch: int, devices: int) -> None:
         # The decoder: an LSTM over 16 frames (16 + 16 inputs, 2 biases a step) and about
         # 6 convs of kernel 7 over 16 channels.
         terms = 16 * (16 + 16 + 2) + 6 * 7 * 16
-        _close(got_audio, model.decode(ref.audio_codes, ref.audio_scales).audio_values, terms)
+        assert_close_to_reference(got_audio, model.decode(ref.audio_codes, ref.audio_scales).audio_values, terms=terms)
         # The options spelled out, as before: the same.
         dec = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1, "gather_dim": 0}})
-        _close(dec.decode(ref.audio_codes, ref.audio_scales).audio_values, got_audio, terms)
+        assert_close_to_reference(dec.decode(ref.audio_codes, ref.audio_scales).audio_values, got_audio, terms=terms)
         if batch % devices == 0:  # equal shares: joining the audio on dim 1 would succeed, wrongly
             plain = DataParallel(model, device_ids=cpus, methods={"decode": {"dim": 1}})
             with pytest.warns(UserWarning, match=r"audio_values is joined along dim 1.*its dim 0 has them"):
@@ -619,8 +614,8 @@ def test_llama_hidden_states_and_attentions_when_the_wrapper_runs_first(batch: i
     assert len(got.attentions) == len(ref.attentions) == 2
     assert len(got.hidden_states) == len(ref.hidden_states) == 3
     for g, r in zip(got.attentions + got.hidden_states, ref.attentions + ref.hidden_states):
-        _close(g, r)
-    _close(got.last_hidden_state, ref.last_hidden_state)
+        assert_close_to_reference(g, r, terms=TERMS)
+    assert_close_to_reference(got.last_hidden_state, ref.last_hidden_state, terms=TERMS)
 
 
 # --- the Qwen2-VL family: patches of all images, split by row ------------------------
@@ -636,8 +631,8 @@ def test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration(devic
         warnings.simplefilter("ignore", FutureWarning)
         want, got = model(**inputs), dp(**inputs)
         want_tokens, got_tokens = model.generate(**inputs, **kwargs), dp.generate(**inputs, **kwargs)
-    _close(got.logits, want.logits)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
     assert len(got.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 7
     for g, w in zip(got.image_outputs.pooler_output, want.image_outputs.pooler_output):
-        _close(g, w)
+        assert_close_to_reference(g, w, terms=TERMS)
     assert torch.equal(got_tokens, want_tokens)
