@@ -44,9 +44,10 @@ def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
-def clip() -> tuple[nn.Module, Inputs]:
+def clip(cls: type | None = None) -> tuple[nn.Module, Inputs]:
+    """A CLIPModel, or the subclass ``cls`` of it (a user's own CLIP), and its inputs."""
     config = transformers.CLIPConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.CLIPModel(config)), _both()
+    return _seeded(lambda: (cls or transformers.CLIPModel)(config)), _both()
 
 
 def siglip() -> tuple[nn.Module, Inputs]:
@@ -205,11 +206,6 @@ class SharperCLIP(transformers.CLIPModel):
         out.logits_per_text = out.logits_per_text * 2
         out.logits_per_image = out.logits_per_text.t()
         return out
-
-
-def clip_subclass(cls: type) -> tuple[nn.Module, Inputs]:
-    config = transformers.CLIPConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: cls(config)), _both()
 
 
 BUILDERS: dict[str, Callable[[], tuple[nn.Module, Inputs]]] = {

@@ -4,15 +4,13 @@ processes (and gloo ranks) import them.
 :class:`Tokens` embeds token ids of any length and records every batch it runs
 (rows, longest) in ``workdir/batches``, worker processes too. Items holding a marker
 token strike a fault: ``FAIL`` raises a ValueError every time; ``KILL`` kills its own
-process and ``HANG`` waits (until the test frees it), each the first time only.
+process and ``HANG`` waits (until the test frees it), each the first time only, as
+tests.helpers.long_runs' faults do.
 ``limit`` rows or more raise ``torch.OutOfMemoryError``.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,27 +18,10 @@ import torch
 from torch import nn
 
 import dpmethods
+from tests.helpers.long_runs import first_time, record, records, strike
 
 VOCAB, WIDTH = 40, 8
 FAIL, KILL, HANG = 1, 2, 3  # marker tokens; 0 is the padding, ids of text are >= 4
-_HANG = threading.Event()  # never set in a worker process; a test sets it to free a thread
-
-
-def release_hung() -> None:
-    """Let a thread that hangs in a fault go on (its replica is no longer used by then)."""
-    _HANG.set()
-
-
-def arm_hang() -> None:
-    _HANG.clear()
-
-
-def _first(workdir: str, fault: str) -> bool:
-    try:
-        os.close(os.open(os.path.join(workdir, fault), os.O_CREAT | os.O_EXCL))
-        return True
-    except FileExistsError:
-        return False
 
 
 class Tokens(nn.Module):
@@ -54,15 +35,12 @@ class Tokens(nn.Module):
 
     def _enter(self, ids: torch.Tensor) -> None:
         rows, longest = ids.shape
-        with open(os.path.join(self.workdir, "batches"), "a") as f:
-            f.write(f"{rows} {longest}\n")
+        record(self.workdir, "batches", rows, longest)
         if (ids == FAIL).any():
             raise ValueError("Tokens: a poisoned item")
         for marker, fault in ((KILL, "kill"), (HANG, "hang")):
-            if (ids == marker).any() and _first(self.workdir, fault):
-                if fault == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                _HANG.wait()
+            if (ids == marker).any() and first_time(self.workdir, fault):
+                strike(fault)
         if self.limit is not None and rows >= self.limit:
             raise torch.OutOfMemoryError(f"{rows} rows do not fit (test limit {self.limit})")
 
@@ -95,9 +73,7 @@ class Tokens(nn.Module):
 
 def batches_run(workdir: str | Path) -> list[tuple[int, int]]:
     """Every batch run so far: (rows, longest)."""
-    path = Path(workdir) / "batches"
-    numbers = [int(w) for w in path.read_text().split()] if path.exists() else []
-    return list(zip(numbers[::2], numbers[1::2]))
+    return [(rows, longest) for rows, longest in records(workdir, "batches")]
 
 
 def token_items(n: int, seed: int = 0, longest: int = 24) -> list[dict[str, torch.Tensor]]:

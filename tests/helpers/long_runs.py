@@ -1,4 +1,6 @@
-"""Models for tests/map/test_long_runs.py: module-level, so spawned worker processes import them.
+"""Models that fail on purpose, for the long maps' tests (tests/map), and the fault and
+record helpers that tests.helpers.items_models shares: module-level, so spawned worker
+processes import them.
 
 A fault strikes once per test: the first replica or worker to reach the tagged batch
 creates a marker file in ``workdir`` and then kills its own process or hangs; the batch
@@ -32,7 +34,8 @@ def release_hung() -> None:
     _HANG.set()
 
 
-def _first(workdir: str, fault: str) -> bool:
+def first_time(workdir: str, fault: str) -> bool:
+    """Whether this is the first strike of ``fault`` in ``workdir`` (in any process)."""
     try:
         os.close(os.open(os.path.join(workdir, fault), os.O_CREAT | os.O_EXCL))
         return True
@@ -40,19 +43,35 @@ def _first(workdir: str, fault: str) -> bool:
         return False
 
 
+def strike(fault: str) -> None:
+    """A "kill..." fault kills this process (SIGKILL); a "hang" waits until :func:`release_hung`."""
+    if fault.startswith("kill"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    _HANG.wait()
+
+
+def record(workdir: str, name: str, *numbers: int) -> None:
+    """Append one run's ``numbers`` to ``workdir/name`` (worker processes write it too)."""
+    with open(os.path.join(workdir, name), "a") as f:
+        f.write(" ".join(map(str, numbers)) + "\n")
+
+
+def records(workdir: str | Path, name: str) -> list[tuple[int, ...]]:
+    """Every run recorded in ``workdir/name`` so far, in order."""
+    path = Path(workdir) / name
+    return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def _record(workdir: str, rows: int, limit: int | None) -> None:
     ran_out = limit is not None and rows > limit
-    with open(os.path.join(workdir, "rows"), "a") as f:
-        f.write(f"{rows} {int(ran_out)}\n")
+    record(workdir, "rows", rows, int(ran_out))
     if ran_out:
         raise torch.OutOfMemoryError(f"{rows} rows do not fit (test limit {limit})")
 
 
 def rows_run(workdir: str | Path) -> list[tuple[int, bool]]:
     """Every batch run so far: (rows, ran out of memory)."""
-    path = Path(workdir) / "rows"
-    lines = path.read_text().split() if path.exists() else []
-    return [(int(r), bool(int(o))) for r, o in zip(lines[::2], lines[1::2])]
+    return [(rows, bool(ran_out)) for rows, ran_out in records(workdir, "rows")]
 
 
 def out_of_memory_above(workdir: str, limit: int, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -72,10 +91,8 @@ class Faulty(nn.Module):
         self.workdir, self.limit = str(workdir), limit
 
     def _enter(self, rows: int, tag: int, fault: str | None, at: int) -> None:
-        if fault is not None and tag == at and (fault == "kill-always" or _first(self.workdir, fault)):
-            if fault.startswith("kill"):
-                os.kill(os.getpid(), signal.SIGKILL)
-            _HANG.wait()
+        if fault is not None and tag == at and (fault == "kill-always" or first_time(self.workdir, fault)):
+            strike(fault)
         _record(self.workdir, rows, self.limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

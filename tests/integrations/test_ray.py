@@ -119,7 +119,7 @@ def test_a_model_output_is_one_column_per_field() -> None:
     with torch.no_grad():
         want = gpt2()(input_ids=ids, use_cache=False).logits
     assert list(out) == ["logits"]
-    # fp32, as tests/integrations/transformers/test_generate.py: the big random weights give logits of tens, whose
+    # fp32, as transformers/test_generate.py: the big random weights give logits of tens, whose
     # last bits differ with the batch size (BLAS blocking); 1e-5 relative to their scale.
     scale = float(want.abs().max())
     np.testing.assert_allclose(out["logits"], want.numpy(), rtol=1e-5, atol=1e-5 * max(1.0, scale))

@@ -25,13 +25,12 @@ from tests.helpers.items_models import (
     HANG,
     KILL,
     Tokens,
-    arm_hang,
     batches_run,
     build_tokens,
-    release_hung,
     sharded_items,
     token_items,
 )
+from tests.helpers.long_runs import arm_hang, release_hung
 from tests.helpers.models import tiny_gpt2, tiny_sentence_transformer
 from tests.helpers.processes import spawn_gloo
 from tests.helpers.terms import mlp_terms, transformer_terms

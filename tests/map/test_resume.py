@@ -282,6 +282,20 @@ def _stop_after(outputs: Iterator[Any], k: int) -> list[Any]:
     return taken
 
 
+def _stopped(dp: Any, inputs: Any, ckpt: Path, log: Path, k: int, **kwargs: Any) -> tuple[list[Any], bytes]:
+    """Run ``encode`` over ``inputs`` with ``checkpoint=ckpt``, take ``k`` outputs and stop;
+    clear the run log. Returns the outputs taken and the record as the stop left it."""
+    taken = _stop_after(dp.map("encode", inputs, checkpoint=ckpt, **kwargs), k)
+    dp.close()
+    log.unlink()
+    return taken, ckpt.read_bytes()
+
+
+def _untouched(log: Path, ckpt: Path, record: bytes) -> None:
+    """No batch ran since the stop, and the record is as the stop left it."""
+    assert _lines(log) == [] and ckpt.read_bytes() == record
+
+
 def _generator(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     yield from batches  # no len()
 
@@ -293,14 +307,11 @@ def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(setup: Any,
     batches = [torch.full((2, 5), float(i)) for i in range(40)]
     dp = _dp(model, workers)
     with torch.no_grad():
-        taken = _stop_after(dp.map("encode", batches, checkpoint=ckpt), 10)
-        dp.close()
-        log.unlink()
-        record = ckpt.read_bytes()
+        taken, record = _stopped(dp, batches, ckpt, log, 10)
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another map: its input had 40 "
                            r"batches, this input has 24\. It is not this map's record"):
             dp.map("encode", batches[:24], checkpoint=ckpt)  # refused at the call
-        assert _lines(log) == [] and ckpt.read_bytes() == record
+        _untouched(log, ckpt, record)
         rest = list(dp.map("encode", batches, checkpoint=ckpt))  # the right job goes on
         ref = [model.lin(b) for b in batches]
     dp.close()
@@ -324,10 +335,7 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
     batches = [torch.full((2, 5), float(i)) for i in range(40)]
     dp = _dp(model, workers)
     with torch.no_grad():
-        taken = _stop_after(dp.map("encode", batches, checkpoint=ckpt), 10)
-        dp.close()
-        log.unlink()
-        record = ckpt.read_bytes()
+        taken, record = _stopped(dp, batches, ckpt, log, 10)
         refused = []
         with pytest.raises(ValueError, match=rf"'{ckpt}' records an input of 40 batches, but this "
                            r"input ended after 24"):
@@ -371,7 +379,7 @@ def test_a_shorter_input_without_a_len_is_refused_before_any_batch_runs_where_th
         with pytest.raises(ValueError, match=rf"'{ckpt}' records an input of {N} batches, but this input has more"):
             list(dp.map("encode", _generator(batches + batches[:1]), checkpoint=ckpt))
         dp.close()
-        assert _lines(log) == [] and ckpt.read_bytes() == record
+        _untouched(log, ckpt, record)
         again = list(dp.map("encode", _generator(batches), checkpoint=ckpt))  # those alone
     dp.close()
     assert _ran(log) == list(bad)
@@ -400,14 +408,11 @@ def test_an_input_in_another_order_is_refused_before_any_batch_runs(setup: Any, 
     dp = _dp(model, workers)
     order = [[int(v) for v in b[:, 0]] for b in _loader(0)]
     with torch.no_grad():
-        taken = _stop_after(dp.map("encode", _loader(0), checkpoint=ckpt), 5)
-        dp.close()
-        log.unlink()
-        record = ckpt.read_bytes()
+        taken, record = _stopped(dp, _loader(0), ckpt, log, 5)
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another input: its batch 0 differs "
                            r"from the record's batch 0 \(another order: a DataLoader with shuffle=True reshuffles"):
             list(dp.map("encode", _loader(1), checkpoint=ckpt))  # reshuffled
-        assert _lines(log) == [] and ckpt.read_bytes() == record
+        _untouched(log, ckpt, record)
         rest = list(dp.map("encode", _loader(0), checkpoint=ckpt))  # the same order: resumed
         ref = [model.lin(b) for b in _loader(0)]
     dp.close()
@@ -422,10 +427,7 @@ def test_other_arguments_or_another_model_are_refused_before_any_batch_runs(setu
     model, batches, ckpt, log = setup
     dp = _dp(model, workers)
     with torch.no_grad():
-        _stop_after(dp.map("encode", batches, checkpoint=ckpt, scale=2.0), 4)
-        dp.close()
-        log.unlink()
-        record = ckpt.read_bytes()
+        _, record = _stopped(dp, batches, ckpt, log, 4, scale=2.0)
         named = rf"'{ckpt}' records another map: "
         cases: list[tuple[dict[str, Any], str]] = [
             ({"scale": 3.0}, r"scale \(another value\)"), ({}, r"scale \(not given\)"),
@@ -438,11 +440,11 @@ def test_other_arguments_or_another_model_are_refused_before_any_batch_runs(setu
         for other, differs in [
             (Counted(str(log)), "its model has other weights"),
             (Counted(str(log), bias=False), "its model's parameters and buffers have other names, shapes or dtypes"),
-            (Flaky(str(log), bad=()), r"its model is a test_resume\.Counted, this map's a test_resume\.Flaky"),
+            (Flaky(str(log), bad=()), r"its model is a tests\.map\.test_resume\.Counted, this map's a tests\.map\.test_resume\.Flaky"),
         ]:
             with pytest.raises(ValueError, match=named + differs):
                 _dp(other, workers).map("encode", batches, checkpoint=ckpt, scale=2.0)
-        assert _lines(log) == [] and ckpt.read_bytes() == record
+        _untouched(log, ckpt, record)
         same = Counted(str(log))
         same.load_state_dict(model.state_dict())  # the same weights in another module: the same map
         rest = list(_dp(same, workers).map("encode", batches, checkpoint=ckpt, scale=2.0))

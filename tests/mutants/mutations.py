@@ -73,7 +73,7 @@ _SPLITS = ("7-3", "8-4")
 # Uneven shares (on 8 images and 4 replicas equal weights are the right ones).
 _DETECTION_LOSSES = (
     "tests/integrations/test_torchvision.py::test_detection_training_losses_with_no_configuration",
-    "tests/integrations/test_real_models.py::test_torchvision_detection_training_with_targets[7-on-3]",
+    "tests/integrations/test_torchvision.py::test_torchvision_detection_training_with_targets[7-on-3]",
 )
 # Compared with one device on several replicas (the outputs, and gradients through the gather).
 _ONE_DEVICE = (
@@ -82,7 +82,7 @@ _ONE_DEVICE = (
     "tests/wrapper/test_data_parallel.py::test_outputs_equal_single_device[8]",
     "tests/wrapper/test_data_parallel.py::test_outputs_equal_single_device[13]",
     "tests/wrapper/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks",
-    "tests/integrations/test_registrations.py::test_timm_forward_features_and_head_without_configuration",
+    "tests/integrations/test_timm.py::test_timm_forward_features_and_head_without_configuration",
     _TF + "test_classification_heads_losses_equal_the_full_batch_loss",
 )
 
@@ -262,7 +262,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dpmethods/integrations/sentence_transformers.py",
         "if precision not in _CALIBRATED:",
         "if True:",
-        ("tests/integrations/test_real_models.py::test_sentence_transformers_encode_outputs_and_precisions_with_no_configuration",),
+        ("tests/integrations/test_sentence_transformers.py::test_sentence_transformers_encode_outputs_and_precisions_with_no_configuration",),
     ),
     Mutation(
         "seed-per-replica-same",

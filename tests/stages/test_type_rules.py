@@ -1,5 +1,5 @@
 """Types beyond containers: dpmethods.register_type, torch pytree types, and the shipped
-rules for transformers caches (DynamicCache is in test_real_models.py)."""
+rules for transformers caches (DynamicCache is in tests/integrations/transformers/test_models.py)."""
 
 from __future__ import annotations
 

@@ -130,8 +130,8 @@ def test_image_text_matching_logits_join_as_one_device(n: int, devices: int) -> 
 
 UNKNOWN = [
     pytest.param(models.xclip, True, "logits are not", id="xclip-text-per-video"),
-    pytest.param(lambda: models.clip_subclass(models.SharperCLIP), False, "logits are not", id="other-scale"),
-    pytest.param(lambda: models.clip_subclass(models.SmoothedCLIP), True, "loss is not computed", id="other-loss"),
+    pytest.param(lambda: models.clip(models.SharperCLIP), False, "logits are not", id="other-scale"),
+    pytest.param(lambda: models.clip(models.SmoothedCLIP), True, "loss is not computed", id="other-loss"),
 ]
 
 

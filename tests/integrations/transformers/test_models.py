@@ -2,7 +2,8 @@
 
 Tiny configs with random weights (nothing downloaded), CPU replicas, compared with the
 bare model on the full batch (fp32 1e-5, tokens exact): 7 items on 3 replicas and 8 on
-4. ``generate`` has its own file (test_generate.py); peft's models are in test_peft.py.
+4. ``generate`` has its own file (test_generate.py), the contrastive models too
+(test_contrastive.py); peft's models are in tests/integrations/test_peft.py.
 """
 
 from __future__ import annotations
