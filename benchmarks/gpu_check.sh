@@ -66,17 +66,17 @@ assert info['available'] and info['in_use'] == 'compiled' and info['cuda'], info
 cp "$OUT/info.log" "$OUT/extension_info.json" 2>/dev/null
 
 if [ "$HAS_GPU" = "1" ]; then
-  step pytest_cuda 150 python -m pytest -m cuda tests/test_ops_cuda.py tests/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
-  step pytest_cpu 90 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
+  step pytest_cuda 150 python -m pytest -m cuda tests/stages/test_ops_cuda.py tests/wrapper/test_cuda.py -q -p no:cacheprovider --junitxml="$OUT/pytest_cuda.xml"
+  step pytest_cpu 90 python -m pytest tests/stages/test_ops.py -q -p no:cacheprovider -x
   step bench_gpu 150 python benchmarks/bench_gather.py --device cuda --quick --budget 0.05 --out "$OUT"
   step bench_dispatch 120 python benchmarks/bench_dispatch.py --quick --out "$OUT"
-  step pytest_map_cuda 90 python -m pytest -m cuda tests/test_map.py -q -p no:cacheprovider --junitxml="$OUT/pytest_map_cuda.xml"
-  step pytest_process_cuda 120 python -m pytest -m cuda tests/test_process_workers.py -q -p no:cacheprovider --junitxml="$OUT/pytest_process_cuda.xml"
+  step pytest_map_cuda 90 python -m pytest -m cuda tests/map/test_map.py -q -p no:cacheprovider --junitxml="$OUT/pytest_map_cuda.xml"
+  step pytest_process_cuda 120 python -m pytest -m cuda tests/processes/test_process_workers.py -q -p no:cacheprovider --junitxml="$OUT/pytest_process_cuda.xml"
   step bench_map 150 python benchmarks/bench_map.py --device cuda --quick --out "$OUT"
 else
   echo "no GPU: skipping CUDA tests and GPU benchmark" | tee -a "$STATUS"
-  step pytest_cuda_skip 60 python -m pytest -m cuda tests/test_ops_cuda.py tests/test_cuda.py -q -p no:cacheprovider
-  step pytest_cpu 120 python -m pytest tests/test_ops.py -q -p no:cacheprovider -x
+  step pytest_cuda_skip 60 python -m pytest -m cuda tests/stages/test_ops_cuda.py tests/wrapper/test_cuda.py -q -p no:cacheprovider
+  step pytest_cpu 120 python -m pytest tests/stages/test_ops.py -q -p no:cacheprovider -x
 fi
 echo "done in ${SECONDS}s; results in $OUT" | tee -a "$STATUS"
 if [ "${#FAILED[@]}" -gt 0 ]; then

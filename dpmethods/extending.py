@@ -49,7 +49,7 @@ from dpmethods.vocab.warn_once import warn_once
 from dpmethods.wrapper.registry import register_method_finder
 
 # The one door of an integration: it imports these names from here and nothing else of
-# dpmethods (tests/test_architecture.py checks it), so the modules behind them can move.
+# dpmethods (tests/docs/test_architecture.py checks it), so the modules behind them can move.
 __all__ = [
     "CallHooks",
     "Call",

@@ -32,7 +32,7 @@ class Mutation:
     tests: tuple[str, ...]
 
 
-_TF = "tests/test_transformers.py::"
+_TF = "tests/integrations/transformers/test_models.py::"
 _LOSSES = "dpmethods/integrations/transformers/losses.py"
 _PLANS = "dpmethods/integrations/transformers/loss_plans.py"
 _SPLIT_IDS = ("7-on-3", "8-on-4")
@@ -67,22 +67,22 @@ def _but(tests: tuple[str, ...], left_out: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(t for t in tests if t not in left_out)
 
 
-_GEN = "tests/test_generate.py::test_sequences_equal_one_device"
+_GEN = "tests/integrations/transformers/test_generate.py::test_sequences_equal_one_device"
 _GEN_MODELS = ("gpt2", "llama", "t5", "whisper")
 _SPLITS = ("7-3", "8-4")
 # Uneven shares (on 8 images and 4 replicas equal weights are the right ones).
 _DETECTION_LOSSES = (
-    "tests/test_detection.py::test_detection_training_losses_with_no_configuration",
-    "tests/test_real_models.py::test_torchvision_detection_training_with_targets[7-on-3]",
+    "tests/integrations/test_torchvision.py::test_detection_training_losses_with_no_configuration",
+    "tests/integrations/test_torchvision.py::test_torchvision_detection_training_with_targets[7-on-3]",
 )
 # Compared with one device on several replicas (the outputs, and gradients through the gather).
 _ONE_DEVICE = (
-    "tests/test_data_parallel.py::test_outputs_equal_single_device[3]",
-    "tests/test_data_parallel.py::test_outputs_equal_single_device[5]",
-    "tests/test_data_parallel.py::test_outputs_equal_single_device[8]",
-    "tests/test_data_parallel.py::test_outputs_equal_single_device[13]",
-    "tests/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks",
-    "tests/test_integrations.py::test_timm_forward_features_and_head_without_configuration",
+    "tests/wrapper/test_data_parallel.py::test_outputs_equal_single_device[3]",
+    "tests/wrapper/test_data_parallel.py::test_outputs_equal_single_device[5]",
+    "tests/wrapper/test_data_parallel.py::test_outputs_equal_single_device[8]",
+    "tests/wrapper/test_data_parallel.py::test_outputs_equal_single_device[13]",
+    "tests/wrapper/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks",
+    "tests/integrations/test_timm.py::test_timm_forward_features_and_head_without_configuration",
     _TF + "test_classification_heads_losses_equal_the_full_batch_loss",
 )
 
@@ -190,10 +190,10 @@ MUTATIONS: tuple[Mutation, ...] = (
         "moved = [w * v for w, v in zip(weights, moved)]",
         "moved = [v / len(moved) for v in moved]",
         (
-            "tests/test_gather.py::test_mean_is_weighted_by_batch_share[sizes1]",
-            "tests/test_gather.py::test_mean_is_weighted_by_batch_share[sizes2]",
-            "tests/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks[7]",
-            "tests/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks[10]",
+            "tests/stages/test_gather.py::test_mean_is_weighted_by_batch_share[sizes1]",
+            "tests/stages/test_gather.py::test_mean_is_weighted_by_batch_share[sizes2]",
+            "tests/wrapper/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks[7]",
+            "tests/wrapper/test_data_parallel.py::test_gradients_equal_single_device_with_uneven_chunks[10]",
             *_DETECTION_LOSSES,
         ),
     ),
@@ -220,7 +220,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "starts = accumulate(result.sizes[:-1], initial=0)",
         "starts = [0, *result.sizes[1:]]",
         (
-            "tests/test_generate.py::test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch",
+            "tests/integrations/transformers/test_generate.py::test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch",
             _TF + "test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration",
         ),
     ),
@@ -230,7 +230,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dpmethods/integrations/transformers/fill.py",
         "return self.fn(batch_id + self.start, input_ids)",
         "return self.fn(batch_id, input_ids)",
-        ("tests/test_generate.py::test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch",),
+        ("tests/integrations/transformers/test_generate.py::test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch",),
     ),
     Mutation(
         "vision-images-by-row",
@@ -262,7 +262,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dpmethods/integrations/sentence_transformers.py",
         "if precision not in _CALIBRATED:",
         "if True:",
-        ("tests/test_real_models.py::test_sentence_transformers_encode_outputs_and_precisions_with_no_configuration",),
+        ("tests/integrations/test_sentence_transformers.py::test_sentence_transformers_encode_outputs_and_precisions_with_no_configuration",),
     ),
     Mutation(
         "seed-per-replica-same",
@@ -270,6 +270,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         "dpmethods/core/seeding.py",
         'digest = hashlib.blake2b(f"{seed}/{i}".encode(), digest_size=8).digest()',
         'digest = hashlib.blake2b(f"{seed}/0".encode(), digest_size=8).digest()',
-        ("tests/test_process_workers.py::test_seeded_sampling_is_reproducible_in_process_workers",),
+        ("tests/processes/test_process_workers.py::test_seeded_sampling_is_reproducible_in_process_workers",),
     ),
 )

@@ -1,0 +1,1 @@
+"""DistributedDataParallel, FSDP2 and route() in gloo process groups."""

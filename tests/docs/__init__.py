@@ -1,0 +1,1 @@
+"""The docs, README, examples and package layout say what the code does."""

@@ -1,0 +1,13 @@
+"""What the tests share: tiny real models, their builders and the terms of their tolerances.
+
+Module-level, so spawned worker processes and Ray's workers import them by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+__all__ = ["SPLITS"]
+
+# Items on replicas: uneven shares (7 on 3: 3, 2, 2) and even ones (8 on 4).
+SPLITS = [pytest.param(7, 3, id="7-on-3"), pytest.param(8, 4, id="8-on-4")]

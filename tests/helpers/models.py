@@ -1,0 +1,134 @@
+"""Tiny real third-party models shared by several test files (random weights, no download),
+and the probes the tests put on them."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dpmethods
+
+_WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
+
+
+def tiny_sentence_transformer(path: Path) -> Any:
+    """A SentenceTransformer (2-layer BERT, mean pooling) saved to and loaded from ``path``."""
+    st = pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from sentence_transformers import models
+    transformer = models.Transformer(str(path))
+    pooling = models.Pooling(transformer.auto_model.config.hidden_size, "mean")
+    return st.SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
+
+
+def random_sentences(n: int) -> list[str]:
+    """``n`` sentences of 1 to 5 words from the tiny model's vocabulary, seeded by ``n``."""
+    g = torch.Generator().manual_seed(n)
+    return [
+        " ".join(_WORDS[int(i)] for i in torch.randint(0, len(_WORDS), (1 + k % 5,), generator=g))
+        for k in range(n)
+    ]
+
+
+def batch_sizes_seen(module: nn.Module) -> list[int]:
+    """Batch sizes seen by ``module``'s forward, one per call (replicas share the hooks).
+
+    A forward given a dict of features (sentence-transformers') counts its input_ids.
+    """
+    seen: list[int] = []
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        first = args[0] if args else next(iter(kwargs.values()))
+        if not isinstance(first, torch.Tensor):
+            first = first["input_ids"]
+        seen.append(int(first.shape[0]))
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def shares(n: int, devices: int) -> list[int]:
+    """The replicas' shares of ``n`` items on ``devices`` devices, sorted."""
+    return sorted(dpmethods.parallel.chunk_sizes(n, devices))
+
+
+def tiny_gpt2(**config: Any) -> Any:
+    """A random GPT-2 (2 layers of width 16, 48 tokens; ``config`` overrides fields of
+    ``GPT2Config``), as built here (no seed is set, no mode)."""
+    import transformers
+
+    base: dict[str, Any] = dict(
+        vocab_size=48, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=1, eos_token_id=None, pad_token_id=None, initializer_range=1.0,
+    )
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**base, **config}))
+
+
+def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
+    """A random Qwen2-VL and a batch of 7 rows with 0 to 2 images each, of different
+    sizes: the patches of all images in one tensor, as its processor makes them."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen2VLForConditionalGeneration"):
+        pytest.skip("this transformers has no Qwen2-VL")
+    config = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=1, in_channels=3),
+        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2VLForConditionalGeneration(config).eval()
+    # Images per row 2, 2, 1, 0, 1, 1, 0, of different sizes, so that on 3 or 4 replicas
+    # no replica's first image has its first row's index; each stands in the text as
+    # prod(t, h, w) / merge**2 image tokens between vision start and end.
+    grids_per_row = [[(1, 4, 4), (1, 2, 2)], [(1, 2, 4), (1, 4, 2)], [(1, 2, 2)], [], [(1, 4, 4)], [(1, 2, 6)], []]
+    g = torch.Generator().manual_seed(0)
+    rows, grids = [], []
+    for row in grids_per_row:
+        tokens = torch.randint(1, 50, (3,), generator=g).tolist()
+        for t, h, w in row:
+            tokens += [62] + [60] * (t * h * w // 4) + [63]
+            grids.append((t, h, w))
+        rows.append(tokens + torch.randint(1, 50, (2,), generator=g).tolist())
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):  # left padding
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 2, generator=g)  # all images' patches
+    return model, dict(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=grid,
+                       mm_token_type_ids=(ids == 60).int())
+
+
+def tiny_vae() -> Any:
+    """A random diffusers AutoencoderKL (blocks of 8 and 16 channels, 4 latent channels,
+    16 x 16 images), in eval mode."""
+    diffusers = pytest.importorskip("diffusers")
+    return diffusers.AutoencoderKL(
+        in_channels=3, out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(8, 16), latent_channels=4, norm_num_groups=4,
+        layers_per_block=1, sample_size=16,
+    ).eval()

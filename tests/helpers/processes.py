@@ -1,0 +1,392 @@
+"""Models and factories for tests/processes/test_process_workers.py.
+
+Spawned worker processes rebuild these by importing this module (the repository root
+is on the sys.path that spawn hands to its children), so everything here is module-level.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import types
+import weakref
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+import dpmethods
+
+
+class Net(nn.Module):
+    """One parallel method per output kind and per gather mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    @dpmethods.parallel_method
+    def encode(self, x: torch.Tensor, *, scale: float = 1.0) -> Any:
+        if torch.isnan(x).any():
+            raise ValueError("encode: a NaN batch")
+        y = self.lin(x) * scale
+        return {"y": y, "n": x.shape[0], "norm": y.norm(dim=1)}
+
+    @dpmethods.parallel_method
+    def output(self, x: torch.Tensor) -> Any:
+        from transformers.modeling_outputs import BaseModelOutput
+
+        return BaseModelOutput(last_hidden_state=self.lin(x), hidden_states=(x, self.lin(x)))
+
+    @dpmethods.parallel_method
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        return self.lin(x).numpy()
+
+    @dpmethods.parallel_method(gather="extend")
+    def words(self, x: torch.Tensor) -> list[str]:
+        return [f"row {float(r.sum()):.4f}" for r in self.lin(x)]
+
+    @dpmethods.parallel_method
+    def big(self, x: torch.Tensor) -> torch.Tensor:
+        # Over the inline limit: through shared memory, both ways.
+        return self.lin(x).repeat(1, 40000)
+
+    @dpmethods.parallel_method
+    def pid(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.full((x.shape[0],), os.getpid())
+
+    @dpmethods.parallel_method
+    def exhausting(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x[0, 0]) < 0:
+            next(iter(()))  # raises StopIteration, as a method's own next() may
+        return self.lin(x)
+
+    @dpmethods.parallel_method
+    def sleepy(self, x: torch.Tensor, seconds: float = 0.0) -> torch.Tensor:
+        time.sleep(seconds)
+        return self.lin(x)
+
+    @dpmethods.parallel_method(gather="stack")
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum(0)
+
+    @dpmethods.parallel_method(gather="mean")
+    def mean(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).mean()
+
+    @dpmethods.parallel_method(gather="sum")
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).sum()
+
+    @dpmethods.parallel_method(gather="pad", pad_value=-1.0)
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        # A length that depends on the chunk: the gather pads dim 1.
+        return self.lin(x)[:, : 1 + x.shape[0] % 3]
+
+    @dpmethods.parallel_method(gather="list")
+    def listed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+    @dpmethods.parallel_method
+    def unsendable(self, x: torch.Tensor) -> Any:
+        return (r for r in self.lin(x))  # a generator: it can't be pickled back
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def build_net() -> Net:
+    """A factory: the same weights as ``torch.manual_seed(0); Net()``."""
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def build_net_doubled() -> Net:
+    """A factory whose model differs from ``build_net``'s (the workers' model is its)."""
+    net = build_net()
+    with torch.no_grad():
+        net.lin.weight.mul_(2)
+    return net
+
+
+def tiny_gpt2() -> Any:
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=64, n_embd=16, n_layer=2, n_head=2,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def count_calls(module: nn.Module, args: Any, output: Any) -> Any:
+    """A picklable forward hook that doubles the output (a hook change must be seen)."""
+    return output * 2
+
+
+class Watched(nn.Module):
+    """A square layer (``.t()`` keeps its shape), an attribute, an options dict, a
+    config object, a buffer and a head: each is a way to change the module between
+    batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+        self.scale = 1.0
+        self.options = {"shift": 0.0}
+        self.config = types.SimpleNamespace(shift=0.0)
+        self.register_buffer("shift", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale + self.shift + self.options["shift"] + self.config.shift
+        return self.head(y.tanh() if self.training else y)
+
+
+class DoubledLinear(nn.Linear):
+    """``Linear`` whose output is doubled: what ``module.__class__ = DoubledLinear`` gives."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+class Holder(nn.Module):
+    """Runs ``self.model``: a test puts a fresh model in it (the workers get it) and
+    changes that one, on one pool of workers for every case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: nn.Module = nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)  # type: ignore[no-any-return]
+
+
+class MarkedLater(nn.Module):
+    """A class a test marks batch-coupled after the workers hold its instance."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+
+def spawn_gloo(target: Any, world: int, outdir: Any, *args: Any, timeout_s: float = 150) -> list[Any]:
+    """Run ``target(rank, world, *args)`` on ``world`` gloo ranks on 127.0.0.1 (spawned
+    processes); each rank's return value, saved by the rank. Fails the test past ``timeout_s``."""
+    import socket
+    import time
+    from pathlib import Path
+
+    import pytest
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(
+        _gloo_rank, args=(world, port, str(outdir), target, args), nprocs=world, join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail(f"the {world}-rank gloo run did not finish in {timeout_s} s")
+    return [torch.load(Path(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def _gloo_rank(rank: int, world: int, port: int, outdir: str, target: Any, args: tuple[Any, ...]) -> None:
+    import traceback
+    from datetime import timedelta
+    from pathlib import Path
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        torch.save(target(rank, world, *args), os.path.join(outdir, f"rank{rank}.pt"))
+    except BaseException:
+        Path(outdir, f"error{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+SHARD_BATCHES = 7
+
+
+def shard_batches() -> list[torch.Tensor]:
+    return [torch.full((2, 4), float(i)) for i in range(SHARD_BATCHES)]
+
+
+def shard_maps(rank: int, world: int, workers: str) -> dict[str, Any]:
+    """One rank of the shard test: ordered and unordered maps with shard=True."""
+    dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers=workers)
+    with torch.no_grad():
+        ordered = list(dp.map("encode", shard_batches(), shard=True))
+        pairs = list(dp.map("encode", iter(shard_batches()), shard=True, ordered=False))
+    dp.close()
+    return {"ordered": ordered, "indices": [i for i, _ in pairs], "pairs": pairs}
+
+
+def shard_checkpointed(rank: int, world: int, workers: str, path: str) -> dict[str, Any]:
+    """One rank of a resumable sharded map: stopped after one output, then run again."""
+    dp = dpmethods.DataParallel(build_net(), device_ids=["cpu"] * 2, workers=workers)
+    with torch.no_grad():
+        with dp.map("encode", shard_batches(), shard=True, ordered=False, checkpoint=path) as first:
+            taken = [next(first), next(first)]  # the second is not asked past: it comes again
+        rest = list(dp.map("encode", shard_batches(), shard=True, ordered=False, checkpoint=path))
+    dp.close()
+    return {"taken": taken, "rest": rest}
+
+
+class Unloadable:
+    """Pickles in the caller, but raises when a worker unpickles it (a class it can't import)."""
+
+    def __reduce__(self) -> Any:
+        return (_fail_to_load, ())
+
+
+def _fail_to_load() -> Any:
+    raise ModuleNotFoundError("No module named 'only_in_the_caller'")
+
+
+class Probe:
+    """Unpickled while a reply is read: records what ``watched`` says at that moment."""
+
+    watched: ClassVar[Any] = None
+    seen: ClassVar[list[Any]] = []
+
+    def __reduce__(self) -> Any:
+        return (_probe_loaded, ())
+
+
+def _probe_loaded() -> Probe:
+    Probe.seen.append(Probe.watched())
+    return Probe()
+
+
+class InBatchLoss(nn.Module):
+    """A loss over in-batch negatives; the contract test marks it batch-coupled."""
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(a @ b.T, torch.arange(len(a)))
+
+
+class Box:
+    """An output object without a type rule (its tensor is not seen by the tree walk)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class Contract(nn.Module):
+    """One model for the thread/process contract tests: a tiny GPT-2, a conv, options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = tiny_gpt2()
+        torch.manual_seed(1)
+        self.lin = nn.Linear(4, 3)
+        self.conv = nn.Conv2d(3, 4, 1)
+        self.loss = InBatchLoss()
+        self.options = {"scale": 1.0}
+
+    @dpmethods.parallel_method(gather="pad", pad_value=1)
+    def generate(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.gpt.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=1, do_sample=False)
+
+    @dpmethods.parallel_method
+    def hidden(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.gpt(ids)
+        count = len(out.hidden_states) if out.hidden_states is not None else 0
+        return {"logits": out.logits, "hidden": torch.full((len(ids),), count)}
+
+    @dpmethods.parallel_method
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.options["scale"]
+
+    @dpmethods.parallel_method
+    def boxed(self, x: torch.Tensor) -> Box:
+        return Box(self.lin(x))
+
+    @dpmethods.parallel_method(gather="mean")
+    def coupled(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.loss(a, b)
+
+    @dpmethods.parallel_method
+    def warns(self, x: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        warnings.warn("contract: a plain warning", UserWarning, stacklevel=1)
+        dpmethods.vocab.warn_once.warn_once("contract: a warn-once warning")
+        return self.lin(x)
+
+    @dpmethods.parallel_method
+    def noisy(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + torch.rand(len(x), 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+_LOCKS: list[Any] = []
+
+
+class SemaphoreNet(Net):
+    """A method that makes a named semaphore in its process (as torch.compile or loky do)."""
+
+    @dpmethods.parallel_method(gather="extend")
+    def semaphore(self, x: torch.Tensor) -> list[str]:
+        import multiprocessing
+
+        lock = multiprocessing.get_context("spawn").Lock()
+        _LOCKS.append(lock)  # alive until the process exits
+        return [str(lock._semlock.name), str(os.getpid())]  # type: ignore[attr-defined]
+
+
+class EnvProbe(nn.Module):
+    """Returns its input and the worker's OMP_NUM_THREADS and torch thread count."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return x, os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
+_CYCLES: list[Any] = []  # weak references to the cycles GcProbe's builds left behind
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self  # garbage only the cyclic collector frees
+
+
+class GcProbe(nn.Module):
+    """Returns ``x * scale`` and its worker's collector: enabled, how many objects are
+    frozen, and whether the cyclic garbage its builds made was collected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        _CYCLES.append(weakref.ref(_Cycle()))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return x * self.scale, gc.isenabled(), gc.get_freeze_count(), all(r() is None for r in _CYCLES)
+
+
+def build_gc_probe() -> GcProbe:
+    return GcProbe()
+
+
+class Completer(nn.Module):
+    """A user's own method around a language model's ``generate``; it has no ``generate``."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @dpmethods.parallel_method(gather="generate")
+    def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Any:
+        return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

@@ -1,0 +1,1 @@
+"""Third-party libraries through DataParallel with no configuration: one file per library."""

@@ -1,0 +1,29 @@
+"""open_clip models through DataParallel with no configuration, against one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpmethods import DataParallel
+from dpmethods.testing import assert_close_to_reference
+from tests.helpers import SPLITS
+from tests.helpers.terms import transformer_terms
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_open_clip_encode_image_and_text_without_configuration(n: int, devices: int) -> None:
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    model = open_clip.CLIP(
+        embed_dim=16,
+        vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
+        text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=99, width=32, heads=2, layers=1),
+    ).eval()
+    images, texts = torch.randn(n, 3, 16, 16), torch.randint(1, 99, (n, 12))
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        # The 3x8x8 patch embedding (vision), one block over up to 12 tokens, the projection.
+        terms = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
+        assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=terms)
+        assert_close_to_reference(dp.encode_text(texts), model.encode_text(texts), terms=terms)

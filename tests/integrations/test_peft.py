@@ -1,0 +1,104 @@
+"""peft models (LoRA adapters on a tiny GPT-2, random weights) through DataParallel,
+against one device: adapter_names split per row, and generate with no configuration."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dpmethods import DataParallel
+from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab import warn_once as warn_once
+from tests.helpers import SPLITS
+from tests.helpers.terms import transformer_terms
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    warn_once.reset()
+
+
+# A GPT-2 of 2 blocks, width 32 (MLP 128, LoRA rank 4), over 5 tokens; 64 logits.
+TERMS = transformer_terms(width=32, ff=128 + 4, seq=5, layers=2)
+
+
+# The tiny GPT-2 every test here adapts (the token ids differ per test).
+_PEFT_GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=0)
+    base = transformers.GPT2LMHeadModel(config)
+    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    model = peft.get_peft_model(base, peft.LoraConfig(**lora), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(**lora))
+    model.eval()
+    ids = torch.randint(0, 64, (batch, 5))
+    names = [("one", "two", "__base__")[i % 3] for i in range(batch)]  # peft's per-row adapters
+    dp = DataParallel(model, device_ids=["cpu"] * devices, methods={"forward": {"split": "adapter_names"}})
+    with torch.no_grad():
+        got = dp(input_ids=ids, adapter_names=names, use_cache=False)
+        ref = model(input_ids=ids, adapter_names=names, use_cache=False)
+    assert_close_to_reference(got.logits, ref.logits, terms=TERMS)
+    # Without split= every replica would get all the names: said, not silently done.
+    plain = DataParallel(model, device_ids=["cpu"] * devices)
+    with pytest.warns(UserWarning, match=r"argument 'adapter_names' is a list of .*split=\('adapter_names',\)"):
+        with pytest.raises(ValueError, match="adapter_names"):
+            with torch.no_grad():
+                plain(input_ids=ids, adapter_names=names, use_cache=False)
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_peft_generate_is_parallel_with_no_configuration(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=5, pad_token_id=0)
+    lora = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora).eval()
+    ids = torch.randint(6, 64, (batch, 5))
+    calls: list[tuple[int, int]] = []  # (rows, tokens) of each embedding call
+    hook = model.get_base_model().transformer.wte.register_forward_pre_hook(
+        lambda m, args: calls.append(tuple(args[0].shape))
+    )
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "not a parallel method" warning
+            got = DataParallel(model, device_ids=["cpu"] * devices).generate(
+                input_ids=ids, max_new_tokens=4, do_sample=False, num_beams=2
+            )
+            # The prompt steps (5 tokens); the replicas' later steps may come in between.
+            first = sorted(rows for rows, tokens in calls if tokens == ids.shape[1])
+            ref = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, num_beams=2)
+    finally:
+        hook.remove()
+    assert torch.equal(got, ref)
+    # Each replica's first step ran its own rows (2 beams each).
+    assert first == sorted(2 * (batch // devices + (i < batch % devices)) for i in range(devices))
+
+
+@pytest.mark.parametrize("batch,devices", SPLITS)
+def test_peft_generate_splits_adapter_names_with_no_configuration(batch: int, devices: int) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(**lora))
+    model.eval()
+    ids = torch.randint(1, 64, (batch, 5))
+    names = [("one", "two", "__base__")[i % 3] for i in range(batch)]  # one adapter per row
+    kwargs = dict(input_ids=ids, adapter_names=names, max_new_tokens=4, do_sample=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "every replica gets all of it"
+        got = DataParallel(model, device_ids=["cpu"] * devices).generate(**kwargs)
+    with torch.no_grad():
+        ref = model.generate(**kwargs)
+        base = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, ref)
+    assert not torch.equal(ref, base)  # the adapters change the tokens: the split matters

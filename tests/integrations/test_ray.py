@@ -1,0 +1,350 @@
+"""``dpmethods.ray.Predictor``: methods in Ray Data pipelines equal one device.
+
+The pipelines run on a local Ray cluster (``ray.init(num_cpus=2)``, started once for the
+module); the cheap error cases call a Predictor directly on a dict of numpy arrays, as
+Ray would, and need no Ray. The factories live in tests/helpers/ray_models.py, which Ray's
+workers import by name (the repository root is on their PYTHONPATH).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.items_models import batches_run, build_tokens
+from tests.helpers.models import random_sentences, tiny_sentence_transformer
+from tests.helpers.ray_models import FEATURES, HIDDEN, encoder, gpt2
+from tests.helpers.terms import mlp_terms, transformer_terms
+
+np = pytest.importorskip("numpy")
+
+from dpmethods.ray import Predictor, _devices_for  # noqa: E402
+from dpmethods.testing import assert_close_to_reference  # noqa: E402
+
+# Ray Data's DataContext reads its own deprecated fields when the cluster's context is
+# made (ray's code, warned on every run whatever the caller does): not ours to fix.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:`use_push_based_shuffle` is deprecated:DeprecationWarning",
+    r"ignore:`use_polars` is deprecated:DeprecationWarning",
+    r"ignore:`use_arrow_tensor_v2` is deprecated:DeprecationWarning",
+)
+
+_ROOT = Path(__file__).resolve().parents[2]
+NORM_TERMS = FEATURES + 1 + 1 + HIDDEN  # Linear(FEATURES, HIDDEN), a scale, a HIDDEN-wide norm
+N = 10  # rows: batches of 4 give 4 + 4 + 2, split over 2 replicas as 2 + 2, 2 + 2, 1 + 1
+
+
+def _linear_tolerance(model: Any, x: torch.Tensor) -> float:
+    # A row of Linear(x) sums FEATURES products and the bias in fp32: its rounding error
+    # depends on the order of the sum (which BLAS picks by batch size), bounded by
+    # (FEATURES + 1) * eps * the sum of the terms' magnitudes.
+    with torch.no_grad():
+        scale = (x.abs() @ model.lin.weight.abs().T + model.lin.bias.abs()).max()
+    return float((FEATURES + 1) * torch.finfo(torch.float32).eps * scale)
+
+
+def _rows(n: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(n)
+    return {"id": np.arange(n), "pixels": torch.randn(n, FEATURES, generator=g).numpy()}
+
+
+# --- without Ray: a Predictor called on a batch as Ray calls it ---------------------
+
+
+def test_a_batch_gives_one_row_per_input_row_and_keeps_columns() -> None:
+    batch = _rows(N)
+    predict = Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["id"],
+                        device_ids=["cpu"] * 2, scale=2.0)
+    out = predict(batch)
+    model = encoder()
+    x = torch.from_numpy(batch["pixels"])
+    want = model.encode(x, scale=2.0)
+    assert sorted(out) == ["id", "mean", "norm"]
+    assert out["id"] is batch["id"]
+    tol = 2 * _linear_tolerance(model, x)
+    np.testing.assert_allclose(out["mean"], want["mean"].detach().numpy(), rtol=0, atol=tol)
+    assert_close_to_reference(out["norm"], want["norm"].numpy(), terms=NORM_TERMS)
+
+
+def test_tuple_outputs_are_numbered_and_strings_become_lists() -> None:
+    class Tagger(torch.nn.Module):
+        def forward(self, x: torch.Tensor, words: list[str]) -> tuple[torch.Tensor, list[str]]:
+            return x * 2, [w.upper() for w in words]
+
+    predict = Predictor(Tagger, output="tag", device_ids=["cpu"])
+    out = predict({"x": np.arange(3.0), "words": np.array(["a", "b", "c"], dtype=object)})
+    assert sorted(out) == ["tag_0", "tag_1"]
+    assert out["tag_0"].tolist() == [0.0, 2.0, 4.0] and out["tag_1"] == ["A", "B", "C"]
+
+
+@dataclasses.dataclass
+class _Posterior:
+    mu: torch.Tensor
+    hidden: tuple[torch.Tensor, torch.Tensor]
+    logvar: torch.Tensor | None = None
+    items: list[dict[str, torch.Tensor]] | None = None
+
+
+def test_dataclass_fields_nested_tuples_and_per_row_lists_become_columns() -> None:
+    class Vae(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> _Posterior:
+            h = x.to(torch.bfloat16)
+            return _Posterior(mu=x + 1, hidden=(h, x * 3), items=[{"row": r} for r in x])
+
+    x = torch.randn(5, 3)
+    out = Predictor(Vae, device_ids=["cpu"] * 2)({"x": x.numpy()})
+    assert sorted(out) == ["hidden_0", "hidden_1", "items", "mu"]  # logvar is None: left out
+    np.testing.assert_array_equal(out["mu"], (x + 1).numpy())
+    assert out["hidden_0"].dtype == np.float32  # bfloat16, widened exactly
+    np.testing.assert_array_equal(out["hidden_0"], x.to(torch.bfloat16).float().numpy())
+    assert isinstance(out["items"], list) and len(out["items"]) == 5
+    np.testing.assert_array_equal(out["items"][4]["row"], x[4].numpy())
+
+
+def test_a_model_output_is_one_column_per_field() -> None:
+    pytest.importorskip("transformers")
+    ids = torch.randint(4, 48, (5, 6), generator=torch.Generator().manual_seed(2))
+    out = Predictor(gpt2, columns=["input_ids"], device_ids=["cpu"] * 2, use_cache=False)(
+        {"input_ids": ids.numpy()})
+    with torch.no_grad():
+        want = gpt2()(input_ids=ids, use_cache=False).logits
+    assert list(out) == ["logits"]
+    # fp32, as transformers/test_generate.py: the big random weights give logits of tens, whose
+    # last bits differ with the batch size (BLAS blocking); 1e-5 relative to their scale.
+    scale = float(want.abs().max())
+    np.testing.assert_allclose(out["logits"], want.numpy(), rtol=1e-5, atol=1e-5 * max(1.0, scale))
+
+
+def test_a_missing_column_is_named_with_the_columns_that_exist() -> None:
+    predict = Predictor(encoder, "encode", columns={"x": "pixel"}, device_ids=["cpu"])
+    with pytest.raises(ValueError, match=(
+        r"columns: 'pixel' is not a column of the batch; its columns are \['id', 'pixels'\] "
+        r"\(did you mean 'pixels'\?\)"
+    )):
+        predict(_rows(3))
+    with pytest.raises(ValueError, match=r"keep: 'ids' is not a column of the batch; .*\(did you mean 'id'\?\)"):
+        Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["ids"])(_rows(3))
+
+
+def test_an_output_without_one_row_per_input_row_is_named() -> None:
+    class Summary(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"rows": x, "total": x.sum()}
+
+    predict = Predictor(Summary, device_ids=["cpu"])
+    with pytest.raises(ValueError, match=(
+        r"output 'total' is a \(\) Tensor with no rows; expected one row per input row "
+        r"\(4 rows\)"
+    )):
+        predict({"x": np.ones((4, 2))})
+
+    class Doubled(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x])
+
+    with pytest.raises(ValueError, match=r"output 'forward' is a \(8, 2\) Tensor with 8 rows; "
+                                         r"expected one row per input row \(4 rows\)"):
+        Predictor(Doubled, device_ids=["cpu"])({"x": np.ones((4, 2))})
+
+
+def test_an_output_that_is_not_a_column_is_named() -> None:
+    class Cache:  # a state for the next step, as a transformers cache
+        pass
+
+    class Step(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            return {"logits": x, "cache": Cache()}
+
+    with pytest.raises(ValueError, match=(
+        r"output 'cache' is a Cache with no rows; expected one row per input row \(3 rows\)\. "
+        r".*use_cache=False leaves a cache out"
+    )):
+        Predictor(Step, device_ids=["cpu"])({"x": np.ones((3, 4))})
+
+
+def test_arguments_are_checked_when_the_predictor_is_built() -> None:
+    with pytest.raises(AttributeError, match=r"method: Encoder has no method 'encod' \(did you mean 'encode'\?\)"):
+        Predictor(encoder, "encod")
+    with pytest.raises(TypeError, match=r"keep: expected a list of column names, got 'id'; pass keep=\['id'\]"):
+        Predictor(encoder, "encode", keep="id")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="factory: expected it to return a torch.nn.Module, got int"):
+        Predictor(lambda: 3)  # type: ignore[arg-type, return-value]
+    with pytest.raises(TypeError, match=r"method_kwargs: \['x'\] are also arguments given by columns="):
+        Predictor(encoder, "encode", columns=["x"], x=1)
+    with pytest.raises(ValueError, match=r"keep: \['mean'\] are also output columns of 'encode'"):
+        Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["mean"])(
+            {**_rows(2), "mean": np.zeros(2)})
+
+
+def _ragged(lengths: list[int], seed: int = 5) -> Any:
+    """A column of token ids of these lengths, as Ray gives a variable-shaped one: an
+    object array of arrays."""
+    g = torch.Generator().manual_seed(seed)
+    column = np.empty(len(lengths), dtype=object)
+    for i, n in enumerate(lengths):
+        column[i] = torch.randint(4, 40, (n,), generator=g).numpy()
+    return column
+
+
+@pytest.mark.parametrize("items", [dict(max_tokens=12), dict(batch_size=2, length=lambda row: len(row["input_ids"]))])
+def test_items_rows_are_sorted_batched_and_returned_in_their_order(tmp_path: Path, items: dict[str, Any]) -> None:
+    lengths = [3, 9, 1, 5, 7, 2, 12, 4]
+    column = _ragged(lengths)
+    predict = Predictor(functools.partial(build_tokens, str(tmp_path)), "encode", columns=["input_ids"],
+                        keep=["id"], device_ids=["cpu"] * 2, **items)
+    out = predict({"id": np.arange(len(lengths)), "input_ids": column})
+    model = build_tokens(str(tmp_path))
+    with torch.no_grad():
+        want = [model.alone(torch.from_numpy(ids))["pooled"].numpy() for ids in column]
+    assert sorted(out) == ["hidden", "id", "pooled"] and out["id"].tolist() == list(range(len(lengths)))
+    assert_close_to_reference(out["pooled"], np.stack(want), terms=mlp_terms(8) + 12)
+    runs = batches_run(tmp_path)
+    assert len(runs) > 1  # sub-batches, not the Ray batch whole
+    if "max_tokens" in items:
+        assert all(rows * longest <= 12 or rows == 1 for rows, longest in runs)
+
+
+def test_items_options_are_checked_when_the_predictor_is_built(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"map: max_tokens: expected None or an int >= 1 .*, got int 0"):
+        Predictor(functools.partial(build_tokens, str(tmp_path)), "encode", max_tokens=0, device_ids=["cpu"])
+
+
+def test_devices_are_the_gpus_ray_gave_the_actor() -> None:
+    assert _devices_for(None, 0) == ["cpu"]  # outside Ray, without GPUs
+    assert _devices_for(None, 2) == [0, 1]  # outside Ray: every visible GPU
+    assert _devices_for([], 4) == ["cpu"]  # an actor given no GPU
+    assert _devices_for([3, 5], 2) == [0, 1]  # CUDA_VISIBLE_DEVICES=3,5: torch's 0 and 1
+    assert _devices_for(["3", "5"], 8) == [3, 5]  # Ray left CUDA_VISIBLE_DEVICES alone
+
+
+def test_pandas_batches_come_back_as_dataframes() -> None:
+    pd = pytest.importorskip("pandas")
+    batch = _rows(5)
+    frame = pd.DataFrame({"id": batch["id"], "pixels": list(batch["pixels"])})
+    out = Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["id"], device_ids=["cpu"])(frame)
+    assert isinstance(out, pd.DataFrame) and list(out.columns) == ["id", "mean", "norm"]
+    want = Predictor(encoder, "encode", columns={"x": "pixels"}, device_ids=["cpu"])(batch)
+    np.testing.assert_array_equal(np.stack(list(out["mean"])), want["mean"])
+    assert out["id"].tolist() == list(range(5))
+
+
+def test_importing_dpmethods_does_not_import_ray() -> None:
+    code = "import sys, dpmethods, dpmethods.ray; print('ray' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+# --- on a local Ray cluster ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray() -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    path = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _run(ray: Any, items: list[dict[str, Any]], batch_format: str = "numpy", **kwargs: Any) -> list[dict[str, Any]]:
+    ds = ray.data.from_items(items).map_batches(
+        Predictor, fn_constructor_kwargs=kwargs, batch_size=4, batch_format=batch_format,
+        compute=ray.data.ActorPoolStrategy(size=1),
+    )
+    return sorted(ds.take_all(), key=lambda row: row["id"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("devices,batch_format", [(None, "numpy"), (["cpu"] * 2, "numpy"), (["cpu"] * 2, "pandas")])
+def test_a_decorated_method_in_a_pipeline_equals_one_device(ray: Any, devices: Any, batch_format: str) -> None:
+    batch = _rows(N)
+    items = [{"id": int(i), "pixels": p} for i, p in zip(batch["id"], batch["pixels"])]
+    rows = _run(ray, items, batch_format, factory=encoder, method="encode",
+                columns={"x": "pixels"}, keep=["id"], device_ids=devices)
+    model = encoder()
+    x = torch.from_numpy(batch["pixels"])
+    with torch.no_grad():
+        want = model.encode(x)
+    tol = _linear_tolerance(model, x)
+    assert [r["id"] for r in rows] == list(range(N))
+    assert all(sorted(r) == ["id", "mean", "norm"] for r in rows)
+    np.testing.assert_allclose(np.stack([r["mean"] for r in rows]), want["mean"].numpy(), rtol=0, atol=tol)
+    norms = np.array([r["norm"] for r in rows], dtype=np.float32)  # rows may hold them as float64: exact
+    assert_close_to_reference(norms, want["norm"].numpy(), terms=NORM_TERMS)
+    assert np.stack([r["mean"] for r in rows]).shape == (N, HIDDEN)
+
+
+@pytest.mark.timeout(240)
+def test_transformers_generate_in_a_pipeline_equals_one_device(ray: Any) -> None:
+    pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, 48, (N, 6), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = mask[5, :1] = 0  # left-padded prompts
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    items = [{"id": i, "input_ids": ids[i].numpy(), "attention_mask": mask[i].numpy()} for i in range(N)]
+    rows = _run(ray, items, factory=gpt2, method="generate", output="tokens",
+                keep=["id"], device_ids=["cpu"] * 2, **kwargs)
+    with torch.no_grad():
+        want = gpt2().generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert np.array_equal(np.stack([r["tokens"] for r in rows]), want.numpy())
+
+
+@pytest.mark.timeout(240)
+def test_sentence_transformers_encode_of_a_text_column_equals_one_device(
+    ray: Any, tmp_path: Path
+) -> None:
+    pytest.importorskip("sentence_transformers")
+    model = tiny_sentence_transformer(tmp_path)
+    sentences = random_sentences(N)
+    first = list(inspect.signature(type(model).encode).parameters)[1]
+    items = [{"id": i, "text": s} for i, s in enumerate(sentences)]
+    rows = _run(ray, items, factory=functools.partial(tiny_sentence_transformer, tmp_path),
+                method="encode", columns={first: "text"}, keep=["id"], output="embedding",
+                device_ids=["cpu"] * 2)
+    want = model.encode(sentences)
+    # The tiny BERT (2 blocks, width 32, up to 7 tokens) and the mean pooling, summed in
+    # another order for another batch size.
+    terms = transformer_terms(width=32, ff=37, seq=7, layers=2) + 7
+    assert_close_to_reference(np.stack([r["embedding"] for r in rows]), want, terms=terms)
+
+
+@pytest.mark.timeout(240)
+def test_generate_with_max_tokens_in_a_pipeline_equals_each_prompt_alone(ray: Any) -> None:
+    pytest.importorskip("transformers")
+    lengths = [2, 9, 4, 1, 7, 3, 6, 5, 8, 2]
+    column = _ragged(lengths, seed=6)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    items = [{"id": i, "input_ids": column[i]} for i in range(N)]
+    rows = _run(ray, items, factory=gpt2, method="generate", columns=["input_ids"], output="tokens",
+                keep=["id"], device_ids=["cpu"] * 2, max_tokens=16, **kwargs)
+    model = gpt2()
+    with torch.no_grad():
+        for row, ids in zip(rows, column):
+            prompt = torch.from_numpy(ids)[None]
+            want = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **kwargs)[0]
+            assert row["tokens"].tolist() == want.tolist()
+
+
+@pytest.mark.timeout(240)
+def test_a_missing_column_in_a_pipeline_reaches_the_driver(ray: Any) -> None:
+    items = [{"id": i, "pixels": np.zeros(FEATURES, dtype=np.float32)} for i in range(4)]
+    with pytest.raises(Exception, match=r"columns: 'x' is not a column of the batch; its columns are \['id', 'pixels'\]"):
+        _run(ray, items, factory=encoder, method="encode", columns=["x"])

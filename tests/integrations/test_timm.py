@@ -1,0 +1,34 @@
+"""timm models through DataParallel with no configuration, against one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpmethods import DataParallel, parallel_methods
+from dpmethods.testing import assert_close_to_reference
+from tests.helpers import SPLITS
+from tests.helpers.models import batch_sizes_seen, shares
+from tests.helpers.terms import transformer_terms
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_timm_forward_features_and_head_without_configuration(n: int, devices: int) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+        num_classes=5,
+    ).eval()
+    assert set(parallel_methods(type(model))) >= {"forward_features", "forward_head"}
+    x = torch.randn(n, 3, 32, 32)
+    seen = batch_sizes_seen(model.patch_embed)
+    dp = DataParallel(model, device_ids=["cpu"] * devices)
+    with torch.no_grad():
+        want = model.forward_features(x)
+        seen.clear()
+        got = dp.forward_features(x)
+        assert sorted(seen) == shares(n, devices)
+        # The 3x8x8 patch embedding, 2 blocks of width 192 over 17 tokens; the head: 192.
+        assert_close_to_reference(got, want, terms=192 + transformer_terms(width=192, ff=768, seq=17, layers=2))
+        assert_close_to_reference(dp.forward_head(want), model.forward_head(want), terms=192 + 1)

@@ -1,0 +1,1 @@
+"""transformers: models, generate and contrastive models."""

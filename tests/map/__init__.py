@@ -1,0 +1,1 @@
+"""DataParallel.map: scheduling, items, checkpoints, retries, timeouts and out-of-memory splits."""

@@ -1,0 +1,410 @@
+"""``DataParallel.map`` over items: sorted by length in windows, cut by ``batch_size`` and
+``max_tokens``, collated, and each item's output equal to the item run alone on one
+device, in input order, on worker threads and on worker processes.
+
+The wrappers are shared by the tests of this module (one per worker kind), so worker
+processes start once; :class:`Tokens` records every batch it runs in a file, worker
+processes too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dpmethods
+from dpmethods.testing import assert_close_to_reference
+from tests.helpers.items_models import (
+    FAIL,
+    HANG,
+    KILL,
+    Tokens,
+    batches_run,
+    build_tokens,
+    sharded_items,
+    token_items,
+)
+from tests.helpers.long_runs import arm_hang, release_hung
+from tests.helpers.models import tiny_gpt2, tiny_sentence_transformer
+from tests.helpers.processes import spawn_gloo
+from tests.helpers.terms import mlp_terms, transformer_terms
+
+pytestmark = pytest.mark.timeout(240)
+WORKERS = ["threads", "processes"]
+N = 23
+# A row's features: the embedding (exact), a Linear(8, 4); its mean over up to 24 positions.
+TERMS = mlp_terms(8) + 24
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("items")
+
+
+@pytest.fixture(scope="module")
+def wrappers(workdir: Path) -> Iterator[dict[str, Any]]:
+    model = build_tokens(str(workdir))
+    dps = {w: dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=w) for w in WORKERS}
+    yield dps
+    for dp in dps.values():
+        dp.close()
+
+
+@pytest.fixture
+def dp(wrappers: dict[str, Any], workdir: Path, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The shared wrapper of the test's worker kind, its records and fault markers cleared."""
+    for f in workdir.iterdir():
+        f.unlink()
+    arm_hang()
+    wrapper = wrappers[request.node.callspec.params["workers"]]
+    wrapper.module.limit = None
+    yield wrapper
+    release_hung()  # a thread that timed out may go on (its replica is no longer used)
+    wrapper.module.limit = None
+
+
+def _alone(model: Tokens, items: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    with torch.no_grad():
+        return [model.alone(item["input_ids"]) for item in items]
+
+
+def _pad(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    ids = torch.nn.utils.rnn.pad_sequence([b["input_ids"] for b in batch], batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(b["input_ids"]) for b in batch], batch_first=True)
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+# --- outputs, one per item -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_each_item_equals_the_item_alone_in_input_order(dp: Any, workers: str) -> None:
+    items = token_items(N)
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, trim=True))
+        pairs = list(dp.map("encode", items, max_tokens=40, ordered=False))
+    ref = _alone(dp.module, items)
+    assert [o["hidden"].shape[0] for o in outs] == [len(i["input_ids"]) for i in items]  # trimmed
+    assert_close_to_reference(outs, ref, terms=TERMS)
+    assert sorted(i for i, _ in pairs) == list(range(N))
+    assert_close_to_reference([o["pooled"] for _, o in sorted(pairs, key=lambda p: p[0])],
+                              [r["pooled"] for r in ref], terms=TERMS)
+    # One window, sorted longest first, in batches of 4; and trim's probe: the first
+    # batch's shortest item alone.
+    lengths = sorted((len(i["input_ids"]) for i in items), reverse=True)
+    planned = [(len(lengths[k:k + 4]), lengths[k]) for k in range(0, N, 4)] + [(1, lengths[3])]
+    assert lengths[3] < lengths[0]
+    assert sorted(batches_run(dp.module.workdir)[:len(planned)]) == sorted(planned)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_max_tokens_caps_rows_times_the_longest_and_a_longer_item_runs_alone(dp: Any, workers: str) -> None:
+    items = token_items(30, seed=1, longest=20)
+    items.insert(7, {"input_ids": torch.arange(4, 4 + 36) % 36 + 4})  # over the budget of 32
+    seen: list[tuple[int, int]] = []
+
+    def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        seen.append((len(batch), max(len(b["input_ids"]) for b in batch)))
+        return _pad(batch)
+
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, max_tokens=32, collate=collate))
+        default = list(dp.map("encode", items, max_tokens=32, batch_size=3))
+    assert sorted(seen) == sorted(seen) and (1, 36) in seen
+    assert all(rows * longest <= 32 for rows, longest in seen if longest <= 32)
+    assert max(rows for rows, _ in seen) > 3  # short items went in big batches
+    runs = batches_run(dp.module.workdir)[len(seen):]  # the default collate pads to the longest only
+    assert all(rows <= 3 and (rows * longest <= 32 or rows == 1) for rows, longest in runs)
+    ref = _alone(dp.module, items)
+    assert_close_to_reference([o["pooled"] for o in outs], [r["pooled"] for r in ref], terms=TERMS + 12)
+    assert_close_to_reference([o["pooled"] for o in default], [r["pooled"] for r in ref], terms=TERMS + 12)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_stream_is_sorted_a_window_at_a_time_and_read_a_bounded_way_ahead(dp: Any, workers: str) -> None:
+    items = token_items(200, seed=2)
+    index = {id(item["input_ids"]): i for i, item in enumerate(items)}
+    pulled = [0]
+    batches: list[list[int]] = []
+
+    def stream() -> Iterator[dict[str, torch.Tensor]]:
+        for item in items:
+            pulled[0] += 1
+            yield item
+
+    def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        batches.append([index[id(b["input_ids"])] for b in batch])
+        return _pad(batch)
+
+    with torch.no_grad(), dp.map("encode", stream(), batch_size=4, window=6, collate=collate) as it:
+        first = next(it)
+        assert pulled[0] <= 60  # a few windows ahead, not the stream
+        outs = [first, *it]
+    assert all(len({i // 6 for i in b}) == 1 for b in batches)  # a batch never mixes windows
+    lengths = [[len(items[i]["input_ids"]) for i in b] for b in batches]
+    assert all(ls == sorted(ls, reverse=True) for ls in lengths)
+    assert_close_to_reference([o["pooled"] for o in outs], [r["pooled"] for r in _alone(dp.module, items)],
+                              terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_method_of_per_item_lists_gets_them_and_gives_one_output_per_item(dp: Any, workers: str) -> None:
+    items = [(item["input_ids"], f"item {i}") for i, item in enumerate(token_items(N))]
+    with torch.no_grad():
+        outs = list(dp.map("tag", items, batch_size=5, length=lambda item: len(item[0])))
+    assert [o["name"] for o in outs] == [f"item {i}" for i in range(N)]
+    assert_close_to_reference([o["pooled"] for o in outs], [dp.module.alone(ids)["pooled"] for ids, _ in items],
+                              terms=TERMS)
+    assert sorted(rows for rows, _ in batches_run(dp.module.workdir)) == [3, 5, 5, 5, 5]
+
+
+# --- real models ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bert_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    transformers = pytest.importorskip("transformers")
+    words = "the a cat dog sat on mat runs fast slow big small red blue".split()
+    path = tmp_path_factory.mktemp("bert") / "vocab.txt"
+    path.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    return transformers.BertTokenizer(str(path)), words
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_texts_through_a_tiny_bert_equal_each_text_alone(bert_tokenizer: Any, workers: str) -> None:
+    import transformers
+
+    tok, words = bert_tokenizer
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=37, max_position_embeddings=64)
+    model = transformers.BertModel(config).eval()
+    g = torch.Generator().manual_seed(3)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(k),), generator=g))
+             for k in torch.randint(1, 20, (17,), generator=g)]
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("forward", texts, batch_size=4, length=len, trim=True,
+                               collate=lambda batch: tok(batch, padding=True, return_tensors="pt")))
+            pairs = list(dp.map("forward", texts, max_tokens=200, length=len, ordered=False,
+                                collate=lambda batch: tok(batch, padding=True, return_tensors="pt")))
+            ref = [model(**tok([t], return_tensors="pt")) for t in texts]
+    finally:
+        dp.close()
+    terms = transformer_terms(width=32, ff=37, seq=22, layers=2)
+    assert_close_to_reference([o.last_hidden_state for o in outs], [r.last_hidden_state[0] for r in ref], terms=terms)
+    assert_close_to_reference([o.pooler_output for o in outs], [r.pooler_output[0] for r in ref], terms=terms + 32)
+    assert sorted(i for i, _ in pairs) == list(range(len(texts)))
+    assert_close_to_reference([o.pooler_output for _, o in sorted(pairs, key=lambda p: p[0])],
+                              [r.pooler_output[0] for r in ref], terms=terms + 32)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_generate_of_prompts_of_mixed_lengths_equals_each_prompt_alone(workers: str) -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_gpt2().eval()
+    g = torch.Generator().manual_seed(4)
+    lengths = [1, 7, 3, 12, 5, 2, 9, 4, 6, 11]
+    prompts = [{"input_ids": torch.randint(2, 48, (n,), generator=g)} for n in lengths]
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("generate", prompts, batch_size=4, **kwargs))
+            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones(1, len(p["input_ids"]),
+                                  dtype=torch.long), **kwargs)[0] for p in prompts]
+    finally:
+        dp.close()
+    # Sorted longest first, in batches of 4: every batch pads some of its prompts.
+    ordered = sorted(lengths, reverse=True)
+    assert all(len(set(ordered[k:k + 4])) > 1 for k in range(0, len(lengths), 4))
+    for out, want in zip(outs, ref):
+        assert out.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_sentence_transformers_encode_of_strings_with_the_default_collate(tmp_path: Path, workers: str) -> None:
+    pytest.importorskip("sentence_transformers")
+    model = tiny_sentence_transformer(tmp_path)
+    words = "the a cat dog sat on mat runs fast slow big small red blue".split()
+    texts = [" ".join(words[(3 * k + j) % len(words)] for j in range(1 + k % 9)) for k in range(13)]
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("encode", texts, batch_size=3))
+    finally:
+        dp.close()
+    ref = [model.encode([t])[0] for t in texts]
+    terms = transformer_terms(width=32, ff=37, seq=11, layers=2) + 11
+    assert_close_to_reference(outs, ref, terms=terms)
+
+
+# --- compositions --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_progress_counts_items(dp: Any, workers: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with torch.no_grad():
+        list(dp.map("encode", token_items(N), batch_size=4, progress="embedding"))
+    err = capsys.readouterr().err
+    assert f"{N}/{N}" in err and "item" in err and "embedding" in err
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_errors_yield_puts_the_batch_error_in_place_of_each_of_its_items(dp: Any, workers: str) -> None:
+    items = token_items(N)
+    items[5] = {"input_ids": torch.tensor([4, FAIL, 5, 6, 7, 8, 9, 10])}
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, errors="yield"))
+        with pytest.raises(ValueError, match="a poisoned item") as info:
+            list(dp.map("encode", items, batch_size=4))
+    failed = [i for i, o in enumerate(outs) if isinstance(o, Exception)]
+    assert 5 in failed and len(failed) in (2, 3, 4)  # item 5's batch
+    error = outs[5]
+    assert all(outs[i] is error for i in failed)
+    assert f"dpmethods: DataParallel.map: the batch held items {sorted(failed, key=lambda i: -len(items[i]['input_ids']))}" \
+        in getattr(error, "__notes__", [])
+    assert any(n.startswith("dpmethods: DataParallel.map: the batch held items") and "5" in n
+               for n in getattr(info.value, "__notes__", []))
+    fine = [i for i in range(N) if i not in failed]
+    ref = _alone(dp.module, items)
+    assert_close_to_reference([outs[i]["pooled"] for i in fine], [ref[i]["pooled"] for i in fine], terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_on_oom_split_halves_a_batch_by_rows(dp: Any, workers: str) -> None:
+    items = token_items(N)
+    dp.module.limit = 3  # 3 rows or more run out of memory
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=5, on_oom="split", trim=True))
+    runs = batches_run(dp.module.workdir)
+    assert any(rows >= 3 for rows, _ in runs) and all(rows <= 5 for rows, _ in runs)
+    assert_close_to_reference(outs, _alone(dp.module, items), terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", ["processes"])  # a thread does not die: nothing to retry
+def test_retries_run_a_killed_workers_batch_again(dp: Any, workers: str) -> None:
+    items = token_items(N)
+    items[9] = {"input_ids": torch.tensor([4, 5, KILL, 6])}
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, retries=1))
+    assert (dp.module.workdir and Path(dp.module.workdir, "kill").exists())  # the fault struck
+    assert_close_to_reference([o["pooled"] for o in outs], [r["pooled"] for r in _alone(dp.module, items)],
+                              terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_batch_past_the_timeout_is_an_error_for_each_of_its_items(dp: Any, workers: str) -> None:
+    items = token_items(12)
+    items[3] = {"input_ids": torch.tensor([4, HANG, 5])}
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, timeout=3.0, retries=0, errors="yield"))
+    failed = [i for i, o in enumerate(outs) if isinstance(o, Exception)]
+    assert 3 in failed and all(isinstance(outs[i], TimeoutError) for i in failed) and len(failed) <= 4
+    fine = [i for i in range(12) if i not in failed]
+    ref = _alone(dp.module, items)
+    assert_close_to_reference([outs[i]["pooled"] for i in fine], [ref[i]["pooled"] for i in fine], terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_checkpointed_rerun_skips_the_items_taken_however_its_batches_are_cut(dp: Any, workers: str,
+                                                                                tmp_path: Path) -> None:
+    items = token_items(N)
+    path = tmp_path / "run.json"
+    with torch.no_grad():
+        with dp.map("encode", items, batch_size=4, checkpoint=path) as first:
+            taken = [next(first) for _ in range(6)]  # the sixth is not asked past: it comes again
+        record = json.loads(path.read_text())
+        assert record["done"] == [[0, 5]]  # items, not batches
+        rest = list(dp.map("encode", items, max_tokens=30, ordered=False, checkpoint=path))
+        again = list(dp.map("encode", items, max_tokens=30, checkpoint=path))
+    assert sorted(i for i, _ in rest) == list(range(5, N)) and again == []
+    ref = _alone(dp.module, items)
+    assert_close_to_reference([o["pooled"] for o in taken], [r["pooled"] for r in ref[:6]], terms=TERMS)
+    assert_close_to_reference([o["pooled"] for _, o in sorted(rest, key=lambda p: p[0])],
+                              [r["pooled"] for r in ref[5:]], terms=TERMS)
+
+
+_GLOO = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available in this build",
+)
+
+
+@pytest.mark.distributed
+@_GLOO
+@pytest.mark.parametrize("workers", WORKERS)
+def test_shard_takes_each_ranks_items_before_sorting(tmp_path: Path, workers: str) -> None:
+    ranks = spawn_gloo(sharded_items, 2, tmp_path, workers, str(tmp_path), timeout_s=200)
+    items = token_items(11)
+    ref = _alone(build_tokens(str(tmp_path)), items)
+    merged = []
+    for rank, res in enumerate(ranks):
+        mine = list(range(rank, 11, 2))
+        assert_close_to_reference([o["pooled"] for o in res["ordered"]], [ref[i]["pooled"] for i in mine],
+                                  terms=TERMS)
+        assert sorted(i for i, _ in res["pairs"]) == mine
+        merged += res["pairs"]
+    assert sorted(i for i, _ in merged) == list(range(11))
+    assert_close_to_reference([o["pooled"] for _, o in sorted(merged, key=lambda p: p[0])],
+                              [r["pooled"] for r in ref], terms=TERMS)
+
+
+# --- bad input -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_bad_lengths_and_collates_name_the_argument_the_item_and_what_was_got(dp: Any, workers: str) -> None:
+    items = token_items(6)
+    cases: list[tuple[dict[str, Any], Any, type, str]] = [
+        (dict(batch_size=2, length=lambda item: 2.5), items, TypeError,
+         r"map: length: expected a non-negative int for item 0, got float 2.5"),
+        (dict(batch_size=2, length=lambda item: -1 if item is items[3] else 1), items, ValueError,
+         r"map: length: expected a non-negative int for item 3, got -1"),
+        (dict(batch_size=2), [*items[:2], torch.ones(2, 3)], TypeError,
+         r"map: length: item 2 is a tensor of shape \[2, 3\]; .* pass length="),
+        (dict(batch_size=2, collate=lambda batch: {"ids": _pad(batch)["input_ids"]}), items, TypeError,
+         r"map: collate: the batch of items \[\d, \d\] is a mapping with keys \['ids'\], which Tokens.encode cannot take"),
+        (dict(batch_size=2, length=len), ["a", "bb"], TypeError,
+         r"map: collate: item \d is str '\w+'; the default collate pads 1-D tensors .* pass collate="),
+    ]
+    for options, given, error, message in cases:
+        with torch.no_grad(), pytest.raises(error, match=message):
+            list(dp.map("encode", given, **options))
+    assert batches_run(dp.module.workdir) == []  # each refused before it ran
+
+
+def test_bad_options_are_refused_before_anything_runs() -> None:
+    dp = dpmethods.DataParallel(Tokens("."), device_ids=["cpu"] * 2)
+    items = token_items(4)
+    cases: list[tuple[dict[str, Any], type, str]] = [
+        (dict(max_tokens=0), ValueError, r"map: max_tokens: expected None or an int >= 1 .*, got int 0"),
+        (dict(batch_size="4"), ValueError, r"map: batch_size: expected None or an int >= 1 .*, got str '4'"),
+        (dict(batch_size=2, window="all"), ValueError, r"map: window: expected None or an int >= 1 .*, got str 'all'"),
+        (dict(batch_size=2, trim=1), TypeError, r"map: trim: expected a bool, got int 1"),
+        (dict(batch_size=2, collate="pad"), TypeError, r"map: collate: expected None or a callable, got str 'pad'"),
+        (dict(length=len), TypeError, r"map: length: applies to items \(with batch_size= or max_tokens=\)"),
+        (dict(window=8), TypeError, r"map: window: applies to items"),
+    ]
+    for options, error, message in cases:
+        with pytest.raises(error, match=message):
+            dp.map("encode", items, **options)
+    with pytest.raises(TypeError, match=r"map: window: None sorts the whole input at once, so it needs a sized input"):
+        dp.map("encode", iter(items), batch_size=2, window=None)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_value_shared_by_the_batch_is_refused_naming_it(dp: Any, workers: str) -> None:
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(
+            "map: output['loss'] of the output of a batch of 2 items is a tensor of shape [], gathered "
+            "with 'mean', one value for the whole batch: it belongs to no item")) as info:
+        list(dp.map("with_loss", token_items(4), batch_size=2))
+    assert any("the batch held items" in n for n in getattr(info.value, "__notes__", []))

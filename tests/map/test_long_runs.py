@@ -1,0 +1,291 @@
+"""Long maps that lose nothing: retries of a dead worker, per-batch timeouts and
+out-of-memory splitting, on threads and on worker processes, compared with one device."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dpmethods
+from dpmethods.testing import assert_close_to_reference
+from tests.helpers.long_runs import Faulty, arm_hang, out_of_memory_above, release_hung, rows_run
+from tests.helpers.models import tiny_gpt2
+from tests.helpers.processes import build_net
+from tests.helpers.terms import mlp_terms
+
+pytestmark = pytest.mark.timeout(180)
+WORKERS = ["threads", "processes"]
+N, ROWS, TIMEOUT = 8, 3, 5.0
+
+
+@pytest.fixture(autouse=True)
+def _free_hung_threads() -> Iterator[None]:
+    arm_hang()
+    yield
+    release_hung()  # a thread that timed out may go on (its replica is no longer used)
+
+
+def _batches(rows: int = ROWS, n: int = N) -> list[dict[str, Any]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"x": torch.randn(rows, 6, generator=g), "tag": i} for i in range(n)]
+
+
+def _dp(model: torch.nn.Module, workers: str, devices: int = 2, **options: Any) -> Any:
+    torch.manual_seed(0)
+    return dpmethods.DataParallel(model, device_ids=["cpu"] * devices, workers=workers, **options)
+
+
+def _reference(model: Faulty, method: str, batches: list[dict[str, Any]]) -> list[Any]:
+    with torch.no_grad():
+        return [model.unlimited(method, b["x"]) for b in batches]
+
+
+# --- retries: a worker process that dies ------------------------------------------
+
+
+def test_a_killed_worker_is_replaced_and_its_batch_runs_again(tmp_path: Path) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    batches = _batches()
+    with torch.no_grad():
+        outs = list(dp.map("encode", batches, fault="kill", at=3))
+    dp.close()
+    assert (tmp_path / "kill").exists()  # the fault struck
+    assert_close_to_reference(outs, _reference(model, "encode", batches), terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("errors", ["raise", "yield"])
+def test_with_no_retries_the_error_names_the_batch_the_worker_and_the_signal(tmp_path: Path, errors: str) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    batches = _batches()
+    with torch.no_grad():
+        if errors == "raise":
+            with pytest.raises(RuntimeError) as info:
+                list(dp.map("encode", batches, fault="kill", at=3, retries=0))
+            error: BaseException = info.value
+        else:
+            outs = list(dp.map("encode", batches, fault="kill", at=3, retries=0, errors="yield"))
+            error = outs[3]
+            fine = [i for i in range(N) if i != 3]
+            assert_close_to_reference([outs[i] for i in fine], [_reference(model, "encode", batches)[i] for i in fine],
+                                      terms=mlp_terms(6))
+    dp.close()
+    assert isinstance(error, RuntimeError)
+    assert re.search(r"DataParallel.map: batch 3 failed 1 time\(s\) \(retries=0\): worker \d \(pid \d+, "
+                     r"device cpu\) died with exit code -9 \(SIGKILL\) while running it", str(error)), error
+
+
+def test_a_batch_that_kills_every_worker_fails_after_its_retries(tmp_path: Path) -> None:
+    dp = _dp(Faulty(tmp_path), "processes")
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"batch 2 failed 3 time\(s\) \(retries=2\): worker"):
+        list(dp.map("encode", _batches(), fault="kill-always", at=2, retries=2))
+    with torch.no_grad():  # the map after it has fresh workers
+        assert len(list(dp.map("encode", _batches()))) == N
+    dp.close()
+
+
+# --- timeouts ----------------------------------------------------------------------
+
+
+def test_a_hung_worker_process_is_killed_replaced_and_its_batch_retried(tmp_path: Path) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    batches = _batches()
+    with torch.no_grad():
+        outs = list(dp.map("encode", batches, fault="hang", at=2, timeout=TIMEOUT))
+    dp.close()
+    assert (tmp_path / "hang").exists()
+    assert_close_to_reference(outs, _reference(model, "encode", batches), terms=mlp_terms(6))
+
+
+def test_a_hung_process_batch_without_retries_is_a_timeout_error(tmp_path: Path) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    with torch.no_grad(), pytest.raises(TimeoutError) as info:
+        list(dp.map("encode", _batches(), fault="hang", at=2, timeout=2.0, retries=0))
+    dp.close()
+    assert re.search(r"batch 2 failed 1 time\(s\) \(retries=0\): it ran longer than timeout=2.0 s on "
+                     r"worker \d \(pid \d+, device cpu\), which was killed", str(info.value)), info.value
+
+
+@pytest.mark.parametrize("errors", ["raise", "yield"])
+def test_a_hung_thread_is_a_timeout_error_and_its_replica_is_dropped(tmp_path: Path, errors: str) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "threads")
+    batches = _batches()
+    pattern = (r"DataParallel.map: batch 2 ran longer than timeout=\S+ s on replica (\d) \(device cpu\); "
+               r"a thread cannot be stopped, so replica \1 takes no more batches of this map")
+    with torch.no_grad():
+        if errors == "raise":
+            with pytest.raises(TimeoutError, match=pattern):
+                list(dp.map("encode", batches, fault="hang", at=2, timeout=1.0))
+            return
+        outs = list(dp.map("encode", batches, fault="hang", at=2, timeout=TIMEOUT, errors="yield"))
+    assert isinstance(outs[2], TimeoutError) and re.search(pattern, str(outs[2]))
+    fine = [i for i in range(N) if i != 2]
+    ref = _reference(model, "encode", batches)
+    assert_close_to_reference([outs[i] for i in fine], [ref[i] for i in fine], terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None:
+    # A stopped map's batch still runs on the one worker: the next map's batches wait
+    # behind it, and their timeout counts from when the worker starts them.
+    net = build_net()
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"], workers=workers)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        list(dp.map("sleepy", [x]))  # the worker starts (processes) before anything is timed
+        pool = dp.__dict__["_process_pool"] if workers == "processes" else None
+        pids = [w.process.pid for w in pool.workers] if pool is not None else []
+        stopped = dp.map("sleepy", [x, x], seconds=3.0)
+        next(stopped)  # the second batch is the worker's now
+        stopped.close()
+        outs = list(dp.map("sleepy", [x, 2 * x], timeout=1.5, retries=0))
+        if pool is not None:
+            assert [w.process.pid for w in pool.workers] == pids  # not killed for it
+        want = [net.sleepy(x), net.sleepy(2 * x)]
+    dp.close()
+    assert_close_to_reference(outs, want, terms=mlp_terms(4))
+
+
+# --- out of memory -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("method", ["forward", "encode", "label"])
+def test_a_batch_out_of_memory_runs_in_halves_and_equals_one_device(tmp_path: Path, workers: str, method: str) -> None:
+    model = Faulty(tmp_path, limit=2)
+    dp = _dp(model, workers)
+    batches = _batches(rows=7, n=4)
+    args = [(b["x"],) if method != "label" else (b["x"], [f"r{b['tag']}.{i}" for i in range(7)]) for b in batches]
+    with torch.no_grad():
+        ref = [model.unlimited(method, *a) for a in args]
+        (tmp_path / "rows").unlink()
+        outs = list(dp.map(method, args, on_oom="split"))
+    dp.close()
+    ran = rows_run(tmp_path)
+    assert any(out for _, out in ran) and max(r for r, out in ran if not out) <= 2
+    if method == "label":
+        assert [[n for n, _ in o] for o in outs] == [[n for n, _ in r] for r in ref]
+        outs, ref = [[v for _, v in o] for o in outs], [[v for _, v in r] for r in ref]
+    assert_close_to_reference(outs, ref, terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_later_batches_are_split_up_front(tmp_path: Path, workers: str) -> None:
+    model = Faulty(tmp_path, limit=2)
+    dp = _dp(model, workers, devices=1)
+    with torch.no_grad():
+        list(dp.map("forward", [b["x"] for b in _batches(rows=8, n=1)], on_oom="split"))
+        first = sum(out for _, out in rows_run(tmp_path))
+        (tmp_path / "rows").unlink()
+        list(dp.map("forward", [b["x"] for b in _batches(rows=8, n=4)], on_oom="split"))
+    dp.close()
+    ran = rows_run(tmp_path)
+    assert first > 0
+    assert sum(out for _, out in ran) == first  # only the first batch ran out
+    assert sum(r for r, out in ran if not out) == 4 * 8
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_one_row_that_does_not_fit_raises(tmp_path: Path, workers: str) -> None:
+    model = Faulty(tmp_path, limit=0)
+    dp = _dp(model, workers)
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError) as info:
+        list(dp.map("forward", [torch.randn(3, 6)], on_oom="split"))
+    dp.close()
+    assert "dpmethods: on_oom='split': a share of 1 item does not fit" in info.value.__notes__
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_generate_out_of_memory_runs_in_halves_and_equals_one_device(tmp_path: Path, workers: str) -> None:
+    torch.manual_seed(0)
+    model = tiny_gpt2(eos_token_id=5, pad_token_id=0).eval()
+    import functools
+
+    hook = model.register_forward_pre_hook(functools.partial(out_of_memory_above, str(tmp_path), 2), with_kwargs=True)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(2, 48, (5, 4), generator=g)} for _ in range(3)]
+    kwargs = dict(max_new_tokens=6, do_sample=False)
+    dp = _dp(model, workers, methods=["generate"])
+    with torch.no_grad():
+        outs = list(dp.map("generate", batches, on_oom="split", **kwargs))
+        hook.remove()
+        ref = [model.generate(**b, **kwargs) for b in batches]
+    dp.close()
+    assert any(out for _, out in rows_run(tmp_path))
+    assert [o.tolist() for o in outs] == [r.tolist() for r in ref]
+
+
+def test_calls_on_worker_processes_split_too(tmp_path: Path) -> None:
+    model = Faulty(tmp_path, limit=2)
+    dp = _dp(model, "processes", on_oom="split")
+    x = torch.randn(11, 6)
+    with torch.no_grad():
+        out = dp.encode(x)
+        ref = model.unlimited("encode", x)
+    dp.close()
+    assert any(o for _, o in rows_run(tmp_path))
+    assert_close_to_reference(out, ref, terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("rows", [4, 5])  # parts of 2 + 2, and of 2 + 1 + 2
+def test_a_0_dim_output_of_a_split_share_is_an_error_naming_its_fix(tmp_path: Path, workers: str, rows: int) -> None:
+    # The share that ran out returns one loss; its parts' losses concatenated would be a
+    # vector that one device never returns, on even parts and uneven ones alike.
+    model = Faulty(tmp_path, limit=2)
+    x = torch.randn(2 * rows, 6, generator=torch.Generator().manual_seed(rows))
+    fix = r"use gather=\{'loss': 'mean'\} if it is a mean over the batch's items"
+    error = r"on_oom='split': output\['loss'\] is 0-dim: the share that ran out of memory returns one value"
+    dp = _dp(model, workers, on_oom="split")
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=f"{error}.*{fix}"):
+            dp.scored(x)  # shares of `rows` on 2 replicas
+        with pytest.raises(ValueError, match=f"{error}.*{fix}"):
+            list(dp.map("scored", [x[:rows]], on_oom="split"))
+    dp.close()
+    # The fix it names gives one device's loss: the parts' means weighted by their rows.
+    fixed = _dp(model, workers, on_oom="split", methods={"scored": {"gather": {"loss": "mean"}}})
+    with torch.no_grad():
+        out = fixed.scored(x)
+        outs = list(fixed.map("scored", [x[:rows]], on_oom="split"))
+        want = [model.unlimited("scored", x), model.unlimited("scored", x[:rows])]
+    fixed.close()
+    assert any(o for _, o in rows_run(tmp_path))
+    assert_close_to_reference([out, *outs], want, terms=mlp_terms(6, rows=2 * rows * 3))
+
+
+# --- the options themselves ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("retries", -1, r"map: retries: expected an int >= 0 \(runs again after a worker died\), got int -1"),
+    ("retries", True, r"map: retries: expected an int >= 0 .*, got bool True"),
+    ("timeout", 0, r"map: timeout: expected None or a number of seconds > 0, got int 0"),
+    ("timeout", "5", r"map: timeout: expected None or a number of seconds > 0, got str '5'"),
+    ("on_oom", "spilt", r"on_oom: expected one of \['raise', 'split'\], got 'spilt': did you mean 'split'\?"),
+])
+def test_bad_options_are_refused_by_name(tmp_path: Path, option: str, value: Any, message: str) -> None:
+    dp = _dp(Faulty(tmp_path), "threads")
+    with pytest.raises(ValueError, match=message):
+        dp.map("encode", _batches(), **{option: value})
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_method_argument_named_as_an_option_goes_in_a_mapping_batch(tmp_path: Path, workers: str) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, workers)
+    xs = [torch.randn(3, 6) for _ in range(4)]
+    with torch.no_grad():
+        outs = list(dp.map("scaled", ({"x": x, "timeout": 2.0} for x in xs)))
+        ref = [model.scaled(x, timeout=2.0) for x in xs]
+    dp.close()
+    assert_close_to_reference(outs, ref, terms=mlp_terms(6))

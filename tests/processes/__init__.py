@@ -1,0 +1,1 @@
+"""Worker processes: workers="processes" for maps and calls."""

@@ -1,0 +1,1 @@
+"""The DataParallel wrapper: calls, options, registrations, drop-in use and errors."""
