@@ -334,7 +334,7 @@ def parallel_apply(
     inputs: Sequence[tuple[Any, ...]],
     kwargs: Sequence[dict[str, Any]],
     devices: Sequence[torch.device],
-    kept: ReplicaThreads | None = None,
+    threads: ReplicaThreads | None = None,
     *,
     call_share: Callable[[int, Callable[..., Any], Any, Any], Any] | None = None,
 ) -> list[Any]:
@@ -346,7 +346,7 @@ def parallel_apply(
         inputs: positional arguments per replica.
         kwargs: keyword arguments per replica.
         devices: the device of each replica.
-        kept: threads kept between calls, to run the call on; by default threads are
+        threads: threads kept between calls, to run the call on; by default threads are
             started for this call.
         call_share: ``call_share(i, fn, inputs[i], kwargs[i])`` runs replica ``i``'s
             method ``fn`` instead (out-of-memory splitting).
@@ -385,7 +385,7 @@ def parallel_apply(
     elif any(map(takes_turns, replicas)):
         for i in range(n):  # compiled code on a torch that can't compile in threads
             work(i)
-    elif kept is None or not kept.run(work, n):
+    elif threads is None or not threads.run(work, n):
         threads = [
             threading.Thread(target=work, args=(i,), name=f"dpmethods-replica-{i}", daemon=True)
             for i in range(1, n)
