@@ -386,16 +386,16 @@ def parallel_apply(
         for i in range(n):  # compiled code on a torch that can't compile in threads
             work(i)
     elif threads is None or not threads.run(work, n):
-        threads = [
+        spawned = [
             threading.Thread(target=work, args=(i,), name=f"dpmethods-replica-{i}", daemon=True)
             for i in range(1, n)
         ]
         try:
-            for t in threads:
+            for t in spawned:
                 t.start()
             work(0)  # the caller's thread runs replica 0
         finally:
-            _join([t for t in threads if t.ident is not None])
+            _join([t for t in spawned if t.ident is not None])
     for s, c in zip(streams, callers):
         if s is not None and c is not None and s != c:
             c.wait_stream(s)
