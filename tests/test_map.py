@@ -30,7 +30,7 @@ from _process_helpers import (
 from torch import nn
 
 import dpmethods
-from dpmethods.streaming import map as streaming
+from dpmethods.streaming import scheduler as streaming
 from dpmethods.testing import assert_close_to_reference as close
 
 _REPO = Path(__file__).resolve().parents[1]
