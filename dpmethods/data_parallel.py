@@ -27,7 +27,7 @@ from dpmethods.processes.calls import call_chunks
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
 from dpmethods.state_dicts import load_matched
 from dpmethods.streaming.map import map_batches
-from dpmethods.streaming.resume import checkpointed
+from dpmethods.streaming.options import MapOptions
 from dpmethods.wrapper import call as _flow
 from dpmethods.wrapper.base import MethodWrapper, check_argument_names, check_flag, check_module
 from dpmethods.wrapper.registry import MethodOptions, MethodsArg
@@ -207,20 +207,21 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             >>> len(outs), outs[0].shape
             (5, torch.Size([3, 2]))
         """
-        options: Any = dict(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, retries=retries,
-                       timeout=timeout, errors=errors, on_oom=on_oom)
-        per_item: Any = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=window, trim=trim)
-        items = item_options(batches, **per_item)
-        if checkpoint is not None:  # the record counts what is yielded: items in item mode
-            return checkpointed(self.map, method, batches, checkpoint, self.module, kwargs, workers=workers, **options, **per_item)
-        if items is not None:
-            return map_items(self.map, method, batches, items, self._options, self.module, {**options, "workers": workers}, kwargs)
-        processes = check_workers(self.workers if workers is None else workers) == "processes"
+        items = item_options(batches, batch_size=batch_size, max_tokens=max_tokens, length=length,
+                             collate=collate, window=window, trim=trim)
+        options = MapOptions(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, workers=workers,
+                             retries=retries, timeout=timeout, errors=errors, on_oom=on_oom, checkpoint=checkpoint)
+        if items is not None:  # the map's batches are cut from the items
+            return map_items(self._map_batches, method, batches, items, options, self._options, self.module, kwargs)
+        return self._map_batches(method, batches, options, kwargs)
+
+    def _map_batches(self, method: str, batches: Iterable[Any], options: MapOptions,
+                     kwargs: dict[str, Any]) -> Iterator[Any]:
+        processes = check_workers(self.workers if options.workers is None else options.workers) == "processes"
         return map_batches(
-            self.module, method, batches, kwargs, methods=self._dpm_methods, options=self._options,
+            self.module, method, batches, kwargs, options, methods=self._dpm_methods, options_of=self._options,
             devices=self._devices, output_device=getattr(self, "output_device", None),
             replicate=self.replicate, pool=self._process_pool if processes and self._devices else None,
-            **options,
         )
 
     def _options(self, name: str) -> MethodOptions:

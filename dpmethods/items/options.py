@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 from typing import Any
 
-from dpmethods.streaming.map import Indexed
+from dpmethods.streaming.source import Indexed
 
 __all__ = ["AUTO", "WINDOW_BATCHES", "ItemOptions", "item_options"]
 

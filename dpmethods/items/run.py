@@ -9,17 +9,18 @@ in input order (``ordered=True``) or as ``(index, output)`` pairs as batches fin
 The map pulls batches as it has room, so the items are read a window at a time, and
 in order at most about a window of outputs waits for an earlier item.
 
-A ``checkpoint=`` map passes its pending items here as
-:class:`~dpmethods.streaming.map.Indexed` ``(index, item)`` pairs: the record counts
-items, so a rerun skips the items done, however its batches are cut.
+With ``checkpoint=`` the record counts items (the checkpoint stage,
+:class:`~dpmethods.streaming.resume.Checkpoint`, gives the items not taken yet, and the
+iterator records the taken ones), so a rerun skips the items done, however its batches
+are cut.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import functools
 import inspect
-import itertools
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -30,7 +31,11 @@ from dpmethods.items.batches import read_batches
 from dpmethods.items.collate import check_takes, default_collate, padding_of
 from dpmethods.items.options import ItemOptions
 from dpmethods.items.trim import PaddedDims
-from dpmethods.streaming.map import Indexed, rank_and_world
+from dpmethods.streaming.iterator import MapIterator
+from dpmethods.streaming.map import progress_bar
+from dpmethods.streaming.options import MapOptions
+from dpmethods.streaming.resume import Checkpoint
+from dpmethods.streaming.source import Indexed, indexed
 from dpmethods.types.cut import Padding, cut_output
 from dpmethods.vocab.options import MethodOptions
 
@@ -103,45 +108,24 @@ def _prompt(batch: Any, rows: int) -> Tensor | None:
     return ids if isinstance(ids, Tensor) and ids.dim() == 2 and ids.shape[0] == rows else None
 
 
-class ItemIterator(Iterator[Any]):
-    """The iterator ``DataParallel.map`` returns in item mode; also a context manager
-    that closes it. Any exception out of ``__next__`` closes the map before it propagates."""
+class ItemIterator(MapIterator):
+    """The iterator ``DataParallel.map`` returns in item mode (see
+    :class:`~dpmethods.streaming.iterator.MapIterator`)."""
 
-    def __init__(self, outputs: Iterator[Any], source: _Source, *, ordered: bool, errors: str, bar: Any) -> None:
-        self._outputs, self._source, self._ordered, self._errors = outputs, source, ordered, errors
+    def __init__(self, outputs: Iterator[Any], source: _Source, *, ordered: bool, errors: str, bar: Any,
+                 checkpoint: Checkpoint | None) -> None:
+        self._outputs, self._source, self._errors = outputs, source, errors
         self._done: dict[int, Any] = {}  # ordered: outputs waiting for an earlier item
         self._ready: collections.deque[tuple[int, Any]] = collections.deque()  # unordered
         self._pending: collections.deque[tuple[Any, _Sent]] = collections.deque()  # trim: dims untold
         self._dims = PaddedDims() if source.items.trim else None
         self._bar_factory, self._bar = bar, [None]  # made on the first next(), as the map's
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _stop, outputs, self._bar)  # never refers to self
+        super().__init__(functools.partial(_stop, outputs, self._bar), checkpoint, ordered=ordered)
 
-    def __iter__(self) -> ItemIterator:
-        return self
-
-    def __enter__(self) -> ItemIterator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Stop the map; the iterator is then exhausted."""
-        self._closed = True
-        self._finalizer()
+    def _dropped(self) -> None:
         self._done.clear()
         self._ready.clear()
         self._pending.clear()
-
-    def __next__(self) -> Any:
-        if self._closed:
-            raise StopIteration
-        try:
-            return self._next()
-        except BaseException:
-            self.close()
-            raise
 
     def _next(self) -> Any:
         if self._bar_factory is not None:
@@ -149,9 +133,12 @@ class ItemIterator(Iterator[Any]):
         read = self._source.read
         while True:
             if self._ordered and read and read[0] in self._done:
-                return self._done.pop(read.popleft())
+                self._index = read.popleft()
+                return self._done.pop(self._index)
             if not self._ordered and self._ready:
-                return self._ready.popleft()
+                pair = self._ready.popleft()
+                self._index = pair[0]
+                return pair
             try:
                 k, out = next(self._outputs)
             except StopIteration:
@@ -206,39 +193,20 @@ def _stop(outputs: Iterator[Any], bar: list[Any]) -> None:
         bar[0] = None
 
 
-def _check(ordered: Any, progress: Any, shard: Any, errors: Any) -> None:
-    if errors not in ("raise", "yield"):
-        raise ValueError(f"map: errors: expected one of ['raise', 'yield'], got {errors!r}")
-    for name, value in (("ordered", ordered), ("shard", shard)):
-        if not isinstance(value, bool):
-            raise TypeError(f"map: {name}: expected a bool, got {type(value).__name__} {value!r}")
-    if not isinstance(progress, (bool, str)):
-        raise TypeError(f"map: progress: expected a bool or a str (the bar's description), got "
-                        f"{type(progress).__name__} {progress!r}")
-
-
-def _bar(progress: bool | str, total: int | None) -> Callable[[], Any] | None:
-    if progress is False:
-        return None
-    from tqdm.auto import tqdm
-
-    desc = progress if isinstance(progress, str) else None
-    return lambda: tqdm(total=total, desc=desc, unit="item", dynamic_ncols=True)
-
-
 def map_items(
-    run_map: Callable[..., Iterator[Any]], method: str, batches: Iterable[Any], items: ItemOptions,
-    options_of: Callable[[str], MethodOptions], module: nn.Module, map_options: dict[str, Any],
-    kwargs: dict[str, Any], /,
+    run_map: Callable[[str, Indexed, MapOptions, dict[str, Any]], Iterator[Any]], method: str,
+    batches: Iterable[Any], items: ItemOptions, options: MapOptions,
+    options_of: Callable[[str], MethodOptions], module: nn.Module, kwargs: dict[str, Any], /,
 ) -> ItemIterator:
-    """``run_map`` (a ``DataParallel.map``) over the items of ``batches``, batched by ``items``.
+    """The map over the items of ``batches``, batched by ``items``: its batches run by
+    ``run_map(method, batches, options, kwargs)`` (a map of batches).
 
     Args:
-        run_map: ``run_map(method, batches, ordered=, progress=, shard=, errors=, **rest)``.
+        run_map: runs a map of batches.
+        options: the map's options (``ordered``, ``progress``, ``shard``, ``errors`` and
+            ``checkpoint`` apply to items here; the others to the map of batches).
         options_of: the method's options by name.
         module: the wrapped module (the method's signature checks each batch).
-        map_options: the map's options (``ordered``, ``progress``, ``shard``, ``errors``
-            apply to items here; the others go to ``run_map``).
         kwargs: the method's keyword arguments, for every batch.
 
     Example:
@@ -248,20 +216,19 @@ def map_items(
         >>> [o.tolist() for o in dp.map("forward", items, batch_size=2)]
         [[1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0]]
     """
-    rest = dict(map_options)
-    ordered, progress, shard, errors = (rest.pop(k) for k in ("ordered", "progress", "shard", "errors"))
-    _check(ordered, progress, shard, errors)
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable of items, got {type(batches).__name__}")
-    rank, world = rank_and_world() if shard else (0, 1)
-    pairs: Iterable[tuple[int, Any]] = iter(batches) if isinstance(batches, Indexed) else enumerate(batches)
-    pairs = itertools.islice(pairs, rank, None, world)
-    try:
-        total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
-    except TypeError:  # a stream
-        total = None
+    checkpoint = None
+    pairs: Iterable[tuple[int, Any]]
+    if options.checkpoint is not None:  # the record counts items; sharded per rank
+        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, module, options.shard)
+        pairs, total = checkpoint.pending, None
+    else:
+        pairs, total = indexed(batches, options.shard)
     source = _Source(pairs, items, method, kwargs)
-    outputs = run_map(method, Indexed(source), ordered=False, progress=False, shard=False, errors="yield",
-                      **rest, **kwargs)
+    each_batch = dataclasses.replace(options, ordered=False, progress=False, shard=False, errors="yield",
+                                     checkpoint=None)
+    outputs = run_map(method, Indexed(source), each_batch, kwargs)
     source.bind(module, options_of(method))
-    return ItemIterator(outputs, source, ordered=ordered, errors=errors, bar=_bar(progress, total))
+    return ItemIterator(outputs, source, ordered=options.ordered, errors=options.errors,
+                        bar=progress_bar(options.progress, total, "item"), checkpoint=checkpoint)

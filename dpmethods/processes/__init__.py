@@ -4,11 +4,13 @@ executor, running the calls and map batches that the threads would run in the ca
 - :mod:`~dpmethods.processes.pool`: the workers' lifecycle (start, model updates, death,
   ``close()``);
 - :mod:`~dpmethods.processes.worker`: what runs inside a worker;
-- :mod:`~dpmethods.processes.pickling`: what crosses the process boundary, and how;
+- :mod:`~dpmethods.processes.messages`: the records that cross (a request, a reply, a warning);
+- :mod:`~dpmethods.processes.pickling`: how what crosses the process boundary is pickled;
 - :mod:`~dpmethods.processes.state`: what of a module's state crosses, and how its
   changes are seen;
 - :mod:`~dpmethods.processes.calls`: a call's chunks on the workers, and a job's output
   in the caller.
 
-A map's batches go through :mod:`dpmethods.streaming.process_map`.
+A map's batches go through :mod:`dpmethods.streaming.processes`, the process backend of
+the map's scheduler.
 """

@@ -1,52 +1,26 @@
-"""A call on the worker processes, and a finished job's output as the caller keeps it.
+"""A call on the worker processes.
 
 :func:`call_chunks` runs a scattered call of ``workers="processes"``: chunk i on
-worker i. :func:`received` moves an output to ``output_device`` in the caller; a job
-nobody waits for any more (a map stopped early, a call that failed) is drained when it
-finishes (:func:`drain`), its shared memory fetched and freed.
+worker i, each a :class:`~dpmethods.processes.messages.Request`, each output read back
+by :meth:`~dpmethods.processes.pool.Worker.reply`; a chunk nobody waits for any more
+(a call that failed) is drained when it finishes (:func:`~dpmethods.processes.pool.drain`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from typing import Any
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from dpmethods.core.parallel_apply import ThreadState
 from dpmethods.core.seeding import draw_seed, replica_seed
 from dpmethods.processes import worker as process_worker
-from dpmethods.processes.pickling import dumps, loads, unsendable_options
-from dpmethods.processes.pool import ProcessPool
-from dpmethods.types import tree as _tree
+from dpmethods.processes.messages import Request, Split
+from dpmethods.processes.pickling import dumps, unsendable_options
+from dpmethods.processes.pool import ProcessPool, drain, received
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["call_chunks", "check_sendable", "drain", "received"]
-
-
-def received(obj: Any, device: torch.device | None) -> Any:
-    """An output as the caller keeps it: on ``device``, and owning its CUDA memory."""
-    spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) for t in leaves):
-        return obj
-    out = []
-    for t in leaves:
-        if isinstance(t, Tensor):
-            moved = t.to(device) if device is not None else t
-            # A CUDA tensor from a worker holds the worker's memory (CUDA IPC): copy it.
-            t = moved.clone() if moved is t and t.is_cuda else moved
-        out.append(t)
-    return _tree.unflatten(spec, out)
-
-
-def drain(future: cf.Future[bytes]) -> None:
-    """Fetch and drop the reply of a job nobody waits for (its shared memory is freed)."""
-    if not future.cancelled() and future.exception() is None:
-        try:
-            loads(future.result())
-        except Exception:  # pragma: no cover - the worker may be gone
-            pass
+__all__ = ["call_chunks", "check_sendable"]
 
 
 def check_sendable(options: MethodOptions | None, where: str, method: str) -> None:
@@ -78,8 +52,8 @@ def call_chunks(
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):
             try:
-                data = dumps((name, tuple(a), dict(k), state, replica_seed(seed, w.index), split,
-                              None if oom is None else ("calls", oom, True)))
+                data = dumps(Request(name, tuple(a), dict(k), state, replica_seed(seed, w.index), split,
+                                     None if oom is None else Split("calls", oom, prepared=True)))
             except Exception as exc:
                 check_sendable(oom, f"DataParallel.{name}(workers='processes', on_oom='split')", name)
                 raise TypeError(

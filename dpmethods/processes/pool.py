@@ -26,8 +26,10 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
@@ -35,16 +37,18 @@ from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
+from dpmethods.processes.messages import Done, Load, Warned
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
 from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import Watch, state_digest
-from dpmethods.processes.worker import give
+from dpmethods.types import tree as _tree
 from dpmethods.types.coupled_modules import class_marks, marks
+from dpmethods.vocab import warn_once
 from dpmethods.vocab.loading import load_pending
 
 __all__: list[str] = []
@@ -132,33 +136,64 @@ class _Jobs:
             return self.since if self.queue and self.queue[0] is future else None
 
 
+class _Spawn:
+    """The ``spawn`` context, keeping the process it starts for one executor: its exit
+    code says how a worker died, and it is what ``close()`` waits for."""
+
+    def __init__(self) -> None:
+        self._context = torch.multiprocessing.get_context("spawn")
+        self.processes: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def Process(self, *args: Any, **kwargs: Any) -> Any:
+        process = self._context.Process(*args, **kwargs)
+        self.processes.append(process)
+        return process
+
+
 class Worker:
     """One device entry's worker: its executor and process, and the model it holds."""
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index, self.device = index, device
         self.executor: cf.ProcessPoolExecutor | None = None
-        self.process: Any = None
+        self.spawn: _Spawn | None = None  # what started the executor's process
+        self.pid: int | None = None  # as the worker told it, answering its model
         self.key: Any = None  # what model it holds; None until it answered the load
         self.jobs = _Jobs()
 
+    @property
+    def process(self) -> Any:
+        """The worker's process (a ``multiprocessing`` process), or None before it started."""
+        started = self.spawn.processes if self.spawn is not None else []
+        return started[-1] if started else None
+
     def describe(self) -> str:
-        pid = self.process.pid if self.process is not None else None
+        # Told by the worker once it answered its model; before, the spawned process's.
+        pid = self.pid if self.pid is not None or self.process is None else self.process.pid
         return f"worker {self.index} (pid {pid}, device {self.device})"
 
     def usable(self) -> bool:
-        return self.executor is not None and self.process is not None and self.process.is_alive()
+        process = self.process
+        return self.executor is not None and process is not None and process.is_alive()
+
+    def kill(self) -> None:
+        """Kill the worker's process (SIGKILL); its executor then breaks."""
+        process = self.process
+        if process is not None:
+            process.kill()
 
     def start(self, threads: int) -> None:
-        ctx = torch.multiprocessing.get_context("spawn")
+        self.spawn = _Spawn()
         self.executor = cf.ProcessPoolExecutor(
-            1, mp_context=ctx, initializer=process_worker.init, initargs=(str(self.device), threads)
+            1, mp_context=self.spawn, initializer=process_worker.init, initargs=(str(self.device), threads)  # type: ignore[call-overload]
         )
-        self.key, self.jobs = None, _Jobs()
+        self.key, self.pid, self.jobs = None, None, _Jobs()
         # The executor starts its process with the first job. The child's OpenMP reads
         # OMP_NUM_THREADS when it imports torch, long before the initializer runs: left
-        # unset, every worker's imports run on all cores at once (measured: 4% slower to
-        # start two workers on two cores). A user's own setting is kept.
+        # unset, every worker's imports run on all cores at once. A user's own setting is kept.
         unset = "OMP_NUM_THREADS" not in os.environ
         if unset:
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -167,7 +202,6 @@ class Worker:
         finally:
             if unset:
                 os.environ.pop("OMP_NUM_THREADS", None)
-        self.process = next(iter(self.executor._processes.values()), None)
         if self.process is not None:
             self.process.name = f"dpmethods-worker-{self.index}"
 
@@ -211,8 +245,9 @@ class Worker:
         return WorkerDiedError(f"DataParallel(workers='processes'): {what}", what)
 
     def reply(self, future: cf.Future[bytes], raised: str, running: str) -> Any:
-        """The output of a finished job; a failure raised with ``raised`` (the job's
-        exception) or ``running`` (the worker died) in its note."""
+        """The output of a finished job (its :class:`~dpmethods.processes.messages.Done`),
+        its warnings given here; a failure raised with ``raised`` (the job's exception)
+        or ``running`` (the worker died) in its note."""
         try:
             data = future.result()
         except (BrokenProcessPool, cf.CancelledError):
@@ -220,14 +255,54 @@ class Worker:
                            "call starts a fresh worker") from None
         msg = loads(data)
         try:
-            give(msg[-1])
+            give_warnings(msg.warned)
         except Exception as warned:  # a warning the caller's filters make an error (-W error)
             raise add_note(warned, f"dpmethods: {raised} on {self.describe()}") from None
-        if msg[0] == "done":
-            return msg[1]
-        exc = loads(msg[1])
-        note = f"dpmethods: {raised} on {self.describe()}; the worker's traceback:\n{msg[2]}"
+        if isinstance(msg, Done):
+            return msg.output
+        exc = loads(msg.error)
+        note = f"dpmethods: {raised} on {self.describe()}; the worker's traceback:\n{msg.traceback}"
         raise add_note(exc, note)
+
+
+def give_warnings(warned: Sequence[Warned]) -> None:
+    """Give, in the caller, the warnings a worker's job raised: through the caller's
+    filters and the registry of the module that warned, as a replica thread's would be;
+    dpmethods' warn-once warnings once per caller process.
+
+    Example:
+        >>> give_warnings([])
+    """
+    for w in warned:
+        if w.once and not warn_once.first_time(w.text):
+            continue
+        globals_ = vars(sys.modules[w.module]) if w.module in sys.modules else None
+        registry = globals_.setdefault("__warningregistry__", {}) if globals_ is not None else None
+        warnings.warn_explicit(w.text, w.category, w.filename, w.lineno, module=w.module, registry=registry)
+
+
+def received(obj: Any, device: torch.device | None) -> Any:
+    """An output as the caller keeps it: on ``device``, and owning its CUDA memory."""
+    spec, leaves = _tree.flatten(obj)
+    if not any(isinstance(t, Tensor) for t in leaves):
+        return obj
+    out = []
+    for t in leaves:
+        if isinstance(t, Tensor):
+            moved = t.to(device) if device is not None else t
+            # A CUDA tensor from a worker holds the worker's memory (CUDA IPC): copy it.
+            t = moved.clone() if moved is t and t.is_cuda else moved
+        out.append(t)
+    return _tree.unflatten(spec, out)
+
+
+def drain(future: cf.Future[bytes]) -> None:
+    """Fetch and drop the reply of a job nobody waits for (its shared memory is freed)."""
+    if not future.cancelled() and future.exception() is None:
+        try:
+            loads(future.result())
+        except Exception:  # pragma: no cover - the worker may be gone
+            pass
 
 
 def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
@@ -235,9 +310,9 @@ def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
     procs: list[Any] = []
     for w in workers:
         if w.executor is not None:
-            procs += {id(p): p for p in [w.process, *(w.executor._processes or {}).values()] if p}.values()
+            procs += w.spawn.processes if w.spawn is not None else []
             w.executor.shutdown(wait=False, cancel_futures=True)
-        w.executor = w.process = w.key = None
+        w.executor = w.spawn = w.pid = w.key = None
     deadline = time.monotonic() + grace
     for p in procs:
         if _reaped(p, max(0.0, deadline - time.monotonic())) is None:
@@ -355,14 +430,14 @@ class ProcessPool:
 
     def _model_messages(self, module: nn.Module, n: int, marked: dict[type, str]) -> list[bytes]:
         if self.factory is not None:
-            return [dumps(("factory", self.factory, marked))] * n
-        return [dumps(("model", p, marked)) for p in model_payloads(module, n)]
+            return [dumps(Load("factory", self.factory, marked))] * n
+        return [dumps(Load("model", p, marked)) for p in model_payloads(module, n)]
 
     def _wait_loaded(self, futures: list[tuple[Worker, cf.Future[bytes]]], key: Any, fresh: list[Worker]) -> None:
         failure: BaseException | None = None
         for w, future in futures:
             try:
-                w.reply(future, f"DataParallel(workers='processes'): raised {_MODEL_HINT}", "")
+                w.pid = w.reply(future, f"DataParallel(workers='processes'): raised {_MODEL_HINT}", "")
                 w.key = key
             except WorkerDiedError as exc:
                 exc.__notes__ = []  # its exit code says it all

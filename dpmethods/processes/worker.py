@@ -6,11 +6,14 @@ batches that need it. :func:`init` sets the process up; :func:`load` (re)builds 
 model from the caller's module (one shared-memory copy of its tensors) or from the
 wrapper's ``factory``; :func:`run` runs one batch or chunk. Both take and return
 bytes pickled by :mod:`~dpmethods.processes.pickling` (small tensors inline, large ones
-in shared memory), and answer ``("done", output, warnings)`` or
-``("failed", error, traceback, warnings)``: a failure is a reply, never an exception of
-the executor, so any exception comes back with its type, notes and traceback text.
+in shared memory): the records of :mod:`~dpmethods.processes.messages` (a
+:class:`~dpmethods.processes.messages.Load` or a
+:class:`~dpmethods.processes.messages.Request` in, a
+:class:`~dpmethods.processes.messages.Done` or a
+:class:`~dpmethods.processes.messages.Failed` back).
 
-The warnings a method raises are recorded and given again in the caller (:func:`give`).
+The warnings a method raises are recorded and given again in the caller
+(:func:`dpmethods.processes.pool.read_reply`).
 An output holding a tensor that requires grad, inside any object, is an error (autograd
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
 Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
@@ -41,6 +44,7 @@ from torch import nn
 
 from dpmethods.core.call import split_on_oom
 from dpmethods.core.oom import Fit
+from dpmethods.processes.messages import Done, Failed, Load, Request, Warned
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
 from dpmethods.types.coupled_modules import mark_batch_coupled, split_call
@@ -48,7 +52,7 @@ from dpmethods.types.tree import move
 from dpmethods.vocab import warn_once as warn_once
 from dpmethods.vocab.loading import load_pending
 
-__all__ = ["give", "init", "load", "run"]
+__all__ = ["init", "load", "run"]
 
 _model: nn.Module | None = None
 _device = torch.device("cpu")
@@ -118,9 +122,10 @@ def init(device: str, threads: int) -> None:
         torch.cuda.set_device(_device)
 
 
-def _build(kind: str, what: Any, marked: dict[type, str]) -> nn.Module:
-    for cls, text in marked.items():
+def _build(msg: Load) -> nn.Module:
+    for cls, text in msg.marks.items():
         mark_batch_coupled(cls, what=text)
+    kind, what = msg.kind, msg.what
     model = loads(what) if kind == "model" else what()
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -159,40 +164,24 @@ def _module_of(filename: str) -> str | None:
     return _MODULES[filename]
 
 
-def _warned(seen: list[warnings.WarningMessage]) -> list[tuple[Any, ...]]:
-    """What a job warned, for the caller: text, category, place, and whether it was a
-    dpmethods warn-once (the caller keeps that record, so it is forgotten here)."""
+def _warned(seen: list[warnings.WarningMessage]) -> tuple[Warned, ...]:
+    """What a job warned, for the caller; a dpmethods warn-once warning is forgotten
+    here (the caller keeps that record)."""
     once = warn_once.take_given()
-    return [
-        (str(w.message), w.category, w.filename, w.lineno, _module_of(w.filename), str(w.message) in once)
+    return tuple(
+        Warned(str(w.message), w.category, w.filename, w.lineno, _module_of(w.filename), str(w.message) in once)
         for w in seen
-    ]
+    )
 
 
-def give(warned: list[tuple[Any, ...]]) -> None:
-    """Give, in the caller, the warnings a worker's job raised: through the caller's
-    filters and the registry of the module that warned, as a replica thread's would be;
-    dpmethods' warn-once warnings once per caller process.
-
-    Example:
-        >>> give([])
-    """
-    for text, category, filename, lineno, module, once in warned:
-        if once and not warn_once.first_time(text):
-            continue
-        globals_ = vars(sys.modules[module]) if module in sys.modules else None
-        registry = globals_.setdefault("__warningregistry__", {}) if globals_ is not None else None
-        warnings.warn_explicit(text, category, filename, lineno, module=module, registry=registry)
-
-
-def _failure(exc: BaseException, warned: list[tuple[Any, ...]]) -> bytes:
+def _failure(exc: BaseException, warned: tuple[Warned, ...]) -> bytes:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         error = dumps(exc)
         loads(error)  # some exceptions pickle but can't be rebuilt (their __init__ args)
     except Exception:
         error = dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return dumps(("failed", error, text, warned))
+    return dumps(Failed(error, text, warned))
 
 
 def _job(data: bytes, body: Any) -> bytes:
@@ -206,7 +195,7 @@ def _job(data: bytes, body: Any) -> bytes:
 
 def _recorded(data: bytes, body: Any) -> bytes:
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")  # the caller's filters decide (see give)
+        warnings.simplefilter("always")  # the caller's filters decide (pool.read_reply)
         try:
             try:
                 msg = loads(data)
@@ -245,13 +234,14 @@ def _first_build() -> Iterator[None]:
 
 
 def load(data: bytes) -> bytes:
-    """Build the model from ``("model", payload, marks)`` or ``("factory", fn, marks)``."""
+    """Build the model from a :class:`~dpmethods.processes.messages.Load`; the reply's
+    output is this process's pid."""
     global _model, _loads
 
-    def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
+    def body(msg: Load, seen: list[Any]) -> bytes:
         global _model
-        _model = _build(*msg)
-        return dumps(("done", None, _warned(seen)))
+        _model = _build(msg)
+        return dumps(Done(os.getpid(), _warned(seen)))
 
     _model = None  # the old one's memory goes first
     _FITS.clear()
@@ -263,14 +253,12 @@ def load(data: bytes) -> bytes:
 
 
 def run(data: bytes) -> bytes:
-    """Run ``(method, args, kwargs, state, seed, split, oom)`` on the model; ``oom``: None
-    (run it whole), or ``(key, options, prepared)``: split a batch that runs out of memory
-    by the method's options, with the memory record of the method kept under ``key``
-    (one per map, one for the calls); ``prepared``: a call's chunk, adapted by the
-    method's hooks already (see :func:`dpmethods.core.call.split_on_oom`)."""
+    """Run a :class:`~dpmethods.processes.messages.Request` on the model; with its
+    ``oom`` a batch that runs out of memory is split by the method's options, the memory
+    record kept under ``oom.key`` (see :func:`dpmethods.core.call.split_on_oom`)."""
 
-    def body(msg: tuple[Any, ...], seen: list[Any]) -> bytes:
-        method, args, kwargs, state, seed, split, oom = msg
+    def body(msg: Request, seen: list[Any]) -> bytes:
+        method, args, kwargs, seed, oom = msg.method, msg.args, msg.kwargs, msg.seed, msg.oom
         if _model is None:
             raise RuntimeError("DataParallel: worker process got a batch before its model")
         if _device.type == "cuda":
@@ -278,16 +266,15 @@ def run(data: bytes) -> bytes:
         if seed is not None:
             torch.manual_seed(seed)
         fn = _model if method == "forward" else getattr(_model, method)
-        with state.applied(), split_call(split):
+        with msg.state.applied(), split_call(msg.split):
             if oom is None:
                 out = fn(*args, **kwargs)
             else:
-                key, options, prepared = oom
-                fit = _FITS.setdefault((method, key), Fit())
-                out = split_on_oom(_model, method, options, fn, _device, fit, args, kwargs,
-                                   names=getattr(_model, method), prepared=prepared)
+                fit = _FITS.setdefault((method, oom.key), Fit())
+                out = split_on_oom(_model, method, oom.options, fn, _device, fit, args, kwargs,
+                                   names=getattr(_model, method), prepared=oom.prepared)
         try:
-            return dumps(("done", out, _warned(seen)), output=True)
+            return dumps(Done(out, _warned(seen)), output=True)
         except OutputRequiresGrad as exc:
             raise RuntimeError(grad_error(method) + f" ({exc})") from None
         except Exception as exc:

@@ -1,5 +1,7 @@
-"""Resumable maps: ``DataParallel.map(..., checkpoint=path)``.
+"""Resumable maps: ``DataParallel.map(..., checkpoint=path)``, a stage of the map.
 
+A :class:`Checkpoint` skips the done batches at the map's source and records the taken
+ones at its sink (the map's iterator, :class:`~dpmethods.streaming.iterator.MapIterator`).
 The map's :class:`~dpmethods.streaming.record.Record` says which batches' outputs the
 consumer has taken; it is written every few seconds and when the map ends, stops or is
 closed. An output counts as taken once the consumer asked for the next one, or once the
@@ -20,30 +22,28 @@ from __future__ import annotations
 
 import collections
 import os
-import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from dpmethods.streaming.map import Indexed, rank_and_world
 from dpmethods.streaming.record import Identity, Record
+from dpmethods.streaming.source import rank_and_world
 from dpmethods.types.digests import digest
 
-__all__ = ["Resumable", "checkpointed"]
+__all__ = ["Checkpoint"]
 
 LOOKAHEAD = 32  # batches to run held back while the input is checked before the first runs
 
 
 class _Source(Iterator[tuple[int, Any]]):
     """The batches not taken yet, as ``(index, batch)``, each checked against the record
-    as it is read (``original`` gets the indices given out, for an ordered map)."""
+    as it is read."""
 
     record: Record  # set once the map's arguments were checked
 
-    def __init__(self, batches: Iterable[Any], original: collections.deque[int] | None) -> None:
+    def __init__(self, batches: Iterable[Any]) -> None:
         self._batches: Iterable[Any] | None = batches
         self._pairs: Iterator[tuple[int, Any]] = iter(())
-        self._original = original
         self._held: collections.deque[tuple[int, Any]] = collections.deque()
         self._read = 0  # batches of the input read
         self.ended = False
@@ -85,103 +85,78 @@ class _Source(Iterator[tuple[int, Any]]):
             if self.ended:
                 raise StopIteration
             pair = self._next_pending()
-        if self._original is not None:
-            self._original.append(pair[0])
         return pair
 
 
-class Resumable(Iterator[Any]):
-    """The outputs of ``run(pending batches)``, skipping and recording taken batches; also
-    a context manager that closes it, as the map's own iterator is.
+class Checkpoint:
+    """The ``checkpoint=`` stage of a map: the batches not taken yet at its source
+    (:attr:`pending`), each taken output recorded at its sink (:meth:`taken`).
 
-    An output counts as taken when the next one is asked for, or at the end. Closing it
-    (``close()``, ``with``, an error, garbage collection) stops ``run``, writes the record
-    and releases it.
-
-    Args:
-        run: runs the map (unsharded) over the batches given, as
-            :class:`~dpmethods.streaming.map.Indexed` ``(index, batch)`` pairs, yielding
-            outputs in order or ``(index, output)`` pairs.
-        batches: the map's input.
-        path: the record's file.
-        identity: the map's identity, checked against the record and recorded.
-        ordered: whether ``run`` yields outputs in order.
+    An output counts as taken when the next one is asked for, or at the end; a failed
+    batch (``errors="yield"``) is not taken, and runs again. Before the first batch runs,
+    :meth:`prime` reads the input as far as the record had read it. :meth:`close` writes
+    the record and releases it.
 
     Example:
         >>> import tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "squares.json")
-        >>> run = lambda pairs: (x * x for _, x in pairs)
-        >>> square = Identity.of("square", range(5))
-        >>> it = Resumable(run, range(5), path=path, identity=square, ordered=True)
-        >>> next(it), next(it), next(it)
-        (0, 1, 4)
-        >>> it.close()  # 0 and 1 were taken; 4 was returned but not asked past
-        >>> list(Resumable(run, range(5), path=path, identity=square, ordered=True))
-        [4, 9, 16]
-        >>> list(Resumable(run, range(5), path=path, identity=square, ordered=True))
+        >>> def squares():
+        ...     stage = Checkpoint(path, Identity.of("square", range(5)), range(5))
+        ...     stage.open()
+        ...     try:
+        ...         if stage.prime():
+        ...             for i, x in stage.pending:
+        ...                 yield i, x * x
+        ...                 stage.taken(i)
+        ...             stage.finish()
+        ...     finally:
+        ...         stage.close()
+        >>> it = squares()
+        >>> next(it), next(it)  # 0 was taken; 1 was returned but not asked past
+        ((0, 0), (1, 1))
+        >>> it.close()
+        >>> list(squares())
+        [(1, 1), (2, 4), (3, 9), (4, 16)]
+        >>> list(squares())
         []
     """
 
-    def __init__(
-        self, run: Callable[[Iterable[Any]], Iterator[Any]], batches: Iterable[Any], *,
-        path: str | os.PathLike[str], identity: Identity, ordered: bool,
-    ) -> None:
-        self._ordered = ordered
-        self._original: collections.deque[int] = collections.deque()  # ordered: indices to come
-        self._last: int | None = None  # the output returned last, taken when asked past
-        self._started = False
-        # The batches to run never refer to self: dropping the iterator finalizes it.
-        self._source = _Source(batches, self._original if ordered else None)
-        self._outputs = run(Indexed(self._source))  # checks the map's arguments first
-        try:
-            self._record = self._source.record = Record(_rank_path(path, identity.shard), identity)
-        except BaseException:
-            getattr(self._outputs, "close", lambda: None)()
-            raise
-        # Not self: a dropped iterator writes its record too.
-        self._finalizer = weakref.finalize(self, _stop, self._outputs, self._record)
+    def __init__(self, path: str | os.PathLike[str], identity: Identity, batches: Iterable[Any]) -> None:
+        self.path, self.identity = _rank_path(path, identity.shard), identity
+        self.pending = _Source(batches)  # the batches to run, as (index, batch)
+        self.record: Record | None = None  # opened once the map's arguments were checked
 
-    def __next__(self) -> Any:
-        if self._last is not None:  # asked past: taken
-            self._record.taken(self._last)
-            self._last = None
-        try:
-            if not self._started:
-                self._started = True
-                self._source.prime()  # refuses another input before any batch runs
-                if self._source.empty:  # nothing to run: the workers are not started
-                    raise StopIteration
-            item = next(self._outputs)
-        except StopIteration:
-            self._record.finished = True
-            self.close()
-            raise
-        except BaseException:
-            self.close()
-            raise
-        index = self._original.popleft() if self._ordered else item[0]
-        if not isinstance(item if self._ordered else item[1], BaseException):
-            self._last = index  # a failed batch (errors="yield") is not taken: it runs again
-        return item
+    @staticmethod
+    def of(path: str | os.PathLike[str], method: str, batches: Iterable[Any], kwargs: Mapping[str, Any],
+           model: Any, shard: bool) -> Checkpoint:
+        """The stage of the map of ``method`` of ``model`` over ``batches`` (``shard``:
+        this rank's batches only, with a record per rank)."""
+        rank = rank_and_world() if shard else None
+        return Checkpoint(path, Identity.of(method, batches, dict(kwargs), model, rank), batches)
+
+    def open(self) -> None:
+        """Open the record: another map's, or one in use, is refused."""
+        self.record = self.pending.record = Record(self.path, self.identity)
+
+    def prime(self) -> bool:
+        """Read the input as far as the record had read it (refusing another input before
+        any batch runs); False when nothing is left to run."""
+        self.pending.prime()
+        return not self.pending.empty
+
+    def taken(self, index: int) -> None:
+        """The consumer took batch ``index``'s output."""
+        self.record.taken(index)  # type: ignore[union-attr]
+
+    def finish(self) -> None:
+        """The map ran to its end."""
+        self.record.finished = True  # type: ignore[union-attr]
 
     def close(self) -> None:
-        """Stop the map, write the record and release it (idempotent)."""
-        self._finalizer()
-
-    def __enter__(self) -> Resumable:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _stop(outputs: Iterator[Any], record: Record) -> None:
-    try:
-        close = getattr(outputs, "close", None)
-        if close is not None:
-            close()
-    finally:
-        record.close()
+        """Write the record and release it (idempotent)."""
+        record, self.record = self.record, None
+        if record is not None:
+            record.close()
 
 
 def _rank_path(path: str | os.PathLike[str], shard: tuple[int, int] | None) -> Path:
@@ -189,23 +164,3 @@ def _rank_path(path: str | os.PathLike[str], shard: tuple[int, int] | None) -> P
         return Path(path)
     rank, world = shard
     return Path(f"{os.fspath(path)}.rank{rank}-of-{world}")
-
-
-def checkpointed(
-    run_map: Callable[..., Iterator[Any]], method: str, batches: Iterable[Any],
-    checkpoint: str | os.PathLike[str], model: Any, kwargs: dict[str, Any], *, ordered: bool,
-    shard: bool, **options: Any,
-) -> Resumable:
-    """``run_map(method, pending, ordered=..., **options, **kwargs)`` (a
-    ``DataParallel.map`` of ``model``) made resumable through the record in
-    ``checkpoint``; sharding is done here, per rank."""
-    if not isinstance(checkpoint, (str, os.PathLike)):
-        raise TypeError(
-            f"map: checkpoint: expected a file path (str or os.PathLike), got "
-            f"{type(checkpoint).__name__} {checkpoint!r}"
-        )
-    rank = rank_and_world() if shard else None
-    return Resumable(
-        lambda pending: run_map(method, pending, ordered=ordered, shard=False, **options, **kwargs),
-        batches, path=checkpoint, identity=Identity.of(method, batches, kwargs, model, rank), ordered=ordered,
-    )

@@ -134,6 +134,30 @@ def test_a_hung_thread_is_a_timeout_error_and_its_replica_is_dropped(tmp_path: P
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_a_hung_batch_under_errors_yield_is_a_timeout_error_in_its_place_on_both_backends(
+    tmp_path: Path, workers: str,
+) -> None:
+    # One scheduler for both: the hung batch's TimeoutError takes its place, as its
+    # (index, output) pair, and every other batch runs (threads: on the replica left;
+    # processes: the killed worker's batches on its replacement).
+    model = Faulty(tmp_path)
+    dp = _dp(model, workers)
+    batches = _batches()
+    with torch.no_grad():
+        pairs = list(dp.map("encode", batches, fault="hang", at=2, timeout=2.0, retries=0, errors="yield",
+                            ordered=False))
+    dp.close()
+    assert sorted(i for i, _ in pairs) == list(range(N))
+    outs = dict(pairs)
+    assert isinstance(outs[2], TimeoutError), outs[2]
+    assert re.search(r"DataParallel.map: batch 2 .*(ran|it ran) longer than timeout=2.0 s on "
+                     r"(replica|worker) \d", str(outs[2])), outs[2]
+    fine = [i for i in range(N) if i != 2]
+    ref = _reference(model, "encode", batches)
+    assert_close_to_reference([outs[i] for i in fine], [ref[i] for i in fine], terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None:
     # A stopped map's batch still runs on the one worker: the next map's batches wait
     # behind it, and their timeout counts from when the worker starts them.

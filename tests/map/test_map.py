@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import dpmethods
-from dpmethods.streaming import map as streaming
+from dpmethods.streaming import scheduler as streaming
 from dpmethods.testing import assert_close_to_reference as close
 from tests.helpers.processes import (
     SHARD_BATCHES,

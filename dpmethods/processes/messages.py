@@ -1,0 +1,123 @@
+"""What crosses between the caller and a worker process: a few named records.
+
+::
+
+    caller (processes/pool.py)                       a worker process (processes/worker.py)
+
+    Load(kind, what, marks)      -- pickled -->      load(): builds the model
+                                 <-- pickled --      Done(output=the worker's pid, warned)
+    Request(method, args, kwargs,
+            state, seed, split, oom) ---------->     run(): one map batch or call chunk
+                                 <--------------     Done(output, warned)
+                                                     or Failed(error, traceback, warned)
+
+Each record is pickled by :func:`~dpmethods.processes.pickling.dumps` (tensors inline
+or in shared memory) and is the whole message: a failure is a reply, never an
+exception of the executor, so any exception comes back with its type, notes and
+traceback text. :class:`Warned` is one warning a job raised, given again in the caller
+(:func:`~dpmethods.processes.pool.read_reply`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Done", "Failed", "Load", "Request", "Split", "Warned"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Warned:
+    """One warning a job raised, as the caller gives it again.
+
+    Example:
+        >>> Warned("slow", UserWarning, "m.py", 3, "m", once=False).category.__name__
+        'UserWarning'
+    """
+
+    text: str
+    category: type[Warning]
+    filename: str
+    lineno: int
+    module: str | None  # the warning's module, whose registry the caller's filters use
+    once: bool  # a dpmethods warn-once warning: given once per caller process
+
+
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """Build the worker's model: ``kind`` ``"model"`` (``what``: the pickled module) or
+    ``"factory"`` (``what``: a callable that returns it); ``marks``: the batch-coupled
+    classes to mark there too.
+
+    Example:
+        >>> Load("factory", dict, {}).kind
+        'factory'
+    """
+
+    kind: str
+    what: Any
+    marks: dict[type, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """``on_oom="split"`` in a worker: a batch that runs out of memory is halved by the
+    method's ``options``; ``key`` names the memory record kept (one per map, one for the
+    calls); ``prepared``: a call's chunk, adapted by the method's hooks already.
+
+    Example:
+        >>> Split("calls", None, prepared=True).prepared
+        True
+    """
+
+    key: Any
+    options: Any  # MethodOptions
+    prepared: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Run ``method(*args, **kwargs)`` on the worker's model under the caller's thread
+    ``state``, seeded with ``seed`` (None: not seeded); ``split``: a scattered call's
+    chunk (batch-coupled modules warn); ``oom``: how to split a batch out of memory.
+
+    Example:
+        >>> Request("forward", (1,), {}, None, None, False, None).method
+        'forward'
+    """
+
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any  # dpmethods.core.parallel_apply.ThreadState
+    seed: int | None
+    split: bool
+    oom: Split | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """A job's result: a batch's ``output`` (a load's: the worker's pid) and what it warned.
+
+    Example:
+        >>> Done(3, ()).output
+        3
+    """
+
+    output: Any
+    warned: tuple[Warned, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """A job's failure: its exception pickled on its own (``error``: one that cannot be
+    rebuilt comes as a RuntimeError with its text), the worker's traceback, what it warned.
+
+    Example:
+        >>> Failed(b"", "Traceback ...", ()).traceback
+        'Traceback ...'
+    """
+
+    error: bytes
+    traceback: str
+    warned: tuple[Warned, ...]

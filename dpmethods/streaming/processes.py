@@ -1,0 +1,95 @@
+"""The process backend of the map's scheduler: the wrapper's worker processes.
+
+Each slot is a worker of the wrapper's :class:`~dpmethods.processes.pool.ProcessPool`
+(a single-process executor per device entry), holding at most two batches of this map:
+the one it runs and the next, so it never waits for the caller between two. A batch
+crosses as a :class:`~dpmethods.processes.messages.Request`; its output comes back
+through :meth:`~dpmethods.processes.pool.Worker.reply` and is moved to
+``output_device`` in the caller. A worker that hangs past the timeout is killed; a dead
+worker is replaced by a fresh one (the scheduler sends its batches again).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Any
+
+from torch import nn
+
+from dpmethods.core.parallel_apply import ThreadState, add_note
+from dpmethods.core.seeding import draw_seed, replica_seed
+from dpmethods.processes import worker as process_worker
+from dpmethods.processes.messages import Request, Split
+from dpmethods.processes.pickling import dumps
+from dpmethods.processes.pool import ProcessPool, WorkerDiedError, drain, received
+from dpmethods.streaming.scheduler import Batch
+from dpmethods.vocab.options import MethodOptions
+
+__all__ = ["ProcessBackend"]
+
+_ROOM = 2  # batches of one map sent to one worker and not answered yet
+
+
+class ProcessBackend:
+    """The map's slots as the worker processes of ``pool`` (see the module docstring).
+
+    Args:
+        pool: the wrapper's workers.
+        module: the model the workers hold (sent again when it changed).
+        method: the method's name, or ``"forward"``.
+        output_device: where outputs go (None: where they are).
+        oom: with ``on_oom="split"``, the method's options.
+    """
+
+    room = _ROOM  # batches of this map on one worker
+
+    def __init__(self, pool: ProcessPool, module: nn.Module, method: str, output_device: Any, *,
+                 oom: MethodOptions | None) -> None:
+        self.pool, self.module, self.method, self.output_device = pool, module, method, output_device
+        self.width = len(pool.workers)  # slots
+        self.state = ThreadState.capture()  # the caller's modes at map(), as on threads
+        self.seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
+        # on_oom="split": a memory record per map, as on threads
+        self.oom = None if oom is None else Split(self.seed, oom, prepared=False)
+
+    def start(self) -> float:
+        return self.pool.prepare(self.module)
+
+    def submit(self, slot: int, batch: Batch) -> cf.Future[Any]:
+        # A module changed in the loop over this map is sent again, to the batches after.
+        self.pool.prepare(self.module, start=False)
+        try:
+            data = dumps(Request(self.method, batch.args, batch.kwargs, self.state,
+                                 replica_seed(self.seed, batch.index), False, self.oom))
+        except Exception as exc:
+            raise TypeError(
+                f"DataParallel.map(workers='processes'): batch {batch.index} cannot be sent "
+                f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
+            ) from exc
+        try:
+            return self.pool.workers[slot].submit(process_worker.run, data)
+        except WorkerDiedError as exc:
+            raise add_note(exc, f"dpmethods: while sending batch {batch.index} of DataParallel.map; "
+                           "the next map or call starts a fresh worker") from None
+
+    def output(self, slot: int, future: cf.Future[Any], batch: Batch) -> Any:
+        out = self.pool.workers[slot].reply(
+            future, f"DataParallel.map: raised in batch {batch.index}", f"batch {batch.index} of DataParallel.map")
+        return received(out, self.output_device)
+
+    def started(self, slot: int, future: cf.Future[Any], batch: Batch) -> float | None:
+        return self.pool.workers[slot].started(future)
+
+    def hang(self, slot: int, batch: Batch, timeout: float) -> BaseException | None:
+        self.pool.workers[slot].kill()  # its jobs fail: the scheduler replaces it
+        return None
+
+    def replace(self, slot: int) -> None:
+        self.pool.prepare(self.module)  # a fresh worker, with the model
+
+    def describe(self, slot: int) -> str:
+        return self.pool.workers[slot].describe()
+
+    def stop(self, dropped: set[int], running: list[cf.Future[Any]]) -> None:
+        for future in running:  # its output is dropped when it arrives, its shared memory freed
+            future.add_done_callback(drain)
