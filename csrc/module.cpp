@@ -9,6 +9,10 @@
 namespace dpmethods {
 // csrc/python_eager.cpp
 PyObject* gather_coalesced_eager(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+// csrc/watch.cpp
+PyObject* tensor_states(PyObject* self, PyObject* seq);
+PyObject* dict_versions(PyObject* self, PyObject* seq);
+PyObject* identities(PyObject* self, PyObject* seq);
 }  // namespace dpmethods
 
 namespace {
@@ -34,6 +38,13 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL,
      "_gather_coalesced(tensors, num_replicas, dim, device): the eager gather of "
      "dpmethods.ops.gather_coalesced; None where torch.ops must be used instead."},
+    {"_tensor_states", dpmethods::tensor_states, METH_O,
+     "_tensor_states(tensors): each tensor's version, storage, shape, strides, dtype, device and "
+     "requires_grad, packed in bytes; None for a tensor subclass."},
+    {"_dict_versions", dpmethods::dict_versions, METH_O,
+     "_dict_versions(dicts): each dict's version tag, packed in bytes; None where Python has none."},
+    {"_identities", dpmethods::identities, METH_O,
+     "_identities(objects): each object's class and __dict__ by address, packed in bytes."},
     {nullptr, nullptr, 0, nullptr},
 };
 

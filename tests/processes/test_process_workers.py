@@ -443,16 +443,53 @@ UNSHOWN: dict[str, Callable[[Watched], object]] = {
 _WATCHING = pytest.mark.skipif(not state._versions_change(), reason="this torch gives no dict versions")
 
 
+class Crowd(nn.Module):
+    """A :class:`Watched` after 600 ``Linear(2, 2)`` (1,206 parameter tensors): a change
+    to one module among many must show too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(600))
+        self.model = Watched()
+
+
+# The Watch reads with the compiled extension where it is built, else in Python.
+_READERS = ["compiled", "python"]
+
+
+@pytest.fixture(params=_READERS)
+def readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "python":
+        monkeypatch.setattr(state, "_compiled", dict)
+    elif len(state._compiled()) < 3:
+        pytest.skip("dpmethods._C is not built, or lacks the Watch's readers")
+    return str(request.param)
+
+
 @_WATCHING
+@pytest.mark.parametrize("crowd", [False, True], ids=["alone", "among_600_modules"])
 @pytest.mark.parametrize("name", [*CHANGES, *UNSHOWN])
-def test_the_watch_sees_each_kind_of_change(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(state, "_RULES", list(state._RULES))  # a rule registered here goes
-    model = Watched()
+    model = Crowd() if crowd else Watched()
     watch = Watch(model)
+    watched = model.model if isinstance(model, Crowd) else model
     with torch.no_grad():
-        model(torch.randn(2, 4))  # running the module changes nothing
+        watched(torch.randn(2, 4))
+    assert watch.unchanged()  # running the module changes nothing
+    {**CHANGES, **UNSHOWN}[name](watched)
+    assert not watch.unchanged()
+
+
+@_WATCHING
+@pytest.mark.parametrize("layer", [0, 299, 599])
+def test_the_watch_sees_an_in_place_change_to_any_of_many_tensors(layer: int, readers: str) -> None:
+    model = Crowd()
+    watch = Watch(model)
     assert watch.unchanged()
-    {**CHANGES, **UNSHOWN}[name](model)
+    with torch.no_grad():
+        model.layers[layer].bias.add_(1)
     assert not watch.unchanged()
 
 
