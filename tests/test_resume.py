@@ -6,6 +6,7 @@ runs, and a refused run leaves the record as it found it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -72,6 +73,18 @@ def _dp(model: Counted, workers: str) -> Any:
     return dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
 
 
+def _settle(dp: Any) -> None:
+    """Wait for the batches a stopped map left running on the worker processes (a worker
+    goes on with a batch it had begun), keeping the workers: closing them would cost
+    a restart. A stopped map on threads leaves none."""
+    pool = dp.__dict__.get("_process_pool")
+    for worker in pool.workers if pool is not None else []:
+        with worker.jobs.lock:
+            pending = list(worker.jobs.queue)
+        _, not_done = concurrent.futures.wait(pending, timeout=60)
+        assert not not_done, f"{len(not_done)} batches still running on {worker.describe()} after 60 s"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("stop", ["break", "raise"])
@@ -91,7 +104,7 @@ def test_a_stopped_map_resumes_without_recomputing_what_was_taken(
                     raise KeyError("the consumer's own error")
         except KeyError:
             pass
-        dp.close()  # worker processes may still finish a batch they had begun
+        _settle(dp)  # worker processes may still finish a batch they had begun
         log.unlink()
         rest = list(dp.map("encode", batches, checkpoint=ckpt))
         ran = _ran(log)
@@ -294,7 +307,7 @@ def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(setup: Any,
     dp = _dp(model, workers)
     with torch.no_grad():
         taken = _stop_after(dp.map("encode", batches, checkpoint=ckpt), 10)
-        dp.close()
+        _settle(dp)
         log.unlink()
         record = ckpt.read_bytes()
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another map: its input had 40 "
@@ -325,7 +338,7 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
     dp = _dp(model, workers)
     with torch.no_grad():
         taken = _stop_after(dp.map("encode", batches, checkpoint=ckpt), 10)
-        dp.close()
+        _settle(dp)
         log.unlink()
         record = ckpt.read_bytes()
         refused = []
@@ -333,7 +346,7 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
                            r"input ended after 24"):
             for out in dp.map("encode", _generator(batches[:24]), checkpoint=ckpt):
                 refused.append(out)
-        dp.close()
+        _settle(dp)
         if lookahead is None:  # read to its end before any batch ran
             assert refused == [] and _lines(log) == []
         else:
@@ -362,7 +375,7 @@ def test_a_shorter_input_without_a_len_is_refused_before_any_batch_runs_where_th
         first = list(dp.map("encode", _generator(batches), errors="yield", checkpoint=ckpt))
         # These batches are still to run; the input was read to its end.
         assert [i for i, out in enumerate(first) if isinstance(out, ValueError)] == list(bad)
-        dp.close()
+        _settle(dp)
         model.bad = ()
         log.unlink()
         record = ckpt.read_bytes()
@@ -370,7 +383,7 @@ def test_a_shorter_input_without_a_len_is_refused_before_any_batch_runs_where_th
             list(dp.map("encode", _generator(batches[:7]), checkpoint=ckpt))
         with pytest.raises(ValueError, match=rf"'{ckpt}' records an input of {N} batches, but this input has more"):
             list(dp.map("encode", _generator(batches + batches[:1]), checkpoint=ckpt))
-        dp.close()
+        _settle(dp)
         assert _lines(log) == [] and ckpt.read_bytes() == record
         again = list(dp.map("encode", _generator(batches), checkpoint=ckpt))  # those alone
     dp.close()
@@ -401,7 +414,7 @@ def test_an_input_in_another_order_is_refused_before_any_batch_runs(setup: Any, 
     order = [[int(v) for v in b[:, 0]] for b in _loader(0)]
     with torch.no_grad():
         taken = _stop_after(dp.map("encode", _loader(0), checkpoint=ckpt), 5)
-        dp.close()
+        _settle(dp)
         log.unlink()
         record = ckpt.read_bytes()
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another input: its batch 0 differs "
