@@ -172,9 +172,13 @@ class MarkedLater(nn.Module):
         return 2 * x
 
 
+GLOO_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "dpmethods.distributed"]
+
+
 def spawn_gloo(target: Any, world: int, outdir: Any, *args: Any, timeout_s: float = 150) -> list[Any]:
-    """Run ``target(rank, world, *args)`` on ``world`` gloo ranks on 127.0.0.1 (spawned
+    """Run ``target(rank, world, *args)`` on ``world`` gloo ranks on 127.0.0.1 (fresh
     processes); each rank's return value, saved by the rank. Fails the test past ``timeout_s``."""
+    import multiprocessing
     import socket
     import time
     from pathlib import Path
@@ -185,9 +189,16 @@ def spawn_gloo(target: Any, world: int, outdir: Any, *args: Any, timeout_s: floa
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # A forkserver imports torch once for every rank of every run instead of once per
+    # rank; the ranks are fresh processes all the same, and their DataParallel workers
+    # are spawned as a user's are. The preload is test_distributed's: whichever run
+    # starts the forkserver, the others find what they import there.
+    method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "forkserver":
+        multiprocessing.get_context("forkserver").set_forkserver_preload(GLOO_PRELOAD)
     context = mp.start_processes(
         _gloo_rank, args=(world, port, str(outdir), target, args), nprocs=world, join=False,
-        start_method="spawn",
+        start_method=method,
     )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
