@@ -217,8 +217,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "per-replica-start",
         "The per_replica hook is told each replica's share size as its start, not the rows before it.",
         "dpmethods/core/call.py",
-        "starts = accumulate(result.sizes[:-1], initial=0)",
-        "starts = [0, *result.sizes[1:]]",
+        "starts = accumulate(call.sizes[:-1], initial=0)",
+        "starts = [0, *call.sizes[1:]]",
         (
             "tests/integrations/transformers/test_generate.py::test_prefix_allowed_tokens_fn_gets_each_items_index_in_the_whole_batch",
             _TF + "test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration",
