@@ -107,19 +107,19 @@ def _map_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
             f"{uniform['p10']:.2f}x-{uniform['p90']:.2f}x)",
             f"(at commit {commit}, on a 2-core host, load average {saved['machine']['loadavg_before'][0]:.1f} "
             "at its start)",
-            f"`map` {ragged['median']:.2f}x the calls loop (target {ragged['at_least']:.2f}x, but in "
-            f"{ragged_rounds} rounds only, too few for a verdict)",
+            f"`map` {ragged['median']:.2f}x the calls loop (target {ragged['at_least']:.2f}x, "
+            f"{ragged_rounds} rounds)",
             f"`map` on processes {gil_map:.2f}x `map` on threads and {gil_one:.2f}x one device; uniform, "
             f"processes {uniform['median']:.2f}x threads (target {uniform['at_least']:.1f}x), and `map` "
-            f"{uniform_map['median']:.2f}x the calls loop (below its {uniform_map['at_least']:.2f}x target",
+            f"{uniform_map['median']:.3f}x the calls loop (below its {uniform_map['at_least']:.2f}x target",
         ],
         "benchmarks/README.md": [
             f"On processes, `map` is {gil_map:.2f}x the thread map and {gil_one:.2f}x one device",
             f"`map` is {ragged['median']:.2f}x the calls loop (rounds {ragged['p10']:.2f}x-"
-            f"{ragged['p90']:.2f}x), in {ragged_rounds} rounds only",
+            f"{ragged['p90']:.2f}x, {ragged_rounds} of them), above its target",
             f"`map` on processes is {uniform['median']:.2f}x `map` on threads (rounds "
             f"{uniform['p10']:.2f}x-{uniform['p90']:.2f}x)",
-            f"`map` was {uniform_map['median']:.2f}x the calls loop, below its target",
+            f"`map` was {uniform_map['median']:.3f}x the calls loop, below its target",
             f"`dp.encode` on processes is {speed['encode']['calls-processes']:.2f}x one device and "
             f"{encode['median']:.2f}x sentence-transformers' own pool",
             f"Its pool reached its first output in {starts['processes start-up']:.2f} s, "
@@ -140,14 +140,14 @@ def _items_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
             f"{t['bert', 'batch_size', 'input-order']:.2f}x and `max_tokens=2048` "
             f"{t['bert', 'max_tokens', 'input-order']:.2f}x faster than batches of 32 in input order, which "
             f"computed {pos['input-order']:,} positions for {w['bert']['real_tokens']:,} real tokens; "
-            f"`batch_size=32` was {t['bert', 'batch_size', 'hand-sorted']:.2f}x the hand-sorted ideal",
+            f"`batch_size=32` was {t['bert', 'batch_size', 'hand-sorted']:.3f}x the hand-sorted ideal",
             f"and `max_tokens=2048` {t['bert', 'max_tokens', 'hand-sorted']:.2f}x; `encode` "
             f"{t['encode', 'items-processes', 'st-pool']:.2f}x sentence-transformers' own pool, `generate` "
             f"{t['generate', 'batch_size', 'input-order']:.2f}x its batches in input order, and the Ray "
             f"Predictor with `max_tokens=` {t['ray', 'max_tokens', 'no-max_tokens']:.2f}x the same Predictor",
         ],
         "benchmarks/README.md": [
-            f"`batch_size=32` is {t['bert', 'batch_size', 'hand-sorted']:.2f}x the hand-sorted ideal",
+            f"`batch_size=32` is {t['bert', 'batch_size', 'hand-sorted']:.3f}x the hand-sorted ideal",
             f"pads {extra:.0f}% more positions than one global sort ({pos['batch_size']:,} against "
             f"{pos['hand-sorted']:,})",
         ],
