@@ -23,7 +23,7 @@ from dpmethods.core.parallel_apply import ReplicaThreads
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import cpu_replicas_mode, fingerprint
 from dpmethods.items import item_options, map_items
-from dpmethods.processes.calls import call_chunks
+from dpmethods.processes.calls import call_shares
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
 from dpmethods.state_dicts import load_matched
 from dpmethods.streaming.map import map_batches
@@ -244,7 +244,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             _placement.check_source_device(self.module, self.src_device_obj)  # a cache hit means the devices were checked
         remote = None
         if self.workers == "processes" and (len(self.device_ids) > 1 or self._process_pool.factory):
-            remote = functools.partial(call_chunks, self._process_pool, self.module, name,
+            remote = functools.partial(call_shares, self._process_pool, self.module, name,
                                        oom=self._options(name) if self.on_oom == "split" else None)
         return _flow.run_method(self, name, fn, args, kwargs, self._options(name), key, remote)
 

@@ -11,7 +11,9 @@ key, the batch share of each replica) travels in a :class:`CallContext` held by 
 another (re-entrant) stacks on top of it and is popped when it returns.
 
 :func:`scatter_shares` and :func:`gather_outputs` are what the scatter and gather seams
-do for a method; :func:`split_on_oom` runs one share, halved when it runs out of memory.
+do for a method; :func:`adapt_shares` gives each share its ``per_replica`` hook.
+Out-of-memory splitting, which runs a share as a call of its own, is in
+:mod:`dpmethods.core.oom`.
 The flow of a call through a wrapper's seams is the wrapper's own
 (:mod:`dpmethods.wrapper.call`). The public :class:`~dpmethods.extending.Call` that hooks
 and named gather modes see is built once the shares are known, once per call (and, with
@@ -29,14 +31,12 @@ from typing import Any
 
 from dpmethods.core.devices import DeviceLike
 from dpmethods.core.gather import join_outputs
-from dpmethods.core.oom import Fit, run_splitting
 from dpmethods.core.scatter import scatter_call
-from dpmethods.types.coupled_modules import split_call
-from dpmethods.vocab.call_hooks import Call, check_per_replica, check_prepared
+from dpmethods.vocab.call_hooks import Call, check_per_replica
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, named_mode
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["CallContext", "current", "entered", "gather_outputs", "scatter_shares", "split_on_oom"]
+__all__ = ["CallContext", "adapt_shares", "current", "entered", "gather_outputs", "scatter_shares"]
 
 
 @dataclass
@@ -114,7 +114,7 @@ def scatter_shares(
         ctx.sizes = result.sizes
     adapt = opts.hooks.per_replica if opts.hooks is not None else None
     if adapt is not None and ctx is not None and len(result.sizes) > 1:
-        pairs = _adapted(adapt, ctx.seen(module), list(zip(result[0], result[1])))
+        pairs = adapt_shares(adapt, ctx.seen(module), list(zip(result[0], result[1])))
         return tuple(a for a, _ in pairs), tuple(k for _, k in pairs)
     return result[0], result[1]
 
@@ -143,77 +143,15 @@ def gather_outputs(
     )
 
 
-def _adapted(adapt: Any, call: Call, parts: list[Any]) -> list[Any]:
-    """Each of a call's parts adapted by ``per_replica``, with its start in the call."""
+def adapt_shares(adapt: Any, call: Call, parts: list[Any]) -> list[Any]:
+    """Each share ``(args, kwargs)`` of ``call`` adapted by its ``per_replica`` hook
+    ``adapt``, with the share's start in the call.
+
+    Example:
+        >>> call = Call(None, "f", (), {}, [2, 1], MethodOptions())
+        >>> adapt_shares(lambda a, k, start, call: (a, {"start": start}), call, [((1,), {}), ((2,), {})])
+        [((1,), {'start': 0}), ((2,), {'start': 2})]
+    """
     starts = accumulate(call.sizes[:-1], initial=0)
     return [check_per_replica(adapt(a, k, s, call), adapt) for (a, k), s in zip(parts, starts)]
 
-
-def split_on_oom(
-    module: Any, name: str, opts: MethodOptions, fn: Callable[..., Any], device: Any, fit: Fit,
-    args: Any, kwargs: Any, n: int | None = None, *, names: Callable[..., Any] | None = None,
-    prepared: bool = True,
-) -> Any:
-    """``fn(*args, **kwargs)`` on one replica, halved by the method's scatter rules when
-    it runs out of memory, as a call over two devices runs (:mod:`dpmethods.core.oom`).
-
-    ``prepared``: the arguments are a replica's share of a call, adapted by the method's
-    hooks already: a call of its own, whose halves get ``per_replica`` with their start
-    in it, and whose halves' outputs the gather joins seeing it. False: a whole batch as
-    its method takes it (a map's batch); split, it is first adapted by ``prepare``, and
-    the joined output finished, as a call is. ``n`` is the share's items (None: counted
-    by the scatter rules, only if needed); ``names`` the function whose signature names
-    the arguments (default ``fn``).
-
-    Example:
-        >>> import torch
-        >>> calls = []
-        >>> def embed(x):
-        ...     calls.append(len(x))
-        ...     if len(x) > 2:
-        ...         raise torch.OutOfMemoryError("too big")
-        ...     return x * 2
-        >>> split_on_oom(None, "embed", MethodOptions(), embed, "cpu", Fit(), (torch.arange(5),), {}).tolist()
-        [0, 2, 4, 6, 8]
-        >>> calls
-        [5, 3, 2, 1, 2]
-    """
-    names = names if names is not None else fn
-    hooks = opts.hooks
-    whole = (tuple(args), dict(kwargs), prepared)
-    memo: list[Any] = []  # the whole share's cut: counted first, it is cut once
-
-    def cut(piece: tuple[Any, ...]) -> Any:
-        """``(args, kwargs, finish, parts, sizes)``: the piece as its halves' call (prepared)."""
-        if piece is whole and memo:
-            return memo[0]
-        a, k, ready = piece
-        finish = None
-        if not ready and hooks is not None and hooks.prepare is not None:
-            a, k, finish = check_prepared(hooks.prepare(a, k, Call(module, name, a, k, (), opts)), hooks.prepare)
-        parts = scatter_call(a, k, [device, device], opts.dim, opts.broadcast, names,
-                             split=opts.split, scatter_dim=opts.scatter_dim)
-        found = a, k, finish, list(zip(parts[0], parts[1])), list(parts.sizes)
-        if piece is whole:
-            memo.append(found)
-        return found
-
-    def halve(piece: tuple[Any, ...]) -> Any:
-        a, k, finish, parts, sizes = cut(piece)
-        if hooks is not None and hooks.per_replica is not None:
-            parts = _adapted(hooks.per_replica, Call(module, name, a, k, sizes, opts), parts)
-
-        def join(outs: list[Any]) -> Any:
-            out = gather_outputs(module, CallContext(None, name, opts, names, args=a, kwargs=k, sizes=sizes), opts, outs, device,
-                                 halves=True)
-            return out if finish is None else finish(out)
-
-        return [(pa, pk, True) for pa, pk in parts], sizes, join
-
-    def run(piece: tuple[Any, ...]) -> Any:
-        if piece is whole:
-            return fn(*piece[0], **piece[1])
-        with split_call(True):  # a module that couples its batch warns, as in a split call
-            return fn(*piece[0], **piece[1])
-
-    return run_splitting(run, whole, n, count=lambda piece: sum(cut(piece)[4]), halve=halve, fit=fit, device=device)

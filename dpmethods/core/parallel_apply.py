@@ -27,7 +27,7 @@ from torch import nn
 from dpmethods.core.compiled import takes_turns
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.types import tree as _tree
-from dpmethods.types.coupled_modules import split_call
+from dpmethods.types.coupled_modules import part_of_batch
 
 __all__ = ["ReplicaError", "ReplicaThreads", "ThreadState", "add_note", "parallel_apply", "record_streams"]
 
@@ -373,7 +373,7 @@ def parallel_apply(
     def work(i: int) -> None:
         try:
             with state.applied(), _device_context(devices[i], streams[i]), _entered(i, replicas), \
-                    split_call(n > 1):
+                    part_of_batch(n > 1):
                 replica = replicas[i]
                 fn = replica if method == "forward" else getattr(replica, method)
                 results[i] = fn(*inputs[i], **kwargs[i]) if call_share is None else call_share(i, fn, inputs[i], kwargs[i])

@@ -8,7 +8,7 @@ executor, running the calls and map batches that the threads would run in the ca
 - :mod:`~dpmethods.processes.pickling`: how what crosses the process boundary is pickled;
 - :mod:`~dpmethods.processes.state`: what of a module's state crosses, and how its
   changes are seen;
-- :mod:`~dpmethods.processes.calls`: a call's chunks on the workers, and a job's output
+- :mod:`~dpmethods.processes.calls`: a call's shares on the workers, and a job's output
   in the caller.
 
 A map's batches go through :mod:`dpmethods.streaming.processes`, the process backend of

@@ -1,8 +1,8 @@
 """A call on the worker processes.
 
-:func:`call_chunks` runs a scattered call of ``workers="processes"``: chunk i on
+:func:`call_shares` runs a scattered call of ``workers="processes"``: share i on
 worker i, each a :class:`~dpmethods.processes.messages.Request`, each output read back
-by :meth:`~dpmethods.processes.pool.Worker.reply`; a chunk nobody waits for any more
+by :meth:`~dpmethods.processes.pool.Worker.reply`; a share nobody waits for any more
 (a call that failed) is drained when it finishes (:func:`~dpmethods.processes.pool.drain`).
 """
 
@@ -20,7 +20,7 @@ from dpmethods.processes.pickling import dumps, unsendable_options
 from dpmethods.processes.pool import ProcessPool, drain, received
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["call_chunks", "check_sendable"]
+__all__ = ["call_shares", "check_sendable"]
 
 
 def check_sendable(options: MethodOptions | None, where: str, method: str) -> None:
@@ -40,19 +40,19 @@ def check_sendable(options: MethodOptions | None, where: str, method: str) -> No
         )
 
 
-def call_chunks(
+def call_shares(
     pool: ProcessPool, module: nn.Module, name: str, inputs: Any, kwargs: Any, *,
     oom: MethodOptions | None = None,
 ) -> list[Any]:
-    """Run one scattered call: chunk i on worker i, outputs in chunk order (for gather);
-    ``oom``: the method's options, to split a chunk that runs out of memory."""
+    """Run one scattered call: share i on worker i, outputs in share order (for gather);
+    ``oom``: the method's options, to split a share that runs out of memory."""
     pool.prepare(module)
-    state, seed, split = ThreadState.capture(), draw_seed(), len(inputs) > 1
+    state, seed, part = ThreadState.capture(), draw_seed(), len(inputs) > 1
     futures = []
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):
             try:
-                data = dumps(Request(name, tuple(a), dict(k), state, replica_seed(seed, w.index), split,
+                data = dumps(Request(name, tuple(a), dict(k), state, replica_seed(seed, w.index), part,
                                      None if oom is None else Split("calls", oom, prepared=True)))
             except Exception as exc:
                 check_sendable(oom, f"DataParallel.{name}(workers='processes', on_oom='split')", name)
@@ -61,8 +61,8 @@ def call_chunks(
                     f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
                 ) from exc
             futures.append((w, w.submit(process_worker.run, data)))
-        return [received(w.reply(f, f"DataParallel.{name}: raised in chunk {w.index}",
-                                 f"chunk {w.index} of DataParallel.{name}"), None) for w, f in futures]
+        return [received(w.reply(f, f"DataParallel.{name}: raised in share {w.index}",
+                                 f"share {w.index} of DataParallel.{name}"), None) for w, f in futures]
     finally:
         for _, f in futures:
             if not f.done():

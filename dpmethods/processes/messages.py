@@ -6,8 +6,8 @@
 
     Load(kind, what, marks)      -- pickled -->      load(): builds the model
                                  <-- pickled --      Done(output=the worker's pid, warned)
-    Request(method, args, kwargs,
-            state, seed, split, oom) ---------->     run(): one map batch or call chunk
+    Request(method, args, kwargs, state,
+            seed, part_of_batch, oom) -------->     run(): one map batch or call share
                                  <--------------     Done(output, warned)
                                                      or Failed(error, traceback, warned)
 
@@ -63,7 +63,7 @@ class Load:
 class Split:
     """``on_oom="split"`` in a worker: a batch that runs out of memory is halved by the
     method's ``options``; ``key`` names the memory record kept (one per map, one for the
-    calls); ``prepared``: a call's chunk, adapted by the method's hooks already.
+    calls); ``prepared``: a call's share, adapted by the method's hooks already.
 
     Example:
         >>> Split("calls", None, prepared=True).prepared
@@ -78,8 +78,8 @@ class Split:
 @dataclasses.dataclass(frozen=True)
 class Request:
     """Run ``method(*args, **kwargs)`` on the worker's model under the caller's thread
-    ``state``, seeded with ``seed`` (None: not seeded); ``split``: a scattered call's
-    chunk (batch-coupled modules warn); ``oom``: how to split a batch out of memory.
+    ``state``, seeded with ``seed`` (None: not seeded); ``part_of_batch``: a scattered
+    call's share (batch-coupled modules warn); ``oom``: how to split a batch out of memory.
 
     Example:
         >>> Request("forward", (1,), {}, None, None, False, None).method
@@ -91,7 +91,7 @@ class Request:
     kwargs: dict[str, Any]
     state: Any  # dpmethods.core.parallel_apply.ThreadState
     seed: int | None
-    split: bool
+    part_of_batch: bool
     oom: Split | None
 
 

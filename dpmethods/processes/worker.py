@@ -4,7 +4,7 @@ Each worker is the one process of a single-worker ``ProcessPoolExecutor`` (``spa
 so it runs its jobs in the order they were submitted: "load the model" before the
 batches that need it. :func:`init` sets the process up; :func:`load` (re)builds the
 model from the caller's module (one shared-memory copy of its tensors) or from the
-wrapper's ``factory``; :func:`run` runs one batch or chunk. Both take and return
+wrapper's ``factory``; :func:`run` runs one batch or share. Both take and return
 bytes pickled by :mod:`~dpmethods.processes.pickling` (small tensors inline, large ones
 in shared memory): the records of :mod:`~dpmethods.processes.messages` (a
 :class:`~dpmethods.processes.messages.Load` or a
@@ -42,12 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dpmethods.core.call import split_on_oom
-from dpmethods.core.oom import Fit
+from dpmethods.core.oom import Fit, split_on_oom
 from dpmethods.processes.messages import Done, Failed, Load, Request, Warned
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
-from dpmethods.types.coupled_modules import mark_batch_coupled, split_call
+from dpmethods.types.coupled_modules import mark_batch_coupled, part_of_batch
 from dpmethods.types.tree import move
 from dpmethods.vocab import warn_once as warn_once
 from dpmethods.vocab.loading import load_pending
@@ -255,7 +254,7 @@ def load(data: bytes) -> bytes:
 def run(data: bytes) -> bytes:
     """Run a :class:`~dpmethods.processes.messages.Request` on the model; with its
     ``oom`` a batch that runs out of memory is split by the method's options, the memory
-    record kept under ``oom.key`` (see :func:`dpmethods.core.call.split_on_oom`)."""
+    record kept under ``oom.key`` (see :func:`dpmethods.core.oom.split_on_oom`)."""
 
     def body(msg: Request, seen: list[Any]) -> bytes:
         method, args, kwargs, seed, oom = msg.method, msg.args, msg.kwargs, msg.seed, msg.oom
@@ -266,11 +265,11 @@ def run(data: bytes) -> bytes:
         if seed is not None:
             torch.manual_seed(seed)
         fn = _model if method == "forward" else getattr(_model, method)
-        with msg.state.applied(), split_call(msg.split):
+        with msg.state.applied(), part_of_batch(msg.part_of_batch):
             if oom is None:
                 out = fn(*args, **kwargs)
             else:
-                fit = _FITS.setdefault((method, oom.key), Fit())
+                fit = Fit.kept(_FITS, (method, oom.key))
                 out = split_on_oom(_model, method, oom.options, fn, _device, fit, args, kwargs,
                                    names=getattr(_model, method), prepared=oom.prepared)
         try:

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dpmethods.core.call import split_on_oom
 from dpmethods.core.compiled import one_at_a_time
-from dpmethods.core.oom import Fit
+from dpmethods.core.oom import batch_runner
 from dpmethods.core.parallel_apply import ThreadState, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
@@ -155,10 +154,7 @@ class ThreadBackend:
     def _runner(self, r: int, replica: nn.Module, device: torch.device | None) -> Callable[[Batch, Any], Any]:
         fn = one_at_a_time(replica if self.method == "forward" else getattr(replica, self.method), replica)
         if self.oom is not None:
-            names = getattr(replica, self.method)
-            fn = functools.partial(split_on_oom, replica, self.method, self.oom, fn, device or "cpu", Fit(),
-                                   names=names, prepared=False)
-            fn = _star(fn)
+            fn = batch_runner(replica, self.method, self.oom, fn, device or "cpu", names=getattr(replica, self.method))
         streams = None
         if device is not None and device.type == "cuda":
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -225,11 +221,6 @@ class ThreadBackend:
         # timed-out thread may still be running).
         if not dropped:
             CachedReplicas.give_back(self.replicas)
-
-
-def _star(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn(args, kwargs)`` as a call ``f(*args, **kwargs)``."""
-    return lambda *args, **kwargs: fn(args, kwargs)
 
 
 def _stage(batch: Batch, device: torch.device | None, streams: Any) -> tuple[Any, Any, Any]:

@@ -5,11 +5,12 @@ Such a loss (sentence-transformers' ``MultipleNegativesRankingLoss``, open_clip'
 share of the batch it sees fewer negatives, and its value is a different loss: the
 average of the replicas' losses is not the full-batch loss. Only a 0-dim loss reaches
 the gather, so nothing in the output shows it. :func:`mark_batch_coupled` marks a
-module class as such: the first time one of its instances runs inside a replica of a
-call split over several replicas, a one-time warning names the class and the pattern
-that gives the full-batch loss (gather the embeddings, compute the loss outside).
+module class as such: the first time one of its instances runs on a part of a batch
+(a replica's share of a call over several replicas, or a half of an out-of-memory
+split), a one-time warning names the class and the pattern that gives the full-batch
+loss (gather the embeddings, compute the loss outside).
 
-The mark wraps the class's ``forward`` once; outside a split call it costs one
+The mark wraps the class's ``forward`` once; outside a part of a batch it costs one
 thread-local read per call of that class's forward, and nothing for other classes.
 """
 
@@ -27,7 +28,7 @@ from dpmethods.types.named_classes import check_class_path, when_class_imported
 from dpmethods.vocab.warn_once import warn_once
 
 __all__ = [
-    "class_marks", "is_batch_coupled", "mark_batch_coupled", "marks", "split_call",
+    "class_marks", "is_batch_coupled", "mark_batch_coupled", "marks", "part_of_batch",
 ]
 
 _state = threading.local()
@@ -36,12 +37,13 @@ _WRAPPED = "__dpmethods_batch_coupled__"
 
 
 @contextlib.contextmanager
-def split_call(active: bool) -> Iterator[None]:
-    """Mark this thread as running one replica of a call split over several (``active``):
-    a marked class's ``forward`` warns there.
+def part_of_batch(active: bool) -> Iterator[None]:
+    """Mark this thread as running a part of a batch (``active``): a replica's share of a
+    call over several replicas, or a half of a share that ran out of memory. A marked
+    class's ``forward`` warns there.
 
     Example:
-        >>> with split_call(True):
+        >>> with part_of_batch(True):
         ...     pass
     """
     before = getattr(_state, "active", False)

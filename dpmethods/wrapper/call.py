@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from dpmethods.core.call import CallContext, current, entered, split_on_oom
+from dpmethods.core.call import CallContext, current, entered
 from dpmethods.core.devices import DeviceLike, as_device
-from dpmethods.core.oom import Fit
+from dpmethods.core.oom import Fit, ShareRunner, split_on_oom
 from dpmethods.core.parallel_apply import ReplicaThreads, parallel_apply
 from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint, replicate
@@ -126,21 +126,14 @@ def apply_on(wrapper: Any, replicas: Sequence[Any], inputs: Sequence[Any], kwarg
         CachedReplicas.give_back(replicas)
 
 
-def share_runner(wrapper: Any, ctx: CallContext | None) -> Callable[[int, Callable[..., Any], Any, Any], Any] | None:
-    """With ``on_oom="split"``, how replica ``i`` runs its share: halved by the method's
-    scatter rules when it runs out of memory, the halves adapted by its ``per_replica``
-    hook and joined by its gather rule, the share being a call of its own (see
-    :mod:`dpmethods.core.oom`); None otherwise."""
+def share_runner(wrapper: Any, ctx: CallContext | None) -> ShareRunner | None:
+    """With ``on_oom="split"``, how replica ``i`` runs its share (see
+    :class:`~dpmethods.core.oom.ShareRunner`), with what fits kept by the wrapper across
+    calls; None otherwise."""
     if ctx is None or wrapper.on_oom != "split":
         return None
-    opts, shares = ctx.options, list(ctx.sizes)
-
-    def run_share(i: int, fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-        n = shares[i] if i < len(shares) else 1
-        return split_on_oom(wrapper.module, ctx.name, opts, fn, wrapper._devices[i],
-                            _fit(wrapper, i, ctx.name), args, kwargs, n, names=ctx.fn)
-
-    return run_share
+    return ShareRunner(wrapper.module, ctx.name, ctx.options, wrapper._devices, wrapper._oom_fits,
+                       list(ctx.sizes), ctx.fn)
 
 
 def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -149,11 +142,5 @@ def run_plain(wrapper: Any, name: str, fn: Callable[..., Any], args: tuple[Any, 
     call = wrapper.module if name == "forward" else fn  # forward: the module's hooks run
     if wrapper.on_oom != "split":
         return call(*args, **kwargs)
-    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu", _fit(wrapper, 0, name),
-                        args, kwargs, names=fn, prepared=False)
-
-
-def _fit(wrapper: Any, i: int, name: str) -> Fit:
-    """What fits in replica ``i``'s memory for method ``name``, kept with the wrapper across
-    calls: one per method, as the methods' needs differ."""
-    return wrapper._oom_fits.setdefault((i, name), Fit())  # type: ignore[no-any-return]
+    return split_on_oom(wrapper.module, name, wrapper._options(name), call, "cpu",
+                        Fit.kept(wrapper._oom_fits, (0, name)), args, kwargs, names=fn, prepared=False)

@@ -1074,7 +1074,7 @@ def test_a_warning_made_an_error_fails_the_batch_it_came_from(contract: dict[str
         with pytest.raises(UserWarning, match="contract: a plain warning") as mapped:
             list(dp.map("warns", [x, x]))
         [yielded, _] = list(dp.map("warns", [x, x], errors="yield"))
-    where = "replica 0" if workers == "threads" else "chunk 0"  # each names where it ran
+    where = "replica 0" if workers == "threads" else "share 0"  # each names where it ran
     assert any(where in n for n in call.value.__notes__), call.value.__notes__
     # Both batches warn: the map fails with whichever finished first.
     assert any(re.search(r"batch [01] on", n) for n in mapped.value.__notes__), mapped.value.__notes__
