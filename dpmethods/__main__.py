@@ -212,7 +212,7 @@ def run_demo(replicas: int = 4, batch: int = 10) -> dict[str, Any]:
     lengths = (ids != -1).sum(-1).tolist()
     with torch.no_grad():
         sizes = dpmethods.parallel.chunk_sizes(batch, replicas)
-        widths = [int(model.generate(chunk).shape[1]) for chunk in x.split(sizes)]
+        widths = [int(model.generate(share).shape[1]) for share in x.split(sizes)]
     print(f"dpmethods.DataParallel(model, device_ids=['cpu'] * {replicas}).encode(x): "
           f"shape {list(got.shape)}, equal to model.encode(x): {encode_equal}")
     print(f"dp.generate(x) (gather='pad', pad_value=-1): shape {list(ids.shape)}, "

@@ -324,7 +324,7 @@ def _ordered_streams(
     for i, (s, c) in enumerate(zip(streams, callers)):
         if s is not None and c is not None and s != c:
             s.wait_stream(c)
-            record_streams((inputs[i], kwargs[i]), s)  # the caller's chunks are read on s
+            record_streams((inputs[i], kwargs[i]), s)  # the caller's shares are read on s
     return streams, callers
 
 

@@ -38,7 +38,7 @@ class MethodOptions:
         pad_value: the fill value of ``"pad"``.
         split: names of arguments whose value is a Python sequence with one entry per
             batch item (a list of images, of target dicts, of sentences); each replica
-            gets the contiguous run of items that lines up with its tensor chunk.
+            gets the contiguous run of items that lines up with its share of the tensors.
         gather_dim: the dimension outputs are joined along, when it differs from ``dim``:
             an int, or a mapping from top-level output key or field name to int (outputs
             not named use ``dim``). ``None`` means ``dim``.

@@ -45,7 +45,7 @@ def reduce(values: Sequence[Any], weights: Sequence[float], device: torch.device
         2.0
     """
     moved = [v.to(device) if isinstance(v, Tensor) else v for v in values]
-    if mean:  # weighted by batch share, so uneven chunks give the full-batch mean
+    if mean:  # weighted by batch share, so uneven shares give the full-batch mean
         moved = [w * v for w, v in zip(weights, moved)]
     total = moved[0]
     for v in moved[1:]:

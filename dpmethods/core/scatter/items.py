@@ -4,7 +4,7 @@ torchvision detection models take a list of images of different sizes and a list
 target dicts; sentence-transformers ``encode`` takes a list of strings; peft takes one
 adapter name per row. Walked as containers, such a list would have every image cut
 along its channel dim, or go whole to one replica. Named in ``split=``, the list is
-cut into contiguous runs of items that line up with the tensor chunks (same balanced
+cut into contiguous runs of items that line up with the tensors' shares (same balanced
 sizes), and the tensors inside each item are moved to its replica's device.
 """
 
@@ -94,7 +94,7 @@ def batch_size(taken: list[_Taken], tensor_batch: int | None, tensor_name: Calla
     return length
 
 
-def _chunk(value: Any, start: int, stop: int, device: torch.device) -> Any:
+def _share(value: Any, start: int, stop: int, device: torch.device) -> Any:
     try:
         part = value[start:stop]
     except (TypeError, KeyError):  # a sequence without slicing
@@ -124,11 +124,11 @@ def put(
     for (args, kwargs), size, device in zip(per_replica, sizes, devices):
         positional, keyword = list(args), dict(kwargs)
         for t in taken:
-            chunk = _chunk(t.value, start, start + size, device)
+            share = _share(t.value, start, start + size, device)
             if isinstance(t.where, int):
-                positional[t.where] = chunk
+                positional[t.where] = share
             else:
-                keyword[t.where] = chunk
+                keyword[t.where] = share
         out.append((tuple(positional), keyword))
         start += size
     return out

@@ -1,10 +1,10 @@
-"""Scatter: split the tensors of a call into balanced chunks, one per device.
+"""Scatter: split the tensors of a call into balanced shares, one per device.
 
-Unlike ``torch.nn.parallel.scatter``, chunks are balanced (sizes differ by at most
+Unlike ``torch.nn.parallel.scatter``, shares are balanced (sizes differ by at most
 one, so every device works when the batch has at least one item per device),
 dataclasses are walked, 0-dim tensors and arguments named in ``broadcast`` go
 whole to every replica, and tensors that disagree on the batch size are an error
-that names them instead of a silent mis-split. Chunks on the source device are
+that names them instead of a silent mis-split. Shares on the source device are
 views (``narrow``) without autograd, and copies connected through autograd with it,
 so a method may update its input in place under autograd as on the bare model. Non-tensor values go to every replica; an iterator
 or generator argument is read once, lazily, and every replica gets an iterator of
@@ -41,7 +41,7 @@ _TENSORS = itertools.repeat(Tensor)
 
 
 def chunk_sizes(batch: int, parts: int) -> list[int]:
-    """Balanced chunk sizes: ``min(batch, parts)`` chunks whose sizes differ by at most 1.
+    """Balanced share sizes: ``min(batch, parts)`` shares whose sizes differ by at most 1.
 
     Args:
         batch: the number of items.
@@ -232,7 +232,7 @@ def _distribute(
 
 
 def scatter(inputs: Any, devices: Sequence[DeviceLike], dim: int = 0) -> list[Any]:
-    """Split every tensor in a nested structure into balanced chunks, one per device.
+    """Split every tensor in a nested structure into balanced shares, one per device.
 
     Tuples, lists, dicts, namedtuples and dataclasses are walked and rebuilt with the
     same type; 0-dim tensors and non-tensor values are given whole to every replica.
@@ -295,7 +295,7 @@ def scatter_call(
             covers all of them) or of extra keyword arguments, that every replica gets whole.
         fn: the function called on each replica; used for argument names.
         split: names of arguments that are Python sequences with one entry per batch
-            item; each replica gets the run of items that lines up with its tensor chunk
+            item; each replica gets the run of items that lines up with its share of the tensors
             (see :mod:`dpmethods.core.scatter.items`).
         scatter_dim: argument names mapped to the dim they are split along, where it is
             not ``dim`` (their batch is moved to ``dim`` for the split, and back).
