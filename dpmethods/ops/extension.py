@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-__all__: list[str] = []
+__all__ = ["BUILD_RECORD", "DISABLE_ENV", "info", "module", "unsupported_reason"]
 
 _log = logging.getLogger("dpmethods")
 
 DISABLE_ENV = "DPMETHODS_DISABLE_EXTENSION"
 BUILD_RECORD = Path(__file__).resolve().parent.parent / "_build_info.json"
-FIX = (
+_FIX = (
     "reinstall dpmethods from its source folder with "
     "`pip install --no-build-isolation -e .`, which compiles it against the torch in use "
     "(without --no-build-isolation pip compiles against a torch it downloads for the build)"
@@ -57,8 +57,8 @@ def _load() -> _State:
         _STATE = _State(None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}")
         _log_once(_STATE, _STATE.reason or "", logging.INFO)
         return _STATE
-    built = recorded_build()
-    reason = mismatch(built)
+    built = _recorded_build()
+    reason = _mismatch(built)
     if reason is None:
         try:
             # Importing the module loads the shared library, whose static
@@ -69,7 +69,7 @@ def _load() -> _State:
         else:
             # A build without a record: the library itself knows its torch version.
             lib: Any = _C
-            reason = mismatch({"torch": lib.torch_version()}) if built is None else None
+            reason = _mismatch({"torch": lib.torch_version()}) if built is None else None
             if reason is None:
                 _STATE = _State(_C, None)
                 return _STATE
@@ -82,16 +82,16 @@ def _import_failure(exc: Exception, built: dict[str, Any] | None) -> str:
     if importlib.util.find_spec("dpmethods._C") is None:
         return (
             "dpmethods._C is not installed (an install with DPMETHODS_SKIP_EXTENSION=1 has "
-            f"none); to build it, {FIX}"
+            f"none); to build it, {_FIX}"
         )
     return (
         f"import of dpmethods._C failed: {type(exc).__name__}: {exc}; it was built against "
         f"torch {_describe(built)}, torch {_describe(_running())} is running; if torch "
-        f"changed since dpmethods was installed, {FIX}"
+        f"changed since dpmethods was installed, {_FIX}"
     )
 
 
-def recorded_build() -> dict[str, Any] | None:
+def _recorded_build() -> dict[str, Any] | None:
     """The torch ``dpmethods._C`` was compiled against, as setup.py recorded it (None: no record)."""
     try:
         record = json.loads(BUILD_RECORD.read_text())
@@ -113,7 +113,7 @@ def _describe(build: dict[str, Any] | None) -> str:
     return f"{build.get('torch')} ({f'CUDA {cuda}' if cuda else 'CPU-only'})"
 
 
-def mismatch(built: dict[str, Any] | None) -> str | None:
+def _mismatch(built: dict[str, Any] | None) -> str | None:
     """Why a library built against ``built`` must not load into the torch running (None: it may).
 
     Compares the keys ``built`` has: ``torch`` (the version) and ``torch_cuda`` (the CUDA
@@ -121,9 +121,9 @@ def mismatch(built: dict[str, Any] | None) -> str | None:
 
     Example:
         >>> import torch
-        >>> mismatch({"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}) is None
+        >>> _mismatch({"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}) is None
         True
-        >>> print(mismatch({"torch": "0.1.0"}))  # doctest: +ELLIPSIS
+        >>> print(_mismatch({"torch": "0.1.0"}))  # doctest: +ELLIPSIS
         dpmethods._C was built against torch 0.1.0, but torch ... is running; reinstall ...
     """
     if built is None:
@@ -133,7 +133,7 @@ def mismatch(built: dict[str, Any] | None) -> str | None:
         return None
     return (
         f"dpmethods._C was built against torch {_describe(built)}, but torch "
-        f"{_describe(running)} is running; {FIX}"
+        f"{_describe(running)} is running; {_FIX}"
     )
 
 
@@ -144,18 +144,22 @@ def _log_once(state: _State, reason: str, level: int) -> None:
 
 
 def module() -> ModuleType | None:
-    """The imported ``dpmethods._C``, or None when the fallback is in use."""
+    """The imported ``dpmethods._C``, or None when the fallback is in use.
+
+    Example:
+        >>> (module() is None) == (info()["in_use"] == "pytorch fallback")
+        True
+    """
     return _load().module
 
 
-def with_cuda() -> bool:
-    """True when the loaded extension has its CUDA kernels compiled in."""
-    mod = _load().module
-    return bool(mod is not None and mod.with_cuda())
-
-
 def unsupported_reason(device: torch.device) -> str | None:
-    """Why the compiled op cannot gather to ``device`` (None when it can); logs once."""
+    """Why the compiled op cannot gather to ``device`` (None when it can); logs once.
+
+    Example:
+        >>> unsupported_reason(torch.device("cpu")) == info()["reason"]
+        True
+    """
     state = _load()
     if state.module is None:
         return state.reason
@@ -172,10 +176,15 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 
 def info() -> dict[str, Any]:
-    """Build and runtime facts; see :func:`dpmethods.ops.extension_info`."""
+    """Build and runtime facts; see :func:`dpmethods.ops.extension_info`.
+
+    Example:
+        >>> info()["torch_runtime"] == str(torch.__version__)
+        True
+    """
     state = _load()
     mod = state.module
-    record = recorded_build() or {}
+    record = _recorded_build() or {}
     archs: list[str] = []
     built: str | None = record.get("torch")
     cuda = False
