@@ -1,8 +1,8 @@
 """The worker processes of ``workers="processes"``: one per device entry, kept with the wrapper.
 
-Each device entry gets a single-worker ``concurrent.futures.ProcessPoolExecutor``
-(``spawn``: never ``fork``, which breaks CUDA and threads). One worker runs its jobs in
-the order they were submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the
+Each device entry gets a :class:`~dpmethods.processes.executor.WorkerExecutor`, a
+``concurrent.futures`` executor of one process (``spawn``: never ``fork``, which breaks
+CUDA and threads). One worker runs its jobs in the order they were submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the
 one the batches after it run on (:func:`~dpmethods.processes.worker.run`), and maps and calls
 share the workers as they share a thread wrapper's replicas: each job has its own
 ``Future``. The first map or call that needs them starts them; the module goes once,
@@ -10,6 +10,10 @@ as one shared-memory copy of its tensors (or each worker builds it with ``factor
 and again when its fingerprint or state digest changed
 (:mod:`~dpmethods.processes.state`): a :class:`~dpmethods.processes.state.Watch` of it
 tells at little cost, before each batch, that nothing changed since the last look.
+
+:meth:`ProcessPool.submit` is a batch's or a chunk's way out: the look at the module
+(sending it again if it changed), the request pickled, the job sent; :meth:`Worker.reply`
+its way back.
 
 A worker that dies (killed, a segfault, out of memory) breaks its executor: every job
 it held fails, with an error naming the worker, its device and its exit code, and the
@@ -20,7 +24,6 @@ interpreter exit shut the executors down: the workers exit through the normal pa
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import logging
 import multiprocessing
@@ -32,7 +35,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection as mp_connection
 from typing import Any
 
@@ -42,7 +44,8 @@ from torch import Tensor, nn
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
-from dpmethods.processes.messages import Done, Load, Warned
+from dpmethods.processes.executor import WorkerExecutor
+from dpmethods.processes.messages import Done, Load, Request, Warned
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
 from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import Watch, state_digest
@@ -81,6 +84,10 @@ class WorkerDiedError(RuntimeError):
         self.what = what
 
 
+class Unsendable(TypeError):
+    """A request that cannot be pickled for a worker; its ``__cause__`` is pickling's error."""
+
+
 def check_workers(value: Any, name: str = "workers") -> str:
     """``value`` if it is ``"threads"`` or ``"processes"``; else a ``ValueError``.
 
@@ -107,68 +114,15 @@ def check_not_in_spawned_main() -> None:
         raise SystemExit(UNGUARDED_MAIN_EXIT)
 
 
-class _Jobs:
-    """A worker's jobs in the order it runs them (a single-worker executor runs them in
-    turn, whichever map or call sent them), and since when the first unfinished one runs."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.queue: collections.deque[cf.Future[Any]] = collections.deque()
-        self.since = time.monotonic()
-
-    def add(self, future: cf.Future[Any]) -> None:
-        with self.lock:
-            if not self.queue:
-                self.since = time.monotonic()  # an idle worker starts it now
-            self.queue.append(future)
-        future.add_done_callback(self._done)  # on the executor's thread, or a cancelling one
-
-    def _done(self, _: cf.Future[Any]) -> None:
-        with self.lock:
-            first = self.queue[0] if self.queue else None
-            while self.queue and self.queue[0].done():  # a job cancelled while queued never ran
-                self.queue.popleft()
-            if self.queue and self.queue[0] is not first:
-                self.since = time.monotonic()  # the next one starts as the one before it ends
-
-    def started(self, future: cf.Future[Any]) -> float | None:
-        with self.lock:
-            return self.since if self.queue and self.queue[0] is future else None
-
-
-class _Spawn:
-    """The ``spawn`` context, keeping the process it starts for one executor: its exit
-    code says how a worker died, and it is what ``close()`` waits for."""
-
-    def __init__(self) -> None:
-        self._context = torch.multiprocessing.get_context("spawn")
-        self.processes: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-    def Process(self, *args: Any, **kwargs: Any) -> Any:
-        process = self._context.Process(*args, **kwargs)
-        self.processes.append(process)
-        return process
-
-
 class Worker:
     """One device entry's worker: its executor and process, and the model it holds."""
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index, self.device = index, device
-        self.executor: cf.ProcessPoolExecutor | None = None
-        self.spawn: _Spawn | None = None  # what started the executor's process
+        self.executor: WorkerExecutor | None = None
+        self.process: Any = None  # its multiprocessing process; None before start and after close
         self.pid: int | None = None  # as the worker told it, answering its model
         self.key: Any = None  # what model it holds; None until it answered the load
-        self.jobs = _Jobs()
-
-    @property
-    def process(self) -> Any:
-        """The worker's process (a ``multiprocessing`` process), or None before it started."""
-        started = self.spawn.processes if self.spawn is not None else []
-        return started[-1] if started else None
 
     def describe(self) -> str:
         # Told by the worker once it answered its model; before, the spawned process's.
@@ -180,45 +134,40 @@ class Worker:
         return self.executor is not None and process is not None and process.is_alive()
 
     def kill(self) -> None:
-        """Kill the worker's process (SIGKILL); its executor then breaks."""
+        """Kill the worker's process (SIGKILL); its jobs then fail."""
         process = self.process
         if process is not None:
             process.kill()
 
     def start(self, threads: int) -> None:
-        self.spawn = _Spawn()
-        self.executor = cf.ProcessPoolExecutor(
-            1, mp_context=self.spawn, initializer=process_worker.init, initargs=(str(self.device), threads)  # type: ignore[call-overload]
-        )
-        self.key, self.pid, self.jobs = None, None, _Jobs()
-        # The executor starts its process with the first job. The child's OpenMP reads
-        # OMP_NUM_THREADS when it imports torch, long before the initializer runs: left
-        # unset, every worker's imports run on all cores at once. A user's own setting is kept.
+        self.key, self.pid = None, None
+        # The child's OpenMP reads OMP_NUM_THREADS when it imports torch, long before
+        # init runs: left unset, every worker's imports run on all cores at once. A
+        # user's own setting is kept.
         unset = "OMP_NUM_THREADS" not in os.environ
         if unset:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
-            self.jobs.add(self.executor.submit(int))
+            self.executor = WorkerExecutor(torch.multiprocessing.get_context("spawn"), process_worker.init,
+                                           (str(self.device), threads), f"dpmethods-worker-{self.index}")
         finally:
             if unset:
                 os.environ.pop("OMP_NUM_THREADS", None)
-        if self.process is not None:
-            self.process.name = f"dpmethods-worker-{self.index}"
+        self.process = self.executor.process
 
     def submit(self, fn: Callable[[bytes], bytes], data: bytes) -> cf.Future[bytes]:
         if self.executor is None:
             raise self.died()
         try:
-            future = self.executor.submit(fn, data)
-        except (BrokenProcessPool, RuntimeError):  # broken, or shut down by close()
+            return self.executor.submit(fn, data)
+        except RuntimeError:  # broken (cf.BrokenExecutor), or shut down by close()
             raise self.died() from None
-        self.jobs.add(future)
-        return future
 
     def started(self, future: cf.Future[bytes]) -> float | None:
         """When this worker started running ``future``'s job (``time.monotonic()``), or
         None while it is queued behind another job (of any map or call) or finished."""
-        return self.jobs.started(future)
+        executor = self.executor
+        return executor.started(future) if executor is not None else None
 
     def died(self) -> WorkerDiedError:
         """The error for this worker being gone, with its exit code."""
@@ -250,7 +199,7 @@ class Worker:
         or ``running`` (the worker died) in its note."""
         try:
             data = future.result()
-        except (BrokenProcessPool, cf.CancelledError):
+        except (cf.BrokenExecutor, cf.CancelledError):
             raise add_note(self.died(), f"dpmethods: while running {running}; the next map or "
                            "call starts a fresh worker") from None
         msg = loads(data)
@@ -283,6 +232,8 @@ def give_warnings(warned: Sequence[Warned]) -> None:
 
 def received(obj: Any, device: torch.device | None) -> Any:
     """An output as the caller keeps it: on ``device``, and owning its CUDA memory."""
+    if device is None and type(obj) is Tensor and not obj.is_cuda:
+        return obj  # a CPU tensor, where it is
     spec, leaves = _tree.flatten(obj)
     if not any(isinstance(t, Tensor) for t in leaves):
         return obj
@@ -310,9 +261,9 @@ def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
     procs: list[Any] = []
     for w in workers:
         if w.executor is not None:
-            procs += w.spawn.processes if w.spawn is not None else []
-            w.executor.shutdown(wait=False, cancel_futures=True)
-        w.executor = w.spawn = w.pid = w.key = None
+            procs.append(w.process)
+            w.executor.shutdown(wait=False)
+        w.executor = w.process = w.pid = w.key = None
     deadline = time.monotonic() + grace
     for p in procs:
         if _reaped(p, max(0.0, deadline - time.monotonic())) is None:
@@ -325,8 +276,9 @@ def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
 def _reaped(process: Any, timeout: float | None) -> int | None:
     """``process``'s exit code once it exited within ``timeout``, else None.
 
-    The executor's own thread joins its worker too, and only one of two ``waitpid`` gets
-    the status: the other sees the process as running until the first has stored it.
+    Two threads may join one worker (two of its replies read at once), and only one of
+    two ``waitpid`` gets the status: the other sees the process as running until the
+    first has stored it.
     """
     process.join(timeout)
     end = time.monotonic() + 1.0
@@ -364,6 +316,21 @@ class ProcessPool:
 
     def started(self) -> bool:
         return any(w.executor is not None for w in self.workers)
+
+    def submit(self, slot: int, request: Request, module: nn.Module | None = None) -> cf.Future[bytes]:
+        """Send ``request`` to worker ``slot``; with ``module``, the workers get it again
+        first if it changed since the last look (a map's batch).
+
+        Raises :class:`Unsendable` (pickling's error its cause) for a request that cannot
+        be pickled, :class:`WorkerDiedError` for a worker that is gone.
+        """
+        if module is not None and not self._current(module):  # the look, with no lock while unchanged
+            self.prepare(module, start=False)
+        try:
+            data = dumps(request)
+        except Exception as exc:
+            raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
+        return self.workers[slot].submit(process_worker.run, data)
 
     def close(self) -> None:
         """Stop every worker; the next :meth:`prepare` starts fresh ones."""
