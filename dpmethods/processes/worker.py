@@ -252,6 +252,18 @@ def load(data: bytes) -> bytes:
         return _job(data, body)
 
 
+def _seed(seed: int) -> None:
+    """Seed the generators this worker's methods draw from: the CPU's and its device's.
+
+    Not ``torch.manual_seed``: it also queues a seeding of every CUDA device, with the
+    stack it was called from formatted, for a CUDA that is not initialized, which costs
+    a CPU worker more than a small batch.
+    """
+    torch.default_generator.manual_seed(seed)
+    if _device.type != "cpu":
+        torch.get_device_module(_device).manual_seed(seed)
+
+
 def run(data: bytes) -> bytes:
     """Run a :class:`~dpmethods.processes.messages.Request` on the model; with its
     ``oom`` a batch that runs out of memory is split by the method's options, the memory
@@ -264,7 +276,7 @@ def run(data: bytes) -> bytes:
         if _device.type == "cuda":
             args, kwargs = move((args, kwargs), _device)
         if seed is not None:
-            torch.manual_seed(seed)
+            _seed(seed)
         fn = _model if method == "forward" else getattr(_model, method)
         with msg.state.applied(), split_call(msg.split):
             if oom is None:
