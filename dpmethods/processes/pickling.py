@@ -26,7 +26,7 @@ import pickle
 import types
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.multiprocessing  # registers torch's reductions with ForkingPickler
@@ -144,8 +144,8 @@ class _IOPickler(pickle.Pickler):
     it for each message.
     """
 
-    dispatch_table: dict[Any, Any] = {}
-    _sources = (-1, -1)
+    dispatch_table: dict[Any, Any] = {}  # noqa: RUF012 - replaced whole, never changed in place
+    _sources: ClassVar[tuple[int, int]] = (-1, -1)
 
 
 def _io_pickler() -> type[_IOPickler]:

@@ -1,9 +1,10 @@
 """The worker processes of ``workers="processes"``: one per device entry, kept with the wrapper.
 
 Each device entry gets a :class:`~dpmethods.processes.executor.WorkerExecutor`, a
-``concurrent.futures`` executor of one process (``spawn``: never ``fork``, which breaks
-CUDA and threads). One worker runs its jobs in the order they were submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the
-one the batches after it run on (:func:`~dpmethods.processes.worker.run`), and maps and calls
+``concurrent.futures`` executor of one process (started from a fork server, or
+spawned: :func:`start_method`). One worker runs its jobs in the order they were
+submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the one the
+batches after it run on (:func:`~dpmethods.processes.worker.run`), and maps and calls
 share the workers as they share a thread wrapper's replicas: each job has its own
 ``Future``. The first map or call that needs them starts them; the module goes once,
 as one shared-memory copy of its tensors (or each worker builds it with ``factory``),
@@ -58,18 +59,19 @@ __all__: list[str] = []
 
 WORKERS = ("threads", "processes")
 _LOG = logging.getLogger("dpmethods")
+_PRELOAD = ["torch", "dpmethods.processes.worker"]  # what the fork server imports once
 _STOP_S = 3.0  # how long close() lets busy workers finish before terminating them
 UNGUARDED_MAIN_EXIT = 86  # a worker that found itself running an unguarded main module
 _UNGUARDED = "without `if __name__ == \"__main__\":`"
 _MODEL_HINT = (
     "while building its model (a class defined in __main__ of an interactive session, or "
-    "inside `if __name__ == \"__main__\":`, cannot be imported by a spawned process: define "
+    "inside `if __name__ == \"__main__\":`, cannot be imported by a worker process: define "
     "it at the top level of a module, or pass factory=, or use workers='threads')"
 )
 _START_HINT = (
     "dpmethods: a worker that dies while it starts has usually failed in multiprocessing's "
-    "spawn start-up (its traceback is on stderr, above): spawn runs the main module again "
-    "in each worker, so a script must start its work under `if __name__ == \"__main__\":`, "
+    "start-up (its traceback is on stderr, above): each worker runs the main module again, "
+    "so a script must start its work under `if __name__ == \"__main__\":`, "
     "and a program read from stdin cannot be run again; run it from a file with that guard, "
     "or use workers='threads'"
 )
@@ -105,13 +107,43 @@ def check_workers(value: Any, name: str = "workers") -> str:
 def check_not_in_spawned_main() -> None:
     """Leave a worker process quietly if it is running an unguarded script's main module.
 
-    ``spawn`` runs the script's main module again in each worker; a script without the
+    Each worker runs the script's main module again; a script without the
     main guard then reaches its map or call again there, whose own workers
     multiprocessing would refuse to start (a traceback from each worker). The worker
-    exits instead, and the caller's error says why.
+    exits instead, with :data:`UNGUARDED_MAIN_EXIT`, and the caller's error says why.
+    Not through SystemExit: a fork server's child that raises it while it starts
+    leaves with exit code 1.
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SystemExit(UNGUARDED_MAIN_EXIT)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()  # what the script printed before, as a normal exit would
+            except Exception:
+                pass
+        os._exit(UNGUARDED_MAIN_EXIT)
+
+
+def start_method() -> Any:
+    """The ``multiprocessing`` context workers start from: ``forkserver`` where the
+    platform has it (Linux, macOS), else ``spawn``; never ``fork``, which breaks CUDA
+    and threads.
+
+    The fork server is a fresh interpreter that imports torch and dpmethods' worker
+    once, then forks each worker from that state (never initializing CUDA): a worker
+    starts in a fraction of a second, where a spawned one imports torch itself (about a
+    second of CPU each). Either way each worker imports the script's main module again
+    (not the server: :data:`_PRELOAD` leaves ``__main__`` out), and gets the caller's
+    environment as it is at the worker's start (:func:`~dpmethods.processes.worker.init`).
+
+    Example:
+        >>> start_method().get_start_method() in ("forkserver", "spawn")
+        True
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first worker)
+    return context
 
 
 class Worker:
@@ -125,13 +157,13 @@ class Worker:
         self.key: Any = None  # what model it holds; None until it answered the load
 
     def describe(self) -> str:
-        # Told by the worker once it answered its model; before, the spawned process's.
+        # Told by the worker once it answered its model; before, the started process's.
         pid = self.pid if self.pid is not None or self.process is None else self.process.pid
         return f"worker {self.index} (pid {pid}, device {self.device})"
 
     def usable(self) -> bool:
         process = self.process
-        return self.executor is not None and process is not None and process.is_alive()
+        return self.executor is not None and process is not None and _exit_code(process) is None
 
     def kill(self) -> None:
         """Kill the worker's process (SIGKILL); its jobs then fail."""
@@ -148,8 +180,9 @@ class Worker:
         if unset:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
-            self.executor = WorkerExecutor(torch.multiprocessing.get_context("spawn"), process_worker.init,
-                                           (str(self.device), threads), f"dpmethods-worker-{self.index}")
+            self.executor = WorkerExecutor(start_method(), process_worker.init,
+                                           (str(self.device), threads, dict(os.environ)),
+                                           f"dpmethods-worker-{self.index}")
         finally:
             if unset:
                 os.environ.pop("OMP_NUM_THREADS", None)
@@ -179,7 +212,7 @@ class Worker:
         if code == UNGUARDED_MAIN_EXIT:
             return WorkerDiedError(
                 f"DataParallel(workers='processes'): {self.describe()} stopped while starting: "
-                f"spawn runs the script's main module again in each worker, and this script "
+                f"each worker runs the script's main module again, and this script "
                 f"starts its work {_UNGUARDED}, so it reached DataParallel again there. Start "
                 f"the script's work under that guard (a program read from stdin cannot use "
                 f"processes), or use workers='threads'"
@@ -273,18 +306,31 @@ def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
                 _reaped(p, None)
 
 
-def _reaped(process: Any, timeout: float | None) -> int | None:
-    """``process``'s exit code once it exited within ``timeout``, else None.
+_POLLS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_POLLS_LOCK = threading.Lock()
 
-    Two threads may join one worker (two of its replies read at once), and only one of
-    two ``waitpid`` gets the status: the other sees the process as running until the
-    first has stored it.
-    """
-    process.join(timeout)
+
+def _exit_code(process: Any) -> int | None:
+    """``process.exitcode``, read by one thread at a time: a forkserver's child's status
+    comes once through a pipe (two reads at once lose it), and of two ``waitpid`` of a
+    spawned one only one gets it."""
+    with _POLLS_LOCK:
+        lock = _POLLS.setdefault(process, threading.Lock())
+    with lock:
+        code = process.exitcode
+        if code is not None:
+            process.join(0)  # status stored: multiprocessing forgets the child
+        return code  # type: ignore[no-any-return]
+
+
+def _reaped(process: Any, timeout: float | None) -> int | None:
+    """``process``'s exit code once it exited within ``timeout``, else None."""
+    if not mp_connection.wait([process.sentinel], timeout):
+        return None
     end = time.monotonic() + 1.0
-    while process.exitcode is None and time.monotonic() < end and mp_connection.wait([process.sentinel], 0):
-        time.sleep(0.005)  # it exited (its sentinel is ready); the other thread stores its status
-    return process.exitcode  # type: ignore[no-any-return]
+    while (code := _exit_code(process)) is None and time.monotonic() < end:
+        time.sleep(0.005)  # exited (its sentinel is ready); a poll of multiprocessing's own stores it
+    return code
 
 
 class ProcessPool:
@@ -381,7 +427,8 @@ class ProcessPool:
             if not fresh:
                 return 0.0
             elapsed = time.perf_counter() - t0
-            _LOG.debug("dpmethods: started %d worker processes (spawn) in %.2f s", len(fresh), elapsed)
+            _LOG.debug("dpmethods: started %d worker processes (%s) in %.2f s", len(fresh),
+                       start_method().get_start_method(), elapsed)
             return elapsed
 
     def _current(self, module: nn.Module) -> bool:

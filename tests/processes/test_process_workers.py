@@ -748,7 +748,7 @@ if __name__ == "__main__":
 
 
 def _run_script(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    """``text`` run as a script file of its own (spawn needs a main module it can import)."""
+    """``text`` run as a script file of its own (a worker needs a main module it can import)."""
     script = tmp_path / "script.py"
     script.write_text(text)
     # dpmethods as this test imported it: installed, or built in place (CI's torch 2.11 leg).
@@ -839,7 +839,7 @@ with torch.no_grad():
 
 
 def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Path) -> None:
-    # spawn runs the main module again in each worker: unguarded, each worker reaches the
+    # Each worker runs the main module again: unguarded, each worker reaches the
     # map again. It leaves quietly; the caller's one error says why.
     run = _run_script(tmp_path, _UNGUARDED_SCRIPT)
     assert run.returncode == 1
@@ -847,8 +847,8 @@ def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Pa
     assert "it/s" not in run.stderr and "batch/s" not in run.stderr, run.stderr  # no progress bar
     last = run.stderr[run.stderr.index("Traceback"):]
     assert re.search(r"WorkerDiedError: DataParallel\(workers='processes'\): worker [01] "
-                     r"\(pid \d+, device cpu\) stopped while starting: spawn runs the script's "
-                     r"main module again in each worker, and this script starts its work without "
+                     r"\(pid \d+, device cpu\) stopped while starting: each worker runs the "
+                     r"script's main module again, and this script starts its work without "
                      r"`if __name__ == \"__main__\":`", last), run.stderr
     assert "or use workers='threads'" in last
     assert "while running the construction of its model" not in run.stderr
@@ -873,7 +873,7 @@ def test_a_model_class_the_workers_cannot_import_is_named(tmp_path: Path) -> Non
     assert run.returncode == 1
     assert "AttributeError: Can't get attribute 'Net'" in run.stderr, run.stderr
     assert ("raised while building its model (a class defined in __main__ of an interactive "
-            "session, or inside `if __name__ == \"__main__\":`, cannot be imported by a spawned "
+            "session, or inside `if __name__ == \"__main__\":`, cannot be imported by a worker "
             "process: define it at the top level of a module, or pass factory=, or use "
             "workers='threads')") in run.stderr
 
