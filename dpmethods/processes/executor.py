@@ -4,42 +4,39 @@ Data flow::
 
   caller                                           |  the worker process
                                                    |
-  submit(fn, *args) on the caller's thread:       |
+  submit(fn, *args) on the caller's thread:        |
     under the send lock, the Future joins the      |
     FIFO of pending ones, and (fn, args) is        |
-    sent as one frame -----------------------------+--> receiver thread: reads every
-                                                   |    frame at once into a local queue
-                                                   |    (so a send never waits for a
-                                                   |    busy worker)
-                                                   |         |
-                                                   |         v
-                                                   |    main thread: runs the jobs in
-                                                   |    turn: what fn(*args) returns, or
-                                                   |    the exception it raised (any
-  reader thread: each reply resolves the oldest <--+--- BaseException: SystemExit too)
+    written as one frame, without waiting ---------+--> main thread: reads a frame,
+    (what the pipe cannot take at once goes,       |    runs the job: what fn(*args)
+    in order, to a sender thread that waits        |    returns, or the exception it
+    for room: a busy worker never blocks submit)   |    raised (any BaseException:
+                                                   |    SystemExit too), and sends the
+  reader thread: each reply resolves the oldest <--+--- reply; then the next frame
     pending Future (its done callbacks run here);  |
     end of file or the process gone: every         |
     pending Future fails with BrokenExecutor       |
 
 A job is sent at once and cannot be cancelled: its Future is running from ``submit``.
-``shutdown()`` sends a stop frame: the worker finishes the job it runs, skips the ones
-it holds, and leaves through the normal exit path; their Futures fail when its end of
-the pipe closes.
+``shutdown()`` sends a stop frame: the worker runs the jobs sent before it, then
+leaves through the normal exit path.
 
 Not ``concurrent.futures.ProcessPoolExecutor``: its management thread and its queue's
 feeder thread take several thread switches per job in the caller (about 0.2 ms of CPU
-on a 2-core host, twice a thread replica's whole batch), where one send on the
-caller's thread and one reader thread cost a few tens of microseconds.
+on a 2-core host, twice a thread replica's whole batch), where a write on the caller's
+thread and one reader thread cost a few tens of microseconds; and the worker reads its
+jobs on the thread that runs them, with no thread switch either.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import os
 import pickle
-import queue
 import select
-import signal
+import socket
+import struct
 import threading
 import time
 import weakref
@@ -82,8 +79,9 @@ class WorkerExecutor(cf.Executor):
         self.process.start()
         theirs.close()  # the worker's end lives in the worker only: its exit is our end of file
         self._conn = ours
+        self._out = _Outbox(ours, name)
         _LIVE.add(self)
-        weakref.finalize(self, _send_stop, ours)  # dropped without shutdown(): the worker leaves
+        weakref.finalize(self, self._out.last, _STOP)  # dropped without shutdown(): the worker leaves
         threading.Thread(target=_read, args=(weakref.ref(self), ours, self.process.sentinel),
                          name=f"{name}-reader", daemon=True).start()
 
@@ -102,11 +100,16 @@ class WorkerExecutor(cf.Executor):
                 self._since = time.monotonic()  # an idle worker starts it now
             self._pending.append(future)
             try:
-                self._conn.send_bytes(frame)
+                self._out.send(frame)
             except OSError:
                 self._pending.pop()
                 raise cf.BrokenExecutor(f"{self.process.name} is gone (exit code {self.process.exitcode})") from None
         return future
+
+    def pending(self) -> list[cf.Future[Any]]:
+        """The Futures of the jobs sent and not answered yet, in order."""
+        with self._send_lock:
+            return list(self._pending)
 
     def started(self, future: cf.Future[Any]) -> float | None:
         """When the worker started ``future``'s job (``time.monotonic()``), or None while
@@ -117,13 +120,10 @@ class WorkerExecutor(cf.Executor):
             return None
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Tell the worker to leave after the job it runs; ``wait``: join it."""
+        """Tell the worker to leave after the jobs sent; ``wait``: join it."""
         with self._send_lock:
             if not self._shutdown and not self._broken:
-                try:
-                    self._conn.send_bytes(_STOP)
-                except OSError:
-                    pass
+                self._out.last(_STOP)
             self._shutdown = True
         if wait:
             self.process.join()
@@ -142,9 +142,101 @@ class WorkerExecutor(cf.Executor):
             self._broken = True
             failed = list(self._pending)
             self._pending.clear()
+        self._out.close()
         self._conn.close()
         for future in failed:
             future.set_exception(cf.BrokenExecutor(f"{self.process.name} is gone"))
+
+
+class _Outbox:
+    """The caller's end of the pipe for sending: each frame written at once from the
+    thread that sends it, as far as the pipe takes it without waiting; the rest, and
+    every frame after it while any is left, written by a sender thread (started when
+    first needed) that waits for room. Frames go in the order sent; called under the
+    executor's send lock."""
+
+    def __init__(self, conn: Any, name: str) -> None:
+        self._conn, self._name = conn, name
+        self._socket: socket.socket | None = None
+        if hasattr(socket, "MSG_DONTWAIT") and hasattr(socket, "AF_UNIX"):  # else every frame waits its turn
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(conn.fileno()))
+        self._left: collections.deque[Any] = collections.deque()  # for the sender thread, in order
+        self._ready = threading.Condition(threading.Lock())
+        self._sender: threading.Thread | None = None
+        self._failed: OSError | None = None  # set once closed: a send raises it
+        self._closing = False
+
+    def send(self, frame: bytes) -> None:
+        """``frame`` with its length in front (as ``Connection.recv_bytes`` reads it)."""
+        n = len(frame)
+        data: Any = frame  # as it is where Connection.send_bytes writes it (Windows)
+        if self._socket is not None:
+            data = memoryview(struct.pack("!i", n) + frame if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n) + frame)
+        with self._ready:
+            if self._failed is not None:
+                raise self._failed
+            if not self._left and self._socket is not None:
+                try:
+                    data = data[self._socket.send(data, socket.MSG_DONTWAIT):]
+                except BlockingIOError:
+                    pass
+                if not data:
+                    return
+            self._left.append(data)
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._drain, name=f"{self._name}-sender", daemon=True)
+                self._sender.start()
+            self._ready.notify()
+
+    def last(self, frame: bytes) -> None:
+        """Send ``frame``, then close once everything is written."""
+        try:
+            self.send(frame)
+        except OSError:
+            pass
+        with self._ready:
+            self._closing = True
+            if self._sender is None:
+                self._close()
+            else:
+                self._ready.notify()
+
+    def _drain(self) -> None:
+        while True:
+            with self._ready:
+                while not self._left and not self._closing:
+                    self._ready.wait()
+                if not self._left:  # closing, and everything is written
+                    self._close()
+                    return
+                data = self._left[0]  # stays first while it is written: later frames queue behind
+            try:
+                if self._socket is not None:
+                    self._socket.sendall(data)
+                else:  # pragma: no cover - Windows
+                    self._conn.send_bytes(data)
+            except OSError as exc:  # the worker is gone: the reader fails its Futures
+                with self._ready:
+                    self._failed = exc
+                    self._left.clear()
+                    self._close()
+                return
+            with self._ready:
+                self._left.popleft()
+
+    def close(self) -> None:
+        """Close at once: the worker is gone, whatever is left unsent is dropped."""
+        with self._ready:
+            self._failed = self._failed or OSError("the worker is gone")
+            self._left.clear()
+            self._closing = True
+            self._close()
+            self._ready.notify()
+
+    def _close(self) -> None:  # under self._ready
+        self._failed = self._failed or OSError("sent its last frame")
+        if self._socket is not None:
+            self._socket.close()
 
 
 def _readable(conn: Any, sentinel: int) -> Callable[[], bool]:
@@ -180,13 +272,6 @@ def _read(ref: weakref.ref[WorkerExecutor], conn: Any, sentinel: int) -> None:
         executor._break()
 
 
-def _send_stop(conn: Any) -> None:
-    try:
-        conn.send_bytes(_STOP)
-    except OSError:
-        pass
-
-
 def stop_all_at_exit() -> None:
     """Send every live executor its stop frame (before ``multiprocessing`` joins its
     children at interpreter exit, which would wait for workers that wait for a job)."""
@@ -197,35 +282,21 @@ def stop_all_at_exit() -> None:
 threading._register_atexit(stop_all_at_exit)  # type: ignore[attr-defined]
 
 
-def _receive(conn: Any, jobs: queue.SimpleQueue[bytes | None], stopping: threading.Event) -> None:
-    """The worker's receiver thread: every frame into ``jobs`` as it arrives."""
-    if hasattr(signal, "pthread_sigmask"):  # signals go to the main thread, which handles them
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    try:
-        while True:
-            frame = conn.recv_bytes()
-            if frame == _STOP:
-                stopping.set()
-                break
-            jobs.put(frame)
-    except (EOFError, OSError):  # the caller is gone
-        stopping.set()
-    jobs.put(None)
-
-
 def serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
-    """The worker process: set up, then run each job and send its reply, until told to stop.
+    """The worker process: set up, then read each job, run it and send its reply, until
+    told to stop (or the caller is gone).
 
     A job's exception, any ``BaseException`` (a SystemExit from SIGTERM during a job
-    among them), is its reply; the worker takes its next job.
+    among them), is its reply; the worker takes its next job. A SIGTERM while it waits
+    for a job ends the wait with SystemExit: the normal exit path.
     """
     initializer(*initargs)
-    jobs: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-    stopping = threading.Event()
-    threading.Thread(target=_receive, args=(conn, jobs, stopping), name="dpmethods-receiver", daemon=True).start()
     while True:
-        frame = jobs.get()
-        if frame is None or stopping.is_set():
+        try:
+            frame = conn.recv_bytes()
+        except (EOFError, OSError):  # the caller is gone
+            return
+        if frame == _STOP:
             return
         try:
             fn, args, kwargs = pickle.loads(frame)
