@@ -265,8 +265,8 @@ def give_warnings(warned: Sequence[Warned]) -> None:
 
 def received(obj: Any, device: torch.device | None) -> Any:
     """An output as the caller keeps it: on ``device``, and owning its CUDA memory."""
-    if device is None and type(obj) is Tensor and not obj.is_cuda:
-        return obj  # a CPU tensor, where it is
+    if type(obj) is Tensor and not obj.is_cuda and (device is None or obj.device == device):
+        return obj  # one tensor, where it goes already
     spec, leaves = _tree.flatten(obj)
     if not any(isinstance(t, Tensor) for t in leaves):
         return obj
