@@ -44,7 +44,7 @@ from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["WorkerExecutor", "serve"]
+__all__ = ["WorkerExecutor"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -75,7 +75,7 @@ class WorkerExecutor(cf.Executor):
         self._broken = False
         self._shutdown = False
         ours, theirs = context.Pipe(duplex=True)
-        self.process = context.Process(target=serve, args=(theirs, initializer, initargs), name=name)
+        self.process = context.Process(target=_serve, args=(theirs, initializer, initargs), name=name)
         self.process.start()
         theirs.close()  # the worker's end lives in the worker only: its exit is our end of file
         self._conn = ours
@@ -272,17 +272,17 @@ def _read(ref: weakref.ref[WorkerExecutor], conn: Any, sentinel: int) -> None:
         executor._break()
 
 
-def stop_all_at_exit() -> None:
+def _stop_all_at_exit() -> None:
     """Send every live executor its stop frame (before ``multiprocessing`` joins its
     children at interpreter exit, which would wait for workers that wait for a job)."""
     for executor in list(_LIVE):
         executor.shutdown(wait=False)
 
 
-threading._register_atexit(stop_all_at_exit)  # type: ignore[attr-defined]
+threading._register_atexit(_stop_all_at_exit)  # type: ignore[attr-defined]
 
 
-def serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
+def _serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
     """The worker process: set up, then read each job, run it and send its reply, until
     told to stop (or the caller is gone).
 
