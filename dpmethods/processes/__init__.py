@@ -1,8 +1,11 @@
-"""Worker processes for ``workers="processes"``: one per device entry, on a standard
-executor, running the calls and map batches that the threads would run in the caller.
+"""Worker processes for ``workers="processes"``: one per device entry, each behind a
+``concurrent.futures`` executor, running the calls and map batches that the threads
+would run in the caller.
 
+- :mod:`~dpmethods.processes.executor`: a worker's ``concurrent.futures`` executor (one
+  process, one pipe, a reader thread);
 - :mod:`~dpmethods.processes.pool`: the workers' lifecycle (start, model updates, death,
-  ``close()``);
+  ``close()``), a batch's or share's way out and its reply read back;
 - :mod:`~dpmethods.processes.worker`: what runs inside a worker;
 - :mod:`~dpmethods.processes.messages`: the records that cross (a request, a reply, a warning);
 - :mod:`~dpmethods.processes.pickling`: how what crosses the process boundary is pickled;

@@ -14,10 +14,9 @@ from torch import nn
 
 from dpmethods.core.parallel_apply import ThreadState
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.processes import worker as process_worker
 from dpmethods.processes.messages import Request, Split
-from dpmethods.processes.pickling import dumps, unsendable_options
-from dpmethods.processes.pool import ProcessPool, drain, received
+from dpmethods.processes.pickling import unsendable_options
+from dpmethods.processes.pool import ProcessPool, Unsendable, drain, received
 from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["call_shares", "check_sendable"]
@@ -51,16 +50,16 @@ def call_shares(
     futures = []
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):
+            request = Request(name, tuple(a), dict(k), state, replica_seed(seed, w.index), part,
+                              None if oom is None else Split("calls", oom, prepared=True))
             try:
-                data = dumps(Request(name, tuple(a), dict(k), state, replica_seed(seed, w.index), part,
-                                     None if oom is None else Split("calls", oom, prepared=True)))
-            except Exception as exc:
+                futures.append((w, pool.submit(w.index, request)))
+            except Unsendable as exc:
                 check_sendable(oom, f"DataParallel.{name}(workers='processes', on_oom='split')", name)
                 raise TypeError(
                     f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
-                    f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
-                ) from exc
-            futures.append((w, w.submit(process_worker.run, data)))
+                    f"to a worker process: {exc}; use workers='threads'"
+                ) from exc.__cause__
         return [received(w.reply(f, f"DataParallel.{name}: raised in share {w.index}",
                                  f"share {w.index} of DataParallel.{name}"), None) for w, f in futures]
     finally:

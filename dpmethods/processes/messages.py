@@ -15,7 +15,7 @@ Each record is pickled by :func:`~dpmethods.processes.pickling.dumps` (tensors i
 or in shared memory) and is the whole message: a failure is a reply, never an
 exception of the executor, so any exception comes back with its type, notes and
 traceback text. :class:`Warned` is one warning a job raised, given again in the caller
-(:func:`~dpmethods.processes.pool.read_reply`).
+(:meth:`~dpmethods.processes.pool.Worker.reply`).
 """
 
 from __future__ import annotations

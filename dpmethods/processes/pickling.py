@@ -19,13 +19,14 @@ searched for the attribute, hook or value that fails (:func:`unpicklable`).
 
 from __future__ import annotations
 
+import copyreg
 import dataclasses
 import io
 import pickle
 import types
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.multiprocessing  # registers torch's reductions with ForkingPickler
@@ -75,6 +76,13 @@ def _dense_stride(t: Tensor) -> tuple[int, ...]:
 
 
 def _inline(t: Tensor) -> tuple[Any, ...]:
+    if t.is_contiguous():  # its elements in order: read as they are, no copy first
+        try:
+            data = t.detach().numpy().tobytes()
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), a conj or neg bit
+            pass
+        else:
+            return (_rebuild_inline, (type(t), data, t.dtype, t.shape, t.requires_grad and t.is_leaf, t.stride()))
     dense = _dense(t)
     data = b""
     if dense.numel():
@@ -121,11 +129,33 @@ class OutputRequiresGrad(RuntimeError):
     """An output holds a tensor that requires grad: its graph cannot cross processes."""
 
 
-class _IOPickler(ForkingPickler):
-    """Batches, outputs and messages: small CPU tensors inline, large ones in shared memory."""
+def _reduce_plain(t: Tensor) -> Any:
+    """A ``Tensor`` or ``Parameter`` (exactly) in a batch, an output or a message."""
+    reduced = _io_reduce(t)
+    return reduce_tensor(t) if reduced is NotImplemented else reduced  # torch's own for the rest
 
-    def reducer_override(self, obj: Any) -> Any:
-        return _io_reduce(obj)
+
+class _IOPickler(pickle.Pickler):
+    """Batches, outputs and messages: small CPU tensors inline, large ones in shared
+    memory; every other object as ``ForkingPickler`` pickles it.
+
+    Its dispatch table (copyreg's, ``ForkingPickler``'s reductions and the tensors') is
+    made once, and again when a reduction is registered, where ``ForkingPickler`` copies
+    it for each message.
+    """
+
+    dispatch_table: dict[Any, Any] = {}  # noqa: RUF012 - replaced whole, never changed in place
+    _sources: ClassVar[tuple[int, int]] = (-1, -1)
+
+
+def _io_pickler() -> type[_IOPickler]:
+    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    sources = (len(copyreg.dispatch_table), len(extra))
+    if _IOPickler._sources != sources:
+        _IOPickler.dispatch_table = {**copyreg.dispatch_table, **extra, Tensor: _reduce_plain,
+                                     nn.Parameter: _reduce_plain}
+        _IOPickler._sources = sources
+    return _IOPickler
 
 
 class _OutputPickler(_IOPickler):
@@ -211,7 +241,8 @@ def dumps(obj: Any, *, output: bool = False) -> bytes:
     An ``output`` that holds a tensor requiring grad raises :class:`OutputRequiresGrad`.
     """
     buf = io.BytesIO()
-    (_OutputPickler if output else _IOPickler)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    pickler = _io_pickler()
+    (_OutputPickler if output else pickler)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 

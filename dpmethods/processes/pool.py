@@ -1,15 +1,20 @@
 """The worker processes of ``workers="processes"``: one per device entry, kept with the wrapper.
 
-Each device entry gets a single-worker ``concurrent.futures.ProcessPoolExecutor``
-(``spawn``: never ``fork``, which breaks CUDA and threads). One worker runs its jobs in
-the order they were submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the
-one the batches after it run on (:func:`~dpmethods.processes.worker.run`), and maps and calls
+Each device entry gets a :class:`~dpmethods.processes.executor.WorkerExecutor`, a
+``concurrent.futures`` executor of one process (started from a fork server, or
+spawned: :func:`start_method`). One worker runs its jobs in the order they were
+submitted, so the model sent (:func:`~dpmethods.processes.worker.load`) is the one the
+batches after it run on (:func:`~dpmethods.processes.worker.run`), and maps and calls
 share the workers as they share a thread wrapper's replicas: each job has its own
 ``Future``. The first map or call that needs them starts them; the module goes once,
 as one shared-memory copy of its tensors (or each worker builds it with ``factory``),
 and again when its fingerprint or state digest changed
 (:mod:`~dpmethods.processes.state`): a :class:`~dpmethods.processes.state.Watch` of it
 tells at little cost, before each batch, that nothing changed since the last look.
+
+:meth:`ProcessPool.submit` is a batch's or a share's way out: the look at the module
+(sending it again if it changed), the request pickled, the job sent; :meth:`Worker.reply`
+its way back.
 
 A worker that dies (killed, a segfault, out of memory) breaks its executor: every job
 it held fails, with an error naming the worker, its device and its exit code, and the
@@ -20,7 +25,6 @@ interpreter exit shut the executors down: the workers exit through the normal pa
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures as cf
 import logging
 import multiprocessing
@@ -32,7 +36,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import connection as mp_connection
 from typing import Any
 
@@ -42,7 +45,8 @@ from torch import Tensor, nn
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
-from dpmethods.processes.messages import Done, Load, Warned
+from dpmethods.processes.executor import WorkerExecutor
+from dpmethods.processes.messages import Done, Load, Request, Warned
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
 from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import Watch, state_digest
@@ -55,18 +59,19 @@ __all__: list[str] = []
 
 WORKERS = ("threads", "processes")
 _LOG = logging.getLogger("dpmethods")
+_PRELOAD = ["torch", "dpmethods.processes.worker"]  # what the fork server imports once
 _STOP_S = 3.0  # how long close() lets busy workers finish before terminating them
 UNGUARDED_MAIN_EXIT = 86  # a worker that found itself running an unguarded main module
 _UNGUARDED = "without `if __name__ == \"__main__\":`"
 _MODEL_HINT = (
     "while building its model (a class defined in __main__ of an interactive session, or "
-    "inside `if __name__ == \"__main__\":`, cannot be imported by a spawned process: define "
+    "inside `if __name__ == \"__main__\":`, cannot be imported by a worker process: define "
     "it at the top level of a module, or pass factory=, or use workers='threads')"
 )
 _START_HINT = (
     "dpmethods: a worker that dies while it starts has usually failed in multiprocessing's "
-    "spawn start-up (its traceback is on stderr, above): spawn runs the main module again "
-    "in each worker, so a script must start its work under `if __name__ == \"__main__\":`, "
+    "start-up (its traceback is on stderr, above): each worker runs the main module again, "
+    "so a script must start its work under `if __name__ == \"__main__\":`, "
     "and a program read from stdin cannot be run again; run it from a file with that guard, "
     "or use workers='threads'"
 )
@@ -79,6 +84,10 @@ class WorkerDiedError(RuntimeError):
     def __init__(self, message: str, what: str = "") -> None:
         super().__init__(message)
         self.what = what
+
+
+class Unsendable(TypeError):
+    """A request that cannot be pickled for a worker; its ``__cause__`` is pickling's error."""
 
 
 def check_workers(value: Any, name: str = "workers") -> str:
@@ -98,59 +107,43 @@ def check_workers(value: Any, name: str = "workers") -> str:
 def check_not_in_spawned_main() -> None:
     """Leave a worker process quietly if it is running an unguarded script's main module.
 
-    ``spawn`` runs the script's main module again in each worker; a script without the
+    Each worker runs the script's main module again; a script without the
     main guard then reaches its map or call again there, whose own workers
     multiprocessing would refuse to start (a traceback from each worker). The worker
-    exits instead, and the caller's error says why.
+    exits instead, with :data:`UNGUARDED_MAIN_EXIT`, and the caller's error says why.
+    Not through SystemExit: a fork server's child that raises it while it starts
+    leaves with exit code 1.
     """
     if getattr(multiprocessing.current_process(), "_inheriting", False):
-        raise SystemExit(UNGUARDED_MAIN_EXIT)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()  # what the script printed before, as a normal exit would
+            except Exception:
+                pass
+        os._exit(UNGUARDED_MAIN_EXIT)
 
 
-class _Jobs:
-    """A worker's jobs in the order it runs them (a single-worker executor runs them in
-    turn, whichever map or call sent them), and since when the first unfinished one runs."""
+def start_method() -> Any:
+    """The ``multiprocessing`` context workers start from: ``forkserver`` where the
+    platform has it (Linux, macOS), else ``spawn``; never ``fork``, which breaks CUDA
+    and threads.
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.queue: collections.deque[cf.Future[Any]] = collections.deque()
-        self.since = time.monotonic()
+    The fork server is a fresh interpreter that imports torch and dpmethods' worker
+    once, then forks each worker from that state (never initializing CUDA): a worker
+    starts in a fraction of a second, where a spawned one imports torch itself (about a
+    second of CPU each). Either way each worker imports the script's main module again
+    (not the server: :data:`_PRELOAD` leaves ``__main__`` out), and gets the caller's
+    environment as it is at the worker's start (:func:`~dpmethods.processes.worker.init`).
 
-    def add(self, future: cf.Future[Any]) -> None:
-        with self.lock:
-            if not self.queue:
-                self.since = time.monotonic()  # an idle worker starts it now
-            self.queue.append(future)
-        future.add_done_callback(self._done)  # on the executor's thread, or a cancelling one
-
-    def _done(self, _: cf.Future[Any]) -> None:
-        with self.lock:
-            first = self.queue[0] if self.queue else None
-            while self.queue and self.queue[0].done():  # a job cancelled while queued never ran
-                self.queue.popleft()
-            if self.queue and self.queue[0] is not first:
-                self.since = time.monotonic()  # the next one starts as the one before it ends
-
-    def started(self, future: cf.Future[Any]) -> float | None:
-        with self.lock:
-            return self.since if self.queue and self.queue[0] is future else None
-
-
-class _Spawn:
-    """The ``spawn`` context, keeping the process it starts for one executor: its exit
-    code says how a worker died, and it is what ``close()`` waits for."""
-
-    def __init__(self) -> None:
-        self._context = torch.multiprocessing.get_context("spawn")
-        self.processes: list[Any] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-    def Process(self, *args: Any, **kwargs: Any) -> Any:
-        process = self._context.Process(*args, **kwargs)
-        self.processes.append(process)
-        return process
+    Example:
+        >>> start_method().get_start_method() in ("forkserver", "spawn")
+        True
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first worker)
+    return context
 
 
 class Worker:
@@ -158,67 +151,56 @@ class Worker:
 
     def __init__(self, index: int, device: torch.device) -> None:
         self.index, self.device = index, device
-        self.executor: cf.ProcessPoolExecutor | None = None
-        self.spawn: _Spawn | None = None  # what started the executor's process
+        self.executor: WorkerExecutor | None = None
+        self.process: Any = None  # its multiprocessing process; None before start and after close
         self.pid: int | None = None  # as the worker told it, answering its model
         self.key: Any = None  # what model it holds; None until it answered the load
-        self.jobs = _Jobs()
-
-    @property
-    def process(self) -> Any:
-        """The worker's process (a ``multiprocessing`` process), or None before it started."""
-        started = self.spawn.processes if self.spawn is not None else []
-        return started[-1] if started else None
 
     def describe(self) -> str:
-        # Told by the worker once it answered its model; before, the spawned process's.
+        # Told by the worker once it answered its model; before, the started process's.
         pid = self.pid if self.pid is not None or self.process is None else self.process.pid
         return f"worker {self.index} (pid {pid}, device {self.device})"
 
     def usable(self) -> bool:
         process = self.process
-        return self.executor is not None and process is not None and process.is_alive()
+        return self.executor is not None and process is not None and _exit_code(process) is None
 
     def kill(self) -> None:
-        """Kill the worker's process (SIGKILL); its executor then breaks."""
+        """Kill the worker's process (SIGKILL); its jobs then fail."""
         process = self.process
         if process is not None:
             process.kill()
 
     def start(self, threads: int) -> None:
-        self.spawn = _Spawn()
-        self.executor = cf.ProcessPoolExecutor(
-            1, mp_context=self.spawn, initializer=process_worker.init, initargs=(str(self.device), threads)  # type: ignore[call-overload]
-        )
-        self.key, self.pid, self.jobs = None, None, _Jobs()
-        # The executor starts its process with the first job. The child's OpenMP reads
-        # OMP_NUM_THREADS when it imports torch, long before the initializer runs: left
-        # unset, every worker's imports run on all cores at once. A user's own setting is kept.
+        self.key, self.pid = None, None
+        # The child's OpenMP reads OMP_NUM_THREADS when it imports torch, long before
+        # init runs: left unset, every worker's imports run on all cores at once. A
+        # user's own setting is kept.
         unset = "OMP_NUM_THREADS" not in os.environ
         if unset:
             os.environ["OMP_NUM_THREADS"] = str(threads)
         try:
-            self.jobs.add(self.executor.submit(int))
+            self.executor = WorkerExecutor(start_method(), process_worker.init,
+                                           (str(self.device), threads, dict(os.environ)),
+                                           f"dpmethods-worker-{self.index}")
         finally:
             if unset:
                 os.environ.pop("OMP_NUM_THREADS", None)
-        if self.process is not None:
-            self.process.name = f"dpmethods-worker-{self.index}"
+        self.process = self.executor.process
 
     def submit(self, fn: Callable[[bytes], bytes], data: bytes) -> cf.Future[bytes]:
         if self.executor is None:
             raise self.died()
         try:
-            future = self.executor.submit(fn, data)
-        except (BrokenProcessPool, RuntimeError):  # broken, or shut down by close()
+            return self.executor.submit(fn, data)
+        except RuntimeError:  # broken (cf.BrokenExecutor), or shut down by close()
             raise self.died() from None
-        self.jobs.add(future)
-        return future
 
     def started(self, future: cf.Future[bytes]) -> float | None:
         """When this worker started running ``future``'s job (``time.monotonic()``), or
         None while it is queued behind another job (of any map or call) or finished."""
-        return self.jobs.started(future)
+        executor = self.executor
+        return executor.started(future) if executor is not None else None
 
     def died(self) -> WorkerDiedError:
         """The error for this worker being gone, with its exit code."""
@@ -230,7 +212,7 @@ class Worker:
         if code == UNGUARDED_MAIN_EXIT:
             return WorkerDiedError(
                 f"DataParallel(workers='processes'): {self.describe()} stopped while starting: "
-                f"spawn runs the script's main module again in each worker, and this script "
+                f"each worker runs the script's main module again, and this script "
                 f"starts its work {_UNGUARDED}, so it reached DataParallel again there. Start "
                 f"the script's work under that guard (a program read from stdin cannot use "
                 f"processes), or use workers='threads'"
@@ -250,7 +232,7 @@ class Worker:
         or ``running`` (the worker died) in its note."""
         try:
             data = future.result()
-        except (BrokenProcessPool, cf.CancelledError):
+        except (cf.BrokenExecutor, cf.CancelledError):
             raise add_note(self.died(), f"dpmethods: while running {running}; the next map or "
                            "call starts a fresh worker") from None
         msg = loads(data)
@@ -283,6 +265,8 @@ def give_warnings(warned: Sequence[Warned]) -> None:
 
 def received(obj: Any, device: torch.device | None) -> Any:
     """An output as the caller keeps it: on ``device``, and owning its CUDA memory."""
+    if type(obj) is Tensor and not obj.is_cuda and (device is None or obj.device == device):
+        return obj  # one tensor, where it goes already
     spec, leaves = _tree.flatten(obj)
     if not any(isinstance(t, Tensor) for t in leaves):
         return obj
@@ -310,9 +294,9 @@ def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
     procs: list[Any] = []
     for w in workers:
         if w.executor is not None:
-            procs += w.spawn.processes if w.spawn is not None else []
-            w.executor.shutdown(wait=False, cancel_futures=True)
-        w.executor = w.spawn = w.pid = w.key = None
+            procs.append(w.process)
+            w.executor.shutdown(wait=False)
+        w.executor = w.process = w.pid = w.key = None
     deadline = time.monotonic() + grace
     for p in procs:
         if _reaped(p, max(0.0, deadline - time.monotonic())) is None:
@@ -322,17 +306,31 @@ def stop_all(workers: Sequence[Worker], grace: float = _STOP_S) -> None:
                 _reaped(p, None)
 
 
-def _reaped(process: Any, timeout: float | None) -> int | None:
-    """``process``'s exit code once it exited within ``timeout``, else None.
+_POLLS: weakref.WeakKeyDictionary[Any, threading.Lock] = weakref.WeakKeyDictionary()
+_POLLS_LOCK = threading.Lock()
 
-    The executor's own thread joins its worker too, and only one of two ``waitpid`` gets
-    the status: the other sees the process as running until the first has stored it.
-    """
-    process.join(timeout)
+
+def _exit_code(process: Any) -> int | None:
+    """``process.exitcode``, read by one thread at a time: a forkserver's child's status
+    comes once through a pipe (two reads at once lose it), and of two ``waitpid`` of a
+    spawned one only one gets it."""
+    with _POLLS_LOCK:
+        lock = _POLLS.setdefault(process, threading.Lock())
+    with lock:
+        code = process.exitcode
+        if code is not None:
+            process.join(0)  # status stored: multiprocessing forgets the child
+        return code  # type: ignore[no-any-return]
+
+
+def _reaped(process: Any, timeout: float | None) -> int | None:
+    """``process``'s exit code once it exited within ``timeout``, else None."""
+    if not mp_connection.wait([process.sentinel], timeout):
+        return None
     end = time.monotonic() + 1.0
-    while process.exitcode is None and time.monotonic() < end and mp_connection.wait([process.sentinel], 0):
-        time.sleep(0.005)  # it exited (its sentinel is ready); the other thread stores its status
-    return process.exitcode  # type: ignore[no-any-return]
+    while (code := _exit_code(process)) is None and time.monotonic() < end:
+        time.sleep(0.005)  # exited (its sentinel is ready); a poll of multiprocessing's own stores it
+    return code
 
 
 class ProcessPool:
@@ -364,6 +362,21 @@ class ProcessPool:
 
     def started(self) -> bool:
         return any(w.executor is not None for w in self.workers)
+
+    def submit(self, slot: int, request: Request, module: nn.Module | None = None) -> cf.Future[bytes]:
+        """Send ``request`` to worker ``slot``; with ``module``, the workers get it again
+        first if it changed since the last look (a map's batch).
+
+        Raises :class:`Unsendable` (pickling's error its cause) for a request that cannot
+        be pickled, :class:`WorkerDiedError` for a worker that is gone.
+        """
+        if module is not None and not self._current(module):  # the look, with no lock while unchanged
+            self.prepare(module, start=False)
+        try:
+            data = dumps(request)
+        except Exception as exc:
+            raise Unsendable(f"{type(exc).__name__}: {exc}") from exc
+        return self.workers[slot].submit(process_worker.run, data)
 
     def close(self) -> None:
         """Stop every worker; the next :meth:`prepare` starts fresh ones."""
@@ -414,7 +427,8 @@ class ProcessPool:
             if not fresh:
                 return 0.0
             elapsed = time.perf_counter() - t0
-            _LOG.debug("dpmethods: started %d worker processes (spawn) in %.2f s", len(fresh), elapsed)
+            _LOG.debug("dpmethods: started %d worker processes (%s) in %.2f s", len(fresh),
+                       start_method().get_start_method(), elapsed)
             return elapsed
 
     def _current(self, module: nn.Module) -> bool:

@@ -1,6 +1,6 @@
 """What runs inside a worker process of ``workers="processes"``.
 
-Each worker is the one process of a single-worker ``ProcessPoolExecutor`` (``spawn``),
+Each worker is the one process of a :class:`~dpmethods.processes.executor.WorkerExecutor`,
 so it runs its jobs in the order they were submitted: "load the model" before the
 batches that need it. :func:`init` sets the process up; :func:`load` (re)builds the
 model from the caller's module (one shared-memory copy of its tensors) or from the
@@ -13,7 +13,7 @@ in shared memory): the records of :mod:`~dpmethods.processes.messages` (a
 :class:`~dpmethods.processes.messages.Failed` back).
 
 The warnings a method raises are recorded and given again in the caller
-(:func:`dpmethods.processes.pool.read_reply`).
+(:meth:`dpmethods.processes.pool.Worker.reply`).
 An output holding a tensor that requires grad, inside any object, is an error (autograd
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
 Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
@@ -85,8 +85,8 @@ def _parent_gone(sentinel: Any, ppid: int) -> bool:
 def _watch_parent() -> None:
     """Leave once the caller's process is gone (SIGKILL, a crash): no shutdown will come.
 
-    The parent's sentinel (its end of the spawn pipe) reaches EOF when the caller dies;
-    the parent pid is watched too. SIGTERM, again every quarter second, takes the main
+    The parent's sentinel (its end of the pipe the worker was started through) reaches
+    EOF when the caller dies; the parent pid is watched too. SIGTERM, again every quarter second, takes the main
     thread out of a job or of its wait for the next one through the normal exit path;
     one that does not end within :data:`_ORPHAN_GRACE_S` (a job in a long native call)
     is cut short. Not ``PR_SET_PDEATHSIG``: it fires when the *thread* that started the
@@ -94,7 +94,7 @@ def _watch_parent() -> None:
     """
     parent = multiprocessing.parent_process()
     sentinel = getattr(parent, "sentinel", None)
-    ppid = parent.pid if parent is not None and parent.pid is not None else os.getppid()
+    ppid = os.getppid()  # the caller, or the fork server (which leaves with the caller)
     gone = False
     while not gone:
         gone = _parent_gone(sentinel, ppid)
@@ -109,9 +109,13 @@ def _watch_parent() -> None:
     os._exit(1)
 
 
-def init(device: str, threads: int) -> None:
-    """Set up this worker process for ``device`` (the executor's initializer)."""
+def init(device: str, threads: int, environ: dict[str, str] | None = None) -> None:
+    """Set up this worker process for ``device`` (the executor's initializer), with the
+    caller's ``environ`` (a worker forked from the fork server has the server's)."""
     global _device
+    if environ is not None and environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_watch_parent, name="dpmethods-parent-watch", daemon=True).start()
@@ -194,7 +198,7 @@ def _job(data: bytes, body: Any) -> bytes:
 
 def _recorded(data: bytes, body: Any) -> bytes:
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")  # the caller's filters decide (pool.read_reply)
+        warnings.simplefilter("always")  # the caller's filters decide (pool.Worker.reply)
         try:
             try:
                 msg = loads(data)
@@ -251,6 +255,18 @@ def load(data: bytes) -> bytes:
         return _job(data, body)
 
 
+def _seed(seed: int) -> None:
+    """Seed the generators this worker's methods draw from: the CPU's and its device's.
+
+    Not ``torch.manual_seed``: it also queues a seeding of every CUDA device, with the
+    stack it was called from formatted, for a CUDA that is not initialized, which costs
+    a CPU worker more than a small batch.
+    """
+    torch.default_generator.manual_seed(seed)
+    if _device.type != "cpu":
+        torch.get_device_module(_device).manual_seed(seed)
+
+
 def run(data: bytes) -> bytes:
     """Run a :class:`~dpmethods.processes.messages.Request` on the model; with its
     ``oom`` a batch that runs out of memory is split by the method's options, the memory
@@ -263,7 +279,7 @@ def run(data: bytes) -> bytes:
         if _device.type == "cuda":
             args, kwargs = move((args, kwargs), _device)
         if seed is not None:
-            torch.manual_seed(seed)
+            _seed(seed)
         fn = _model if method == "forward" else getattr(_model, method)
         with msg.state.applied(), part_of_batch(msg.part_of_batch):
             if oom is None:

@@ -1,7 +1,7 @@
 """The process backend of the map's scheduler: the wrapper's worker processes.
 
 Each slot is a worker of the wrapper's :class:`~dpmethods.processes.pool.ProcessPool`
-(a single-process executor per device entry), holding at most two batches of this map:
+(an executor of one process per device entry), holding at most two batches of this map:
 the one it runs and the next, so it never waits for the caller between two. A batch
 crosses as a :class:`~dpmethods.processes.messages.Request`; its output comes back
 through :meth:`~dpmethods.processes.pool.Worker.reply` and is moved to
@@ -18,10 +18,8 @@ from torch import nn
 
 from dpmethods.core.parallel_apply import ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.processes import worker as process_worker
 from dpmethods.processes.messages import Request, Split
-from dpmethods.processes.pickling import dumps
-from dpmethods.processes.pool import ProcessPool, WorkerDiedError, drain, received
+from dpmethods.processes.pool import ProcessPool, Unsendable, WorkerDiedError, drain, received
 from dpmethods.streaming.scheduler import Batch
 from dpmethods.vocab.options import MethodOptions
 
@@ -56,18 +54,16 @@ class ProcessBackend:
         return self.pool.prepare(self.module)
 
     def submit(self, slot: int, batch: Batch) -> cf.Future[Any]:
-        # A module changed in the loop over this map is sent again, to the batches after.
-        self.pool.prepare(self.module, start=False)
+        request = Request(self.method, batch.args, batch.kwargs, self.state,
+                          replica_seed(self.seed, batch.index), False, self.oom)
         try:
-            data = dumps(Request(self.method, batch.args, batch.kwargs, self.state,
-                                 replica_seed(self.seed, batch.index), False, self.oom))
-        except Exception as exc:
+            # A module changed in the loop over this map is sent again, to the batches after.
+            return self.pool.submit(slot, request, self.module)
+        except Unsendable as exc:
             raise TypeError(
                 f"DataParallel.map(workers='processes'): batch {batch.index} cannot be sent "
-                f"to a worker process: {type(exc).__name__}: {exc}; use workers='threads'"
-            ) from exc
-        try:
-            return self.pool.workers[slot].submit(process_worker.run, data)
+                f"to a worker process: {exc}; use workers='threads'"
+            ) from exc.__cause__
         except WorkerDiedError as exc:
             raise add_note(exc, f"dpmethods: while sending batch {batch.index} of DataParallel.map; "
                            "the next map or call starts a fresh worker") from None

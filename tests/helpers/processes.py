@@ -90,6 +90,19 @@ class Net(nn.Module):
         return self.lin(x)
 
     @dpmethods.parallel_method
+    def exits(self, x: torch.Tensor) -> torch.Tensor:
+        raise SystemExit(3)  # a BaseException: it ends the job, not the worker
+
+    @dpmethods.parallel_method
+    def unfetched(self, x: torch.Tensor) -> torch.Tensor:
+        """Per row, the shared-memory blocks of this worker's replies that no caller
+        has fetched yet (its resource sharer holds their descriptors until then)."""
+        from multiprocessing import resource_sharer
+
+        sharer = resource_sharer._resource_sharer
+        return torch.full((x.shape[0],), len(sharer._cache))
+
+    @dpmethods.parallel_method
     def unsendable(self, x: torch.Tensor) -> Any:
         return (r for r in self.lin(x))  # a generator: it can't be pickled back
 

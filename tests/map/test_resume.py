@@ -79,8 +79,7 @@ def _settle(dp: Any) -> None:
     a restart. A stopped map on threads leaves none."""
     pool = dp.__dict__.get("_process_pool")
     for worker in pool.workers if pool is not None else []:
-        with worker.jobs.lock:
-            pending = list(worker.jobs.queue)
+        pending = worker.executor.pending() if worker.executor is not None else []
         _, not_done = concurrent.futures.wait(pending, timeout=60)
         assert not not_done, f"{len(not_done)} batches still running on {worker.describe()} after 60 s"
 

@@ -330,6 +330,63 @@ def test_a_map_left_open_does_not_hold_the_workers(dp: Any, net: Net) -> None:
         _same(a, net.sleepy(b))
 
 
+def test_replies_nobody_waits_for_are_drained(dp: Any, net: Net) -> None:
+    # A map stopped with big outputs in flight: each arrives in shared memory whose
+    # descriptor the worker holds until a caller fetches it; the caller fetches and drops
+    # every one, so no worker keeps memory for a reply nobody reads.
+    batches = [torch.randn(2, 4) for _ in range(8)]
+    x = torch.zeros(2, 4)
+    with torch.no_grad():
+        for _ in dp.map("big", batches):
+            break
+        end = time.monotonic() + 30  # the last replies are drained as they arrive
+        while (held := dp.unfetched(x).tolist()) != [0, 0] and time.monotonic() < end:
+            time.sleep(0.05)
+    assert held == [0, 0]
+
+
+@pytest.mark.parametrize("how", ["call", "map"])
+def test_a_job_raising_system_exit_leaves_the_worker_usable(dp: Any, net: Net, how: str) -> None:
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        dp(x)
+        before = _pids(dp)
+        with pytest.raises(SystemExit):
+            if how == "call":
+                dp.exits(x)
+            else:
+                list(dp.map("exits", [x, x]))
+        _same(dp(x), net(x))
+    assert _pids(dp) == before  # the same workers took their next job
+
+
+def test_a_killed_worker_fails_exactly_its_pending_jobs(dp: Any, net: Net) -> None:
+    from dpmethods.core.parallel_apply import ThreadState
+    from dpmethods.processes.messages import Request
+
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        dp(x)
+        pool = dp.__dict__["_process_pool"]
+        victim, other = pool.workers
+
+        def request(seconds: float) -> Request:
+            return Request("sleepy", (x,), {"seconds": seconds}, ThreadState.capture(), None, False, None)
+
+        doomed = [pool.submit(0, request(30.0)), pool.submit(0, request(0.0))]
+        kept = pool.submit(1, request(0.5))
+        pid = victim.process.pid
+        os.kill(pid, signal.SIGKILL)
+        for future in doomed:
+            future.exception(timeout=30)  # fails at once, not after the 30 s job
+            with pytest.raises(pool_module.WorkerDiedError, match=rf"worker 0 \(pid {pid}, device cpu\) "
+                               r"died with exit code -9 \(SIGKILL\)"):
+                victim.reply(future, "raised", "a test's job")
+        _same(other.reply(kept, "raised", "a test's job"), net.sleepy(x))
+        _same(dp(x), net(x))  # a fresh worker 0
+    assert _pids(dp)[0] != pid
+
+
 def _matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
     try:
         assert_close_to_reference(out, ref, terms=5)  # Linear(4, 3)
@@ -691,7 +748,7 @@ if __name__ == "__main__":
 
 
 def _run_script(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedProcess[str]:
-    """``text`` run as a script file of its own (spawn needs a main module it can import)."""
+    """``text`` run as a script file of its own (a worker needs a main module it can import)."""
     script = tmp_path / "script.py"
     script.write_text(text)
     # dpmethods as this test imported it: installed, or built in place (CI's torch 2.11 leg).
@@ -782,7 +839,7 @@ with torch.no_grad():
 
 
 def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Path) -> None:
-    # spawn runs the main module again in each worker: unguarded, each worker reaches the
+    # Each worker runs the main module again: unguarded, each worker reaches the
     # map again. It leaves quietly; the caller's one error says why.
     run = _run_script(tmp_path, _UNGUARDED_SCRIPT)
     assert run.returncode == 1
@@ -790,8 +847,8 @@ def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path: Pa
     assert "it/s" not in run.stderr and "batch/s" not in run.stderr, run.stderr  # no progress bar
     last = run.stderr[run.stderr.index("Traceback"):]
     assert re.search(r"WorkerDiedError: DataParallel\(workers='processes'\): worker [01] "
-                     r"\(pid \d+, device cpu\) stopped while starting: spawn runs the script's "
-                     r"main module again in each worker, and this script starts its work without "
+                     r"\(pid \d+, device cpu\) stopped while starting: each worker runs the "
+                     r"script's main module again, and this script starts its work without "
                      r"`if __name__ == \"__main__\":`", last), run.stderr
     assert "or use workers='threads'" in last
     assert "while running the construction of its model" not in run.stderr
@@ -816,7 +873,7 @@ def test_a_model_class_the_workers_cannot_import_is_named(tmp_path: Path) -> Non
     assert run.returncode == 1
     assert "AttributeError: Can't get attribute 'Net'" in run.stderr, run.stderr
     assert ("raised while building its model (a class defined in __main__ of an interactive "
-            "session, or inside `if __name__ == \"__main__\":`, cannot be imported by a spawned "
+            "session, or inside `if __name__ == \"__main__\":`, cannot be imported by a worker "
             "process: define it at the top level of a module, or pass factory=, or use "
             "workers='threads')") in run.stderr
 
