@@ -414,3 +414,13 @@ class Completer(nn.Module):
     @dpmethods.parallel_method(gather="generate")
     def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Any:
         return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def wait_for(path: str, seconds: float) -> bool:
+    """A worker's job that waits until ``path`` exists; whether it appeared in ``seconds``."""
+    end = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True

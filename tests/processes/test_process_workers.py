@@ -387,6 +387,35 @@ def test_a_killed_worker_fails_exactly_its_pending_jobs(dp: Any, net: Net) -> No
     assert _pids(dp)[0] != pid
 
 
+def test_frames_bigger_than_the_pipe_to_a_busy_worker_neither_block_the_caller_nor_reorder(
+    tmp_path: Path,
+) -> None:
+    # The busy job waits for a file that this thread creates only after every submit has
+    # returned: a submit that waited for the worker to read its frame would leave the job
+    # to give up (False) before the file appeared.
+    from dpmethods.processes.executor import WorkerExecutor
+    from dpmethods.processes.pool import start_method
+    from tests.helpers import processes as helpers
+
+    flag = tmp_path / "go"
+    executor = WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
+    try:
+        executor.submit(int).result(timeout=60)  # started
+        busy = executor.submit(helpers.wait_for, str(flag), 30.0)
+        frames = [bytes([i]) * (8 << 20 if i % 2 == 0 else 1) for i in range(5)]  # 8 MiB, 1 B, ...
+        echoed = [executor.submit(bytes, f) for f in frames]
+        flag.touch()
+        assert busy.result(timeout=60) is True
+        assert [f.result(timeout=60) for f in echoed] == frames
+        # While the worker drains what the pipe could not take, frames keep coming:
+        # each goes behind the ones left, never into the middle of one.
+        frames = [bytes([i]) * (2 << 20 if i % 2 == 0 else 1) for i in range(24)]
+        echoed = [executor.submit(bytes, f) for f in frames]
+        assert [f.result(timeout=60) for f in echoed] == frames
+    finally:
+        executor.shutdown()
+
+
 def _matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
     try:
         assert_close_to_reference(out, ref, terms=5)  # Linear(4, 3)
