@@ -7,6 +7,8 @@ or ``distinct``); CI runs the suite once in each. The header names the mode.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -36,3 +38,34 @@ def _poison(monkeypatch: pytest.MonkeyPatch) -> None:
     # The compiled gather fills its outputs with 0xFF bytes before copying, in every
     # test: a byte it forgets to write shows (random data never is a run of 0xFF).
     monkeypatch.setenv("DPMETHODS_POISON", "1")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The whole suite (``python -m pytest`` with no paths) runs on 2 pytest-xdist workers
+    where the plugin is installed, a file to each worker at a time (its module fixtures
+    are built once): much of a test's time is spent waiting for the processes it starts,
+    so 2 workers finish sooner even on 2 cores. A run of named paths, with ``-n`` or
+    ``--dist``, or with ``-p no:xdist`` runs as asked."""
+    if (
+        config.args_source is not pytest.Config.ArgsSource.TESTPATHS
+        or not config.pluginmanager.hasplugin("xdist")
+        or os.environ.get("PYTEST_XDIST_WORKER")
+        or config.getoption("numprocesses", None) is not None
+        or config.getoption("dist", "no") != "no"
+        or config.getoption("tx", None)
+        or config.getoption("collectonly")
+        or config.getoption("usepdb")
+    ):
+        return
+    config.option.numprocesses = 2
+    config.option.dist = "loadfile"
+    config.option.tx = ["popen"] * 2
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist workers share the cores: torch's intra-op threads of each would outnumber
+    # them, and OpenMP threads waiting for a busy core slow every op they split.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))

@@ -6,6 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -130,15 +131,42 @@ def test_hf_cache_is_merged(hf_summary: dict[str, object]) -> None:
     assert hf_summary["cache_type"] == "DynamicCache"
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in _EXAMPLES.glob("*.py")))
-def test_example_help_gives_every_option_a_help_and_default(name: str) -> None:
-    import re
+_HELP = """
+import contextlib, io, json, runpy, sys
+for path in sys.argv[1:]:
+    sys.argv, out, code = [path, "--help"], io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code
+    print(json.dumps({"path": path, "code": code, "out": out.getvalue()}))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict[str, dict[str, Any]]:
+    """Every example run as a script with --help, one after another in one interpreter
+    (each would pay the torch import): its exit code and what it printed, by name."""
+    import json
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(_EXAMPLES / f"{name}.py"), "--help"],
-                          capture_output=True, text=True, timeout=120, env=_env())
+    paths = sorted(str(p) for p in _EXAMPLES.glob("*.py"))
+    proc = subprocess.run([sys.executable, "-c", _HELP, *paths], capture_output=True, text=True,
+                          timeout=240, env=_env())
     assert proc.returncode == 0, proc.stderr
-    out = proc.stdout
+    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["path"] for r in runs] == paths, proc.stdout
+    return {Path(r["path"]).stem: r for r in runs}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in _EXAMPLES.glob("*.py")))
+def test_example_help_gives_every_option_a_help_and_default(helps: dict[str, dict[str, Any]], name: str) -> None:
+    import re
+
+    run = helps[name]
+    assert run["code"] == 0, run
+    out = run["out"]
     assert "``" not in out and ":func:" not in out, out  # no docstring markup
     options = sorted(set(re.findall(r"^\s+(--[a-z-]+)", out, re.M)))
     assert options, out

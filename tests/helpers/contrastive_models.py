@@ -44,15 +44,19 @@ def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
     return model
 
 
+def _text_vision(config: type, model: type, **options: Any) -> tuple[nn.Module, Inputs]:
+    """``model`` of ``config`` over the tiny text and vision blocks, and its text-and-image inputs."""
+    built = config(text_config=_TEXT, vision_config=_VISION, **options)
+    return _seeded(lambda: model(built)), _both()
+
+
 def clip(cls: type | None = None) -> tuple[nn.Module, Inputs]:
     """A CLIPModel, or the subclass ``cls`` of it (a user's own CLIP), and its inputs."""
-    config = transformers.CLIPConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: (cls or transformers.CLIPModel)(config)), _both()
+    return _text_vision(transformers.CLIPConfig, cls or transformers.CLIPModel, projection_dim=16)
 
 
 def siglip() -> tuple[nn.Module, Inputs]:
-    config = transformers.SiglipConfig(text_config=_TEXT, vision_config=_VISION)
-    return _seeded(lambda: transformers.SiglipModel(config)), _both()
+    return _text_vision(transformers.SiglipConfig, transformers.SiglipModel)
 
 
 def siglip2() -> tuple[nn.Module, Inputs]:
@@ -92,8 +96,7 @@ def clap() -> tuple[nn.Module, Inputs]:
 
 
 def chinese_clip() -> tuple[nn.Module, Inputs]:
-    config = transformers.ChineseCLIPConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.ChineseCLIPModel(config)), _both()
+    return _text_vision(transformers.ChineseCLIPConfig, transformers.ChineseCLIPModel, projection_dim=16)
 
 
 def altclip() -> tuple[nn.Module, Inputs]:
@@ -112,28 +115,23 @@ def groupvit() -> tuple[nn.Module, Inputs]:
 
 
 def owlvit() -> tuple[nn.Module, Inputs]:
-    config = transformers.OwlViTConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.OwlViTModel(config)), _both()
+    return _text_vision(transformers.OwlViTConfig, transformers.OwlViTModel, projection_dim=16)
 
 
 def owlv2() -> tuple[nn.Module, Inputs]:
-    config = transformers.Owlv2Config(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.Owlv2Model(config)), _both()
+    return _text_vision(transformers.Owlv2Config, transformers.Owlv2Model, projection_dim=16)
 
 
 def blip() -> tuple[nn.Module, Inputs]:
-    config = transformers.BlipConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.BlipModel(config)), _both()
+    return _text_vision(transformers.BlipConfig, transformers.BlipModel, projection_dim=16)
 
 
 def metaclip_2() -> tuple[nn.Module, Inputs]:
-    config = transformers.MetaClip2Config(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.MetaClip2Model(config)), _both()
+    return _text_vision(transformers.MetaClip2Config, transformers.MetaClip2Model, projection_dim=16)
 
 
 def clipseg() -> tuple[nn.Module, Inputs]:
-    config = transformers.CLIPSegConfig(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    return _seeded(lambda: transformers.CLIPSegModel(config)), _both()
+    return _text_vision(transformers.CLIPSegConfig, transformers.CLIPSegModel, projection_dim=16)
 
 
 def vision_text_dual_encoder() -> tuple[nn.Module, Inputs]:
@@ -149,11 +147,10 @@ def tipsv2() -> tuple[nn.Module, Inputs]:
 
 
 def aimv2() -> tuple[nn.Module, Inputs]:
-    config = transformers.Aimv2Config(text_config=_TEXT, vision_config=_VISION, projection_dim=16)
-    model = _seeded(lambda: transformers.Aimv2Model(config))
+    model, inputs = _text_vision(transformers.Aimv2Config, transformers.Aimv2Model, projection_dim=16)
     with torch.no_grad():  # past its clamp: the logits' scale is exp(max_log_logit_scale)
         model.logit_scale.fill_(model.max_log_logit_scale + 1)
-    return model, _both()
+    return model, inputs
 
 
 def blip2_retrieval() -> tuple[nn.Module, Inputs]:

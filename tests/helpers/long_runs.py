@@ -62,22 +62,24 @@ def records(workdir: str | Path, name: str) -> list[tuple[int, ...]]:
     return [tuple(map(int, line.split())) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _record(workdir: str, rows: int, limit: int | None) -> None:
+def record_rows(workdir: str, rows: int, limit: int | None, name: str = "rows") -> None:
+    """Record a run of ``rows`` in ``workdir/name``; more than ``limit`` rows raise
+    torch.OutOfMemoryError (recorded as such)."""
     ran_out = limit is not None and rows > limit
-    record(workdir, "rows", rows, int(ran_out))
+    record(workdir, name, rows, int(ran_out))
     if ran_out:
         raise torch.OutOfMemoryError(f"{rows} rows do not fit (test limit {limit})")
 
 
-def rows_run(workdir: str | Path) -> list[tuple[int, bool]]:
-    """Every batch run so far: (rows, ran out of memory)."""
-    return [(rows, bool(ran_out)) for rows, ran_out in records(workdir, "rows")]
+def rows_run(workdir: str | Path, name: str = "rows") -> list[tuple[int, bool]]:
+    """Every run recorded in ``workdir/name`` so far: (rows, ran out of memory)."""
+    return [(rows, bool(ran_out)) for rows, ran_out in records(workdir, name)]
 
 
 def out_of_memory_above(workdir: str, limit: int, module: nn.Module, args: Any, kwargs: Any) -> None:
     """A forward pre-hook (with kwargs): more than ``limit`` rows raise torch.OutOfMemoryError."""
     x = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    _record(workdir, int(x.shape[0]), limit)
+    record_rows(workdir, int(x.shape[0]), limit)
 
 
 class Faulty(nn.Module):
@@ -93,7 +95,7 @@ class Faulty(nn.Module):
     def _enter(self, rows: int, tag: int, fault: str | None, at: int) -> None:
         if fault is not None and tag == at and (fault == "kill-always" or first_time(self.workdir, fault)):
             strike(fault)
-        _record(self.workdir, rows, self.limit)
+        record_rows(self.workdir, rows, self.limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._enter(x.shape[0], -1, None, -1)

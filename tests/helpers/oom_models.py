@@ -1,19 +1,18 @@
 """Models and callables for tests/map/test_oom_hooks.py: module-level, so spawned worker
-processes import them. Out of memory is forced as in tests/helpers/long_runs.py: a method or a
-forward pre-hook raises ``torch.OutOfMemoryError`` above a number of rows and records
-every run in a file, which worker processes write too."""
+processes import them. Out of memory is forced with tests/helpers/long_runs.py's
+:func:`~tests.helpers.long_runs.record_rows`: a method raises ``torch.OutOfMemoryError``
+above a number of rows and records every run in a file, which worker processes write too."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 import dpmethods
 import dpmethods.extending
+from tests.helpers.long_runs import record_rows
 
 
 class OnlyMine:
@@ -23,20 +22,6 @@ class OnlyMine:
     def __call__(self, batch_id: int, ids: torch.Tensor) -> list[int]:
         first = 4 + (4 * batch_id) % 40
         return list(range(first, first + 4))
-
-
-def _record(path: str, rows: int, limit: int | None) -> None:
-    ran_out = limit is not None and rows > limit
-    with open(path, "a") as f:
-        f.write(f"{rows} {int(ran_out)}\n")
-    if ran_out:
-        raise torch.OutOfMemoryError(f"{rows} rows do not fit (test limit {limit})")
-
-
-def runs(path: str | Path) -> list[tuple[int, bool]]:
-    """Every run recorded in ``path`` so far: (rows, ran out of memory)."""
-    lines = Path(path).read_text().split() if Path(path).exists() else []
-    return [(int(r), bool(int(o))) for r, o in zip(lines[::2], lines[1::2])]
 
 
 class TwoMethods(nn.Module):
@@ -52,20 +37,13 @@ class TwoMethods(nn.Module):
 
     @dpmethods.parallel_method
     def big(self, ids: torch.Tensor) -> torch.Tensor:
-        _record(os.path.join(self.workdir, "big"), ids.shape[0], self.limit)
+        record_rows(self.workdir, ids.shape[0], self.limit, "big")
         return self.lm(ids).logits
 
     @dpmethods.parallel_method
     def small(self, ids: torch.Tensor) -> torch.Tensor:
-        _record(os.path.join(self.workdir, "small"), ids.shape[0], None)
+        record_rows(self.workdir, ids.shape[0], None, "small")
         return self.lm(ids).logits
-
-
-def hook_rows(workdir: str, limit: int, module: nn.Module, args: Any, kwargs: Any) -> None:
-    """A forward pre-hook (with kwargs): more than ``limit`` rows of ``input_ids`` raise
-    torch.OutOfMemoryError; every run is recorded in ``workdir/rows``."""
-    x = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs_embeds"))
-    _record(os.path.join(workdir, "rows"), int(x.shape[0]), limit)
 
 
 class InBatch(nn.Module):
@@ -78,7 +56,7 @@ class InBatch(nn.Module):
         self.workdir, self.limit = str(workdir), limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _record(os.path.join(self.workdir, "rows"), x.shape[0], self.limit)
+        record_rows(self.workdir, x.shape[0], self.limit)
         y = self.lin(x)
         return (y @ y.T).softmax(-1).diagonal()
 

@@ -20,6 +20,7 @@ import torch
 
 import dpmethods
 from dpmethods.testing import assert_close_to_reference
+from tests.helpers import WORKERS, workers_of
 from tests.helpers.items_models import (
     FAIL,
     HANG,
@@ -36,7 +37,6 @@ from tests.helpers.processes import spawn_gloo
 from tests.helpers.terms import mlp_terms, transformer_terms
 
 pytestmark = pytest.mark.timeout(240)
-WORKERS = ["threads", "processes"]
 N = 23
 # A row's features: the embedding (exact), a Linear(8, 4); its mean over up to 24 positions.
 TERMS = mlp_terms(8) + 24
@@ -62,7 +62,7 @@ def dp(wrappers: dict[str, Any], workdir: Path, request: pytest.FixtureRequest) 
     for f in workdir.iterdir():
         f.unlink()
     arm_hang()
-    wrapper = wrappers[request.node.callspec.params["workers"]]
+    wrapper = wrappers[workers_of(request)]
     wrapper.module.limit = None
     yield wrapper
     release_hung()  # a thread that timed out may go on (its replica is no longer used)

@@ -13,13 +13,13 @@ import torch
 
 import dpmethods
 from dpmethods.testing import assert_close_to_reference
+from tests.helpers import WORKERS
 from tests.helpers.long_runs import Faulty, arm_hang, out_of_memory_above, release_hung, rows_run
 from tests.helpers.models import tiny_gpt2
 from tests.helpers.processes import build_net
 from tests.helpers.terms import mlp_terms
 
 pytestmark = pytest.mark.timeout(180)
-WORKERS = ["threads", "processes"]
 N, ROWS, TIMEOUT = 8, 3, 2.0  # TIMEOUT: what a hung batch waits out; the others take milliseconds
 
 

@@ -17,18 +17,18 @@ import torch
 import dpmethods
 from dpmethods.extending import CallHooks
 from dpmethods.testing import assert_close_to_reference
-from tests.helpers.long_runs import Faulty, rows_run
+from tests.helpers import WORKERS
+from tests.helpers.long_runs import Faulty, out_of_memory_above, rows_run
 from tests.helpers.models import (
     random_sentences,
     tiny_gpt2,
     tiny_qwen2_vl,
     tiny_sentence_transformer,
 )
-from tests.helpers.oom_models import InBatch, OnlyMine, TwoMethods, hook_rows, runs
+from tests.helpers.oom_models import InBatch, OnlyMine, TwoMethods
 from tests.helpers.terms import transformer_terms
 
 pytestmark = pytest.mark.timeout(300)
-WORKERS = ["threads", "processes"]
 LIMIT = 2  # rows that fit: 7 rows run as 2 + 2 + 2 + 1
 # tiny_gpt2: 2 blocks of width 16 (MLP 64) over 8 tokens, a 48-token softmax, and the
 # loss's mean over up to 7 x 8 tokens.
@@ -42,11 +42,11 @@ def _dp(model: torch.nn.Module, workers: str, **options: Any) -> Any:
 
 
 def _limit_rows(module: torch.nn.Module, workdir: Path) -> None:
-    module.register_forward_pre_hook(functools.partial(hook_rows, str(workdir), LIMIT), with_kwargs=True)
+    module.register_forward_pre_hook(functools.partial(out_of_memory_above, str(workdir), LIMIT), with_kwargs=True)
 
 
 def _ran_in_halves(workdir: Path) -> None:
-    ran = runs(workdir / "rows")
+    ran = rows_run(workdir)
     assert any(out for _, out in ran), "no run ran out of memory: the test split nothing"
     assert max(rows for rows, out in ran if not out) <= LIMIT
 
@@ -145,7 +145,7 @@ def test_a_module_that_couples_its_batch_is_warned_about_when_the_batch_is_split
         assert not [w for w in caught if "couples the items of its batch" in str(w.message)]
         list(dp.map("forward", [torch.randn(7, 6)], on_oom="split"))
     dp.close()
-    assert any(out for _, out in runs(tmp_path / "rows"))
+    assert any(out for _, out in rows_run(tmp_path))
     assert [w for w in caught if "InBatch couples the items of its batch (in-batch scores)" in str(w.message)]
 
 
@@ -207,8 +207,8 @@ def test_the_record_is_kept_per_method(tmp_path: Path, workers: str) -> None:
         got = [dp.small(ids), dp.small(ids)]
         got += list(dp.map("small", [ids], on_oom="split"))
     dp.close()
-    assert any(out for _, out in runs(tmp_path / "big"))
+    assert any(out for _, out in rows_run(tmp_path, "big"))
     # small never ran out: its shares (4 + 4 rows, twice) and the map's batch run whole.
-    assert sorted(rows for rows, _ in runs(tmp_path / "small")) == [4, 4, 4, 4, 8]
+    assert sorted(rows for rows, _ in rows_run(tmp_path, "small")) == [4, 4, 4, 4, 8]
     for g in got:
         assert_close_to_reference(g, want, terms=GPT2_TERMS)

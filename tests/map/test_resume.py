@@ -23,9 +23,9 @@ from torch import nn
 
 import dpmethods
 from dpmethods.testing import assert_close_to_reference
+from tests.helpers import WORKERS, workers_of
 from tests.helpers.terms import mlp_terms
 
-WORKERS = ["threads", "processes"]
 N = 12
 
 
@@ -62,36 +62,76 @@ def _lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-@pytest.fixture
-def setup(tmp_path: Path) -> tuple[Counted, list[torch.Tensor], Path, Path]:
-    torch.manual_seed(0)
-    log = tmp_path / "ran.txt"
-    return Counted(str(log)), _batches(), tmp_path / "map.json", log
-
-
 def _dp(model: Counted, workers: str) -> Any:
     return dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
 
 
-def _settle(dp: Any) -> None:
+@pytest.fixture(scope="module")
+def wrappers() -> Iterator[dict[tuple[type, str], Any]]:
+    """A wrapper of a Counted and one of a Flaky (the same weights) per worker kind, shared
+    by the tests of this module, so that worker processes start once; each test gives the
+    model its own log (and a Flaky its bad batches)."""
+    dps = {}
+    for cls in (Counted, Flaky):
+        torch.manual_seed(0)
+        model = Counted(os.devnull) if cls is Counted else Flaky(os.devnull, bad=())
+        dps.update({(cls, w): _dp(model, w) for w in WORKERS})
+    yield dps
+    for dp in dps.values():
+        dp.close()
+
+
+def _shared(wrappers: dict[tuple[type, str], Any], cls: type, request: pytest.FixtureRequest,
+            log: Path) -> Iterator[Any]:
+    """The shared wrapper of ``cls`` for the test's worker kind, its model logging to ``log``;
+    after the test, nothing of it still runs."""
+    dp = wrappers[cls, workers_of(request)]
+    dp.module.log = str(log)
+    yield dp
+    _settle(dp)
+    dp.module.log = os.devnull
+    if isinstance(dp.module, Flaky):
+        dp.module.bad = ()
+
+
+@pytest.fixture
+def dp(wrappers: dict[tuple[type, str], Any], request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """The shared wrapper of a Counted for the test's worker kind (threads if it has none)."""
+    yield from _shared(wrappers, Counted, request, tmp_path / "ran.txt")
+
+
+@pytest.fixture
+def flaky(wrappers: dict[tuple[type, str], Any], request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Any]:
+    """The shared wrapper of a Flaky for the test's worker kind; the test sets ``bad``."""
+    yield from _shared(wrappers, Flaky, request, tmp_path / "ran.txt")
+
+
+@pytest.fixture
+def setup(dp: Any, tmp_path: Path) -> tuple[Counted, list[torch.Tensor], Path, Path]:
+    """The shared wrapper's model, the batches, a checkpoint path and the model's log."""
+    return dp.module, _batches(), tmp_path / "map.json", tmp_path / "ran.txt"
+
+
+def _settle(dp: Any, clear: Path | None = None) -> None:
     """Wait for the batches a stopped map left running on the worker processes (a worker
     goes on with a batch it had begun), keeping the workers: closing them would cost
-    a restart. A stopped map on threads leaves none."""
+    a restart. A stopped map on threads leaves none. Then remove the run log ``clear``."""
     pool = dp.__dict__.get("_process_pool")
     for worker in pool.workers if pool is not None else []:
         pending = worker.executor.pending() if worker.executor is not None else []
         _, not_done = concurrent.futures.wait(pending, timeout=60)
         assert not not_done, f"{len(not_done)} batches still running on {worker.describe()} after 60 s"
+    if clear is not None:
+        clear.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("stop", ["break", "raise"])
 def test_a_stopped_map_resumes_without_recomputing_what_was_taken(
-    setup: Any, workers: str, stop: str,
+    dp: Any, setup: Any, workers: str, stop: str,
 ) -> None:
     model, batches, ckpt, log = setup
-    dp = _dp(model, workers)
     taken = []
     with torch.no_grad():
         try:
@@ -103,12 +143,10 @@ def test_a_stopped_map_resumes_without_recomputing_what_was_taken(
                     raise KeyError("the consumer's own error")
         except KeyError:
             pass
-        _settle(dp)  # worker processes may still finish a batch they had begun
-        log.unlink()
+        _settle(dp, clear=log)  # worker processes may still finish a batch they had begun
         rest = list(dp.map("encode", batches, checkpoint=ckpt))
         ran = _ran(log)
         ref = [model.encode(b) for b in batches]
-    dp.close()
     # At least once: the 5th output was taken but not asked past, so it comes again.
     assert ran == list(range(4, N)) and len(rest) == N - 4
     assert_close_to_reference(taken[:4] + rest, ref, terms=mlp_terms(5))
@@ -117,9 +155,8 @@ def test_a_stopped_map_resumes_without_recomputing_what_was_taken(
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
-def test_unordered_maps_keep_the_original_indices(setup: Any, workers: str) -> None:
+def test_unordered_maps_keep_the_original_indices(dp: Any, setup: Any, workers: str) -> None:
     model, batches, ckpt, _ = setup
-    dp = _dp(model, workers)
     with torch.no_grad():
         first = []
         for pair in dp.map("encode", batches, ordered=False, checkpoint=ckpt):
@@ -128,7 +165,6 @@ def test_unordered_maps_keep_the_original_indices(setup: Any, workers: str) -> N
                 break
         rest = list(dp.map("encode", batches, ordered=False, checkpoint=ckpt))
         ref = [model.encode(b) for b in batches]
-    dp.close()
     got = dict(first[:5] + rest)
     assert sorted(got) == list(range(N))
     assert_close_to_reference([got[i] for i in range(N)], ref, terms=mlp_terms(5))
@@ -217,15 +253,13 @@ class Flaky(Counted):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("ordered", [True, False])
-def test_errors_yield_puts_each_exception_in_its_place(tmp_path: Path, workers: str, ordered: bool) -> None:
-    torch.manual_seed(0)
-    model = Flaky(str(tmp_path / "ran.txt"), bad=(3, 8))
+def test_errors_yield_puts_each_exception_in_its_place(flaky: Any, workers: str, ordered: bool) -> None:
+    model = flaky.module
+    model.bad = (3, 8)
     batches = _batches()
-    dp = _dp(model, workers)
     with torch.no_grad():
-        outs = list(dp.map("encode", batches, ordered=ordered, errors="yield"))
+        outs = list(flaky.map("encode", batches, ordered=ordered, errors="yield"))
         ref = [model.lin(b) for b in batches]
-    dp.close()
     got = dict(enumerate(outs)) if ordered else dict(outs)
     assert sorted(got) == list(range(N))
     for i in (3, 8):
@@ -236,12 +270,10 @@ def test_errors_yield_puts_each_exception_in_its_place(tmp_path: Path, workers: 
 
 
 @pytest.mark.parametrize("workers", WORKERS)
-def test_errors_raise_stops_the_map_and_names_the_batch(tmp_path: Path, workers: str) -> None:
-    model = Flaky(str(tmp_path / "ran.txt"), bad=(2,))
-    dp = _dp(model, workers)
+def test_errors_raise_stops_the_map_and_names_the_batch(flaky: Any, workers: str) -> None:
+    flaky.module.bad = (2,)
     with pytest.raises(ValueError, match="batch 2 is bad") as info, torch.no_grad():
-        list(dp.map("encode", _batches()))
-    dp.close()
+        list(flaky.map("encode", _batches()))
     assert any("batch 2" in n for n in info.value.__notes__)
 
 
@@ -267,14 +299,12 @@ def test_a_failed_batch_runs_again_on_a_resumed_map(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
-def test_a_resumed_map_names_its_batches_by_their_input_index(tmp_path: Path, workers: str) -> None:
+def test_a_resumed_map_names_its_batches_by_their_input_index(flaky: Any, tmp_path: Path, workers: str) -> None:
     ckpt = tmp_path / "map.json"
-    model = Flaky(str(tmp_path / "ran.txt"), bad=(5,))
-    dp = _dp(model, workers)
+    flaky.module.bad = (5,)
     with torch.no_grad():
-        list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))
-        [again] = list(dp.map("encode", _batches(), errors="yield", checkpoint=ckpt))  # batch 5 alone
-    dp.close()
+        list(flaky.map("encode", _batches(), errors="yield", checkpoint=ckpt))
+        [again] = list(flaky.map("encode", _batches(), errors="yield", checkpoint=ckpt))  # batch 5 alone
     assert isinstance(again, ValueError) and str(again) == "batch 5 is bad"
     assert any("raised in batch 5 " in n for n in again.__notes__), again.__notes__
 
@@ -298,8 +328,7 @@ def _stopped(dp: Any, inputs: Any, ckpt: Path, log: Path, k: int, **kwargs: Any)
     """Run ``encode`` over ``inputs`` with ``checkpoint=ckpt``, take ``k`` outputs and stop;
     clear the run log. Returns the outputs taken and the record as the stop left it."""
     taken = _stop_after(dp.map("encode", inputs, checkpoint=ckpt, **kwargs), k)
-    _settle(dp)
-    log.unlink()
+    _settle(dp, clear=log)
     return taken, ckpt.read_bytes()
 
 
@@ -314,10 +343,9 @@ def _generator(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", WORKERS)
-def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(setup: Any, workers: str) -> None:
+def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(dp: Any, setup: Any, workers: str) -> None:
     model, _, ckpt, log = setup
     batches = [torch.full((2, 5), float(i)) for i in range(40)]
-    dp = _dp(model, workers)
     with torch.no_grad():
         taken, record = _stopped(dp, batches, ckpt, log, 10)
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another map: its input had 40 "
@@ -326,7 +354,6 @@ def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(setup: Any,
         _untouched(log, ckpt, record)
         rest = list(dp.map("encode", batches, checkpoint=ckpt))  # the right job goes on
         ref = [model.lin(b) for b in batches]
-    dp.close()
     assert _ran(log) == list(range(9, 40))  # the 10th output, not asked past, runs again
     assert_close_to_reference(taken[:9] + rest, ref, terms=mlp_terms(5))
 
@@ -335,7 +362,7 @@ def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(setup: Any,
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("lookahead", [None, 4])
 def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_was(
-    setup: Any, workers: str, lookahead: int | None, monkeypatch: pytest.MonkeyPatch,
+    dp: Any, setup: Any, workers: str, lookahead: int | None, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from dpmethods.streaming import record as record_module
     from dpmethods.streaming import resume
@@ -345,7 +372,6 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
         monkeypatch.setattr(resume, "LOOKAHEAD", lookahead)
     model, _, ckpt, log = setup
     batches = [torch.full((2, 5), float(i)) for i in range(40)]
-    dp = _dp(model, workers)
     with torch.no_grad():
         taken, record = _stopped(dp, batches, ckpt, log, 10)
         refused = []
@@ -362,7 +388,6 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
         log.unlink(missing_ok=True)
         rest = list(dp.map("encode", _generator(batches), checkpoint=ckpt))
         ref = [model.lin(b) for b in batches]
-    dp.close()
     assert _ran(log) == list(range(9, 40))
     assert_close_to_reference(taken[:9] + rest, ref, terms=mlp_terms(5))
 
@@ -370,21 +395,19 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_shorter_input_without_a_len_is_refused_before_any_batch_runs_where_the_record_read_it(
-    tmp_path: Path, workers: str,
+    flaky: Any, tmp_path: Path, workers: str,
 ) -> None:
-    torch.manual_seed(0)
-    log, ckpt = tmp_path / "ran.txt", tmp_path / "map.json"
+    dp, model = flaky, flaky.module
+    log, ckpt = Path(model.log), tmp_path / "map.json"
     bad = (1, 2, 3, 4, 5)  # more than the map holds in flight at once
-    model = Flaky(str(log), bad=bad)
+    model.bad = bad
     batches = _batches()
-    dp = _dp(model, workers)
     with torch.no_grad():
         first = list(dp.map("encode", _generator(batches), errors="yield", checkpoint=ckpt))
         # These batches are still to run; the input was read to its end.
         assert [i for i, out in enumerate(first) if isinstance(out, ValueError)] == list(bad)
-        _settle(dp)
+        _settle(dp, clear=log)
         model.bad = ()
-        log.unlink()
         record = ckpt.read_bytes()
         with pytest.raises(ValueError, match=rf"'{ckpt}' records an input of {N} batches, but this input ended after 7"):
             list(dp.map("encode", _generator(batches[:7]), checkpoint=ckpt))
@@ -393,7 +416,6 @@ def test_a_shorter_input_without_a_len_is_refused_before_any_batch_runs_where_th
         _settle(dp)
         _untouched(log, ckpt, record)
         again = list(dp.map("encode", _generator(batches), checkpoint=ckpt))  # those alone
-    dp.close()
     assert _ran(log) == list(bad)
     assert_close_to_reference(again, [model.lin(batches[i]) for i in bad], terms=mlp_terms(5))
 
@@ -415,9 +437,8 @@ def _loader(seed: int) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", WORKERS)
-def test_an_input_in_another_order_is_refused_before_any_batch_runs(setup: Any, workers: str) -> None:
+def test_an_input_in_another_order_is_refused_before_any_batch_runs(dp: Any, setup: Any, workers: str) -> None:
     model, _, ckpt, log = setup
-    dp = _dp(model, workers)
     order = [[int(v) for v in b[:, 0]] for b in _loader(0)]
     with torch.no_grad():
         taken, record = _stopped(dp, _loader(0), ckpt, log, 5)
@@ -427,7 +448,6 @@ def test_an_input_in_another_order_is_refused_before_any_batch_runs(setup: Any, 
         _untouched(log, ckpt, record)
         rest = list(dp.map("encode", _loader(0), checkpoint=ckpt))  # the same order: resumed
         ref = [model.lin(b) for b in _loader(0)]
-    dp.close()
     items = sorted(int(v) for line in _lines(log) for v in line.split())
     assert items == sorted(i for b in order[4:] for i in b)  # every item not taken, once
     assert_close_to_reference(taken[:4] + rest, ref, terms=mlp_terms(5))
@@ -435,9 +455,8 @@ def test_an_input_in_another_order_is_refused_before_any_batch_runs(setup: Any, 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", WORKERS)
-def test_other_arguments_or_another_model_are_refused_before_any_batch_runs(setup: Any, workers: str) -> None:
+def test_other_arguments_or_another_model_are_refused_before_any_batch_runs(dp: Any, setup: Any, workers: str) -> None:
     model, batches, ckpt, log = setup
-    dp = _dp(model, workers)
     with torch.no_grad():
         _, record = _stopped(dp, batches, ckpt, log, 4, scale=2.0)
         named = rf"'{ckpt}' records another map: "
@@ -459,16 +478,16 @@ def test_other_arguments_or_another_model_are_refused_before_any_batch_runs(setu
         _untouched(log, ckpt, record)
         same = Counted(str(log))
         same.load_state_dict(model.state_dict())  # the same weights in another module: the same map
-        rest = list(_dp(same, workers).map("encode", batches, checkpoint=ckpt, scale=2.0))
-    dp.close()
+        other_dp = _dp(same, workers)
+        rest = list(other_dp.map("encode", batches, checkpoint=ckpt, scale=2.0))
+    other_dp.close()
     assert _ran(log) == list(range(3, N)) and len(rest) == N - 3
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
-def test_a_record_in_use_by_a_live_map_of_this_process_is_refused(setup: Any, workers: str) -> None:
-    model, batches, ckpt, log = setup
-    dp = _dp(model, workers)
+def test_a_record_in_use_by_a_live_map_of_this_process_is_refused(dp: Any, setup: Any, workers: str) -> None:
+    _, batches, ckpt, log = setup
     with torch.no_grad():
         first = dp.map("encode", batches, checkpoint=ckpt)
         outs = [next(first)]
@@ -477,7 +496,6 @@ def test_a_record_in_use_by_a_live_map_of_this_process_is_refused(setup: Any, wo
             dp.map("encode", batches, checkpoint=ckpt)
         outs += list(first)  # the first map goes on, alone
         assert list(dp.map("encode", batches, checkpoint=ckpt)) == []  # finished, released
-    dp.close()
     assert len(outs) == N and _ran(log) == list(range(N))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import gc
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -107,20 +107,56 @@ def _fresh_dynamo() -> Iterator[None]:
     gc.collect()
 
 
-@pytest.mark.parametrize("n,devices", SPLITS)
-def test_compile_around(n: int, devices: int) -> None:
+class _Run(NamedTuple):
+    model: Net
+    wrapped: Any  # what the wrapper wraps
+    dp: _Recording
+    x: torch.Tensor
+    want: torch.Tensor  # the eager model's output
+    got: torch.Tensor
+    before: dict[str, torch.Tensor]  # the model's state before
+
+
+def _compiled_run(n: int, devices: int, compile_: Any) -> _Run:
+    """A seeded Net compiled by ``compile_(model, backend)``, which returns what the wrapper
+    wraps, run on ``devices`` replicas over ``n`` rows: it equals the eager model's output,
+    and every replica ran compiled code."""
     torch.manual_seed(0)
     model = Net()
-    before = _snapshot(model)
-    backend = Counter()
-    compiled = torch.compile(model, backend=backend)
     x = torch.randn(n, 4)
     want = model(x)
-    _count_calls(model.out)
-    dp = _Recording(compiled, device_ids=["cpu"] * devices)
+    before = _snapshot(model)
+    backend = Counter()
+    wrapped = compile_(model, backend)
+    dp = _Recording(wrapped, device_ids=["cpu"] * devices)
     got = dp(x)
     close(got, want, terms=TERMS)
     assert backend.runs == devices  # every replica ran compiled code
+    return _Run(model, wrapped, dp, x, want, got, before)
+
+
+def _around(model: Net, backend: Counter) -> Any:
+    compiled = torch.compile(model, backend=backend)
+    _count_calls(model.out)
+    return compiled
+
+
+def _in_place(model: Net, backend: Counter) -> Net:
+    model.compile(backend=backend)
+    _count_calls(model)
+    return model
+
+
+def _inside(model: Net, backend: Counter) -> Net:
+    inner = model.out
+    model.out = torch.compile(inner, backend=backend)  # type: ignore[assignment]
+    _count_calls(inner)
+    return model
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_compile_around(n: int, devices: int) -> None:
+    model, compiled, dp, x, want, got, before = _compiled_run(n, devices, _around)
     # Once on each replica's own modules, never on the source's.
     replicas = dp.last_replicas
     assert len(replicas) == devices and len({id(dpmethods.unwrap(r).out) for r in replicas}) == devices
@@ -138,18 +174,7 @@ def test_compile_around(n: int, devices: int) -> None:
 
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_compile_in_place(n: int, devices: int) -> None:
-    torch.manual_seed(0)
-    model = Net()
-    x = torch.randn(n, 4)
-    want = model(x)
-    before = _snapshot(model)
-    backend = Counter()
-    model.compile(backend=backend)
-    _count_calls(model)
-    dp = _Recording(model, device_ids=["cpu"] * devices)
-    got = dp(x)
-    close(got, want, terms=TERMS)
-    assert backend.runs == devices
+    model, _, dp, _, _, _, before = _compiled_run(n, devices, _in_place)
     # Each replica's compiled _call_impl ran on that replica, not on the source.
     replicas = dp.last_replicas
     assert len({id(r) for r in replicas}) == devices and model not in replicas
@@ -159,19 +184,8 @@ def test_compile_in_place(n: int, devices: int) -> None:
 
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_compile_inside(n: int, devices: int) -> None:
-    torch.manual_seed(0)
-    model = Net()
-    x = torch.randn(n, 4)
-    want = model(x)
-    before = _snapshot(model)
-    backend = Counter()
-    inner = model.out
-    model.out = torch.compile(inner, backend=backend)  # type: ignore[assignment]
-    _count_calls(inner)
-    dp = _Recording(model, device_ids=["cpu"] * devices)
-    got = dp(x)
-    close(got, want, terms=TERMS)
-    assert backend.runs == devices
+    model, _, dp, _, _, _, before = _compiled_run(n, devices, _inside)
+    inner = dpmethods.unwrap(model.out)
     inners = [dpmethods.unwrap(r.out) for r in dp.last_replicas]
     assert len({id(m) for m in inners}) == devices and inner not in inners
     assert [_calls(m) for m in inners] == [1] * devices and _calls(inner) == 0

@@ -11,6 +11,7 @@ and non-zero, left-padded prompts, 7 items on 3 replicas and 8 on 4.
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import warnings
 from collections import Counter
@@ -81,10 +82,32 @@ def _inputs(name: str, n: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+_EOS: dict[tuple[Any, ...], list[int]] = {}
+
+
 def _eos_ids(model: Any, inputs: dict[str, Any], sizes: list[int], **search: Any) -> list[int]:
     """Tokens that end the rows at steps that differ between the replicas' shares, so that
     their outputs must be padded: drawn from the model's own output without eos, and
-    checked by generating each share as its replica does (``search``: beams, returns)."""
+    checked by generating each share as its replica does (``search``: beams, returns).
+
+    Kept per model, inputs, shares and search: tests that differ only in what the search
+    does not read (the pad id) search once."""
+    key = (_digest(model, inputs), tuple(sizes), tuple(sorted(search.items())))
+    if key not in _EOS:
+        _EOS[key] = _search_eos_ids(model, inputs, sizes, **search)
+    return list(_EOS[key])
+
+
+def _digest(model: Any, inputs: dict[str, Any]) -> str:
+    """The model's class and weights and the inputs, as one digest."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    for name, t in [*model.state_dict().items(), *sorted(inputs.items())]:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _search_eos_ids(model: Any, inputs: dict[str, Any], sizes: list[int], **search: Any) -> list[int]:
     kwargs = dict(max_new_tokens=NEW, pad_token_id=2, do_sample=False, **search)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     with torch.no_grad():
