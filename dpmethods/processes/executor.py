@@ -169,19 +169,21 @@ class _Outbox:
     def send(self, frame: bytes) -> None:
         """``frame`` with its length in front (as ``Connection.recv_bytes`` reads it)."""
         n = len(frame)
-        data: Any = frame  # as it is where Connection.send_bytes writes it (Windows)
-        if self._socket is not None:
-            data = memoryview(struct.pack("!i", n) + frame if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n) + frame)
         with self._ready:
             if self._failed is not None:
                 raise self._failed
-            if not self._left and self._socket is not None:
-                try:
-                    data = data[self._socket.send(data, socket.MSG_DONTWAIT):]
-                except BlockingIOError:
-                    pass
-                if not data:
-                    return
+            data: Any = frame  # as it is where Connection.send_bytes writes it (Windows)
+            if self._socket is not None:
+                header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
+                sent = 0
+                if not self._left:
+                    try:  # header and frame in one write, without copying the frame
+                        sent = self._socket.sendmsg([header, frame], [], socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        pass
+                    if sent == len(header) + n:
+                        return
+                data = memoryview(header + frame)[sent:]  # the rest, for the sender thread
             self._left.append(data)
             if self._sender is None:
                 self._sender = threading.Thread(target=self._drain, name=f"{self._name}-sender", daemon=True)
