@@ -61,6 +61,9 @@ class ThreadState:
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # with each batch to a worker process
+        return ThreadState, (self.grad, self.inference, self.autocast)
+
     @classmethod
     def capture(cls) -> ThreadState:
         """The current thread's state."""

@@ -12,7 +12,7 @@
                                                      or Failed(error, traceback, warned)
 
 Each record is pickled by :func:`~dpmethods.processes.pickling.dumps` (tensors inline
-or in shared memory) and is the whole message: a failure is a reply, never an
+or in shared memory) as its class and the tuple of its fields, and is the whole message: a failure is a reply, never an
 exception of the executor, so any exception comes back with its type, notes and
 traceback text. :class:`Warned` is one warning a job raised, given again in the caller
 (:meth:`~dpmethods.processes.pool.Worker.reply`).
@@ -26,8 +26,16 @@ from typing import Any
 __all__ = ["Done", "Failed", "Load", "Request", "Split", "Warned"]
 
 
+class _Record:
+    """Pickled as its class called with its fields, in order: a batch's two messages
+    cost a fraction of the default reduction (a state dict set on a bare instance)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return type(self), tuple(self.__dict__.values())  # a dataclass's fields, in order
+
+
 @dataclasses.dataclass(frozen=True)
-class Warned:
+class Warned(_Record):
     """One warning a job raised, as the caller gives it again.
 
     Example:
@@ -44,7 +52,7 @@ class Warned:
 
 
 @dataclasses.dataclass(frozen=True)
-class Load:
+class Load(_Record):
     """Build the worker's model: ``kind`` ``"model"`` (``what``: the pickled module) or
     ``"factory"`` (``what``: a callable that returns it); ``marks``: the batch-coupled
     classes to mark there too.
@@ -60,7 +68,7 @@ class Load:
 
 
 @dataclasses.dataclass(frozen=True)
-class Split:
+class Split(_Record):
     """``on_oom="split"`` in a worker: a batch that runs out of memory is halved by the
     method's ``options``; ``key`` names the memory record kept (one per map, one for the
     calls); ``prepared``: a call's share, adapted by the method's hooks already.
@@ -76,7 +84,7 @@ class Split:
 
 
 @dataclasses.dataclass(frozen=True)
-class Request:
+class Request(_Record):
     """Run ``method(*args, **kwargs)`` on the worker's model under the caller's thread
     ``state``, seeded with ``seed`` (None: not seeded); ``part_of_batch``: a scattered
     call's share (batch-coupled modules warn); ``oom``: how to split a batch out of memory.
@@ -96,7 +104,7 @@ class Request:
 
 
 @dataclasses.dataclass(frozen=True)
-class Done:
+class Done(_Record):
     """A job's result: a batch's ``output`` (a load's: the worker's pid) and what it warned.
 
     Example:
@@ -109,7 +117,7 @@ class Done:
 
 
 @dataclasses.dataclass(frozen=True)
-class Failed:
+class Failed(_Record):
     """A job's failure: its exception pickled on its own (``error``: one that cannot be
     rebuilt comes as a RuntimeError with its text), the worker's traceback, what it warned.
 

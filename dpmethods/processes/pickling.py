@@ -38,20 +38,22 @@ from dpmethods.processes.state import per_call, without_per_call_hooks
 __all__: list[str] = []
 
 INLINE_BYTES = 256 << 10  # CPU tensors below this travel in the message itself
+_GRAD, _PARAMETER = 1, 2  # the flags of an inline tensor
 _PLAIN = (Tensor, nn.Parameter)
 
 
-def _rebuild_inline(
-    cls: type, data: bytes, dtype: torch.dtype, shape: torch.Size, grad: bool, stride: tuple[int, ...]
-) -> Tensor:
+def _rebuild_inline(data: bytes, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...],
+                    flags: int) -> Tensor:
+    """A tensor sent inline by :func:`_inline`; ``flags``: its requires-grad bit, and
+    :data:`_PARAMETER` for an ``nn.Parameter``."""
     if data:
-        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype)
-        t = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape, stride)
+        t = torch.frombuffer(bytearray(data), dtype=dtype).as_strided(shape, stride)
     else:
         t = torch.empty_strided(shape, stride, dtype=dtype)
-    if cls is nn.Parameter:
+    grad = bool(flags & _GRAD)
+    if flags & _PARAMETER:
         return nn.Parameter(t, requires_grad=grad)
-    return t.requires_grad_(grad) if grad else t
+    return t.requires_grad_(True) if grad else t
 
 
 def _dense(t: Tensor) -> Tensor:
@@ -62,7 +64,8 @@ def _dense(t: Tensor) -> Tensor:
     """
     t = t.detach()
     if (
-        t.storage_offset() == 0
+        not t.is_conj() and not t.is_neg()  # else its storage holds other values than it shows
+        and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.numel() * t.element_size()
         and t.stride() == _dense_stride(t)
     ):
@@ -76,21 +79,19 @@ def _dense_stride(t: Tensor) -> tuple[int, ...]:
 
 
 def _inline(t: Tensor) -> tuple[Any, ...]:
+    flags = (_GRAD if t.requires_grad and t.is_leaf else 0) | (_PARAMETER if type(t) is nn.Parameter else 0)
     if t.is_contiguous():  # its elements in order: read as they are, no copy first
         try:
             data = t.detach().numpy().tobytes()
         except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), a conj or neg bit
             pass
         else:
-            return (_rebuild_inline, (type(t), data, t.dtype, t.shape, t.requires_grad and t.is_leaf, t.stride()))
+            return (_rebuild_inline, (data, t.dtype, tuple(t.shape), t.stride(), flags))
     dense = _dense(t)
     data = b""
     if dense.numel():
         data = torch.empty(0, dtype=torch.uint8).set_(dense.untyped_storage()).numpy().tobytes()
-    return (
-        _rebuild_inline,
-        (type(t), data, t.dtype, t.shape, t.requires_grad and t.is_leaf, dense.stride()),
-    )
+    return (_rebuild_inline, (data, t.dtype, tuple(t.shape), dense.stride(), flags))
 
 
 def _shared_storage(nbytes: int) -> torch.UntypedStorage:

@@ -350,6 +350,11 @@ class Contract(nn.Module):
         return self.lin(x)
 
     @dpmethods.parallel_method
+    def views(self, z: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``z`` as given (a conjugate view, say), and views with the conjugate and negative bits."""
+        return {"given": z, "conj": z.conj(), "neg": z.conj().imag}
+
+    @dpmethods.parallel_method
     def noisy(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) + torch.rand(len(x), 3)
 

@@ -1181,6 +1181,20 @@ def test_channels_last_survives_the_trip(contract: dict[str, Any], workers: str)
         assert_close_to_reference(out, ref, terms=4)  # a 1x1 Conv2d of 3 channels and its bias
 
 
+@_KINDS
+def test_conjugate_and_negative_views_keep_their_values(contract: dict[str, Any], workers: str) -> None:
+    # A view with the conjugate or negative bit shows other values than its storage holds.
+    dp, g = contract[workers], torch.Generator().manual_seed(3)
+    small = torch.randn(5, 3, dtype=torch.complex64, generator=g).conj()
+    big = torch.randn(5, 8000, dtype=torch.complex64, generator=g).conj()  # through shared memory
+    with torch.no_grad():
+        got = [dp.views(z) for z in (small, big)] + list(dp.map("views", [small, big]))
+    for out, z in zip(got, [small, big] * 2, strict=True):
+        want = {"given": z, "conj": z.conj(), "neg": z.conj().imag}  # each value is exact
+        for key, ref in want.items():
+            assert torch.equal(out[key].resolve_conj().resolve_neg(), ref.resolve_conj().resolve_neg()), key
+
+
 _SHM_SCRIPT = """
 import os, sys, torch, dpmethods
 sys.path.insert(0, {tests!r})
