@@ -205,6 +205,17 @@ def test_no_private_name_crosses_modules() -> None:
     assert wrong == []
 
 
+def test_tests_import_no_private_name() -> None:
+    # Tests use what a module shares: a name they need is a public, documented name of
+    # the module that owns it.
+    modules = _modules()
+    tests = _PKG.parent / "tests"
+    wrong = [use for path in sorted(tests.rglob("*.py"))
+             for use in _private_uses(".".join(path.relative_to(tests.parent).with_suffix("").parts), path, modules)
+             if " imports " in use]
+    assert wrong == []
+
+
 def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
     modules = _modules()
     probe = tmp_path / "probe.py"
