@@ -86,9 +86,9 @@ class Loader:
 
     def _first_load(self) -> Loaded:
         if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-            reason = f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
-            self.say_once(reason, logging.INFO)
-            return Loaded(None, reason)
+            disabled = f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+            self.say_once(disabled, logging.INFO)
+            return Loaded(None, disabled)
         built = _recorded_build(self.record)
         reason = _mismatch(built)
         if reason is None:
