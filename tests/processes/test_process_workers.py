@@ -324,7 +324,12 @@ def test_arguments_that_cannot_be_sent_name_what_and_a_fix_that_is_right(
             run(dp, x, _Scale(2.0))
         assert str(info.value.__cause__) == "cannot pickle '_Scale' object"
         threads = dpmethods.DataParallel(net, device_ids=["cpu"] * 3)  # the fix: the one-device answer
-        _same(run(threads, x, _Scale(2.0))["y"], net.encode(x, scale=2.0)["y"])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = run(threads, x, _Scale(2.0))
+        _same(out["y"], net.encode(x, scale=2.0)["y"])
+    # A call's shares count 3, 2 and 2 rows: only its row count comes back as a list, and says so.
+    assert all("output['n'] (int) differs across replicas" in str(w.message) for w in seen)
 
 
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
