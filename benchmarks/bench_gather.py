@@ -477,8 +477,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     grid = _grid(args.quick) if "grid" in args.only else []
     # One unmeasured fwd+bwd case first: the first backward of the process starts
-    # autograd's worker threads and warms the allocators, which otherwise lands on
-    # whichever path the first measured case times first (seen: 0.6x instead of 1.1x).
+    # autograd's worker threads and warms the allocators, a one-off cost that would
+    # otherwise land on whichever path the first measured case times first and skew
+    # that case's ratio.
     if grid:
         run_case(next(c for c in grid if c.mode == "fwd+bwd"), device, budget / 4)
     for case in grid:

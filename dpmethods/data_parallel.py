@@ -26,7 +26,7 @@ from dpmethods.items import item_options, map_items
 from dpmethods.processes.calls import call_shares
 from dpmethods.processes.pool import ProcessPool, check_factory, check_workers
 from dpmethods.state_dicts import load_matched
-from dpmethods.streaming.map import map_batches
+from dpmethods.streaming.map import MapTarget, map_batches
 from dpmethods.streaming.options import MapOptions
 from dpmethods.wrapper import call as _flow
 from dpmethods.wrapper.base import MethodWrapper, check_argument_names, check_flag, check_module
@@ -211,18 +211,15 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
                              collate=collate, window=window, trim=trim)
         options = MapOptions(ordered=ordered, progress=progress, prefetch=prefetch, shard=shard, workers=workers,
                              retries=retries, timeout=timeout, errors=errors, on_oom=on_oom, checkpoint=checkpoint)
-        if items is not None:  # the map's batches are cut from the items
-            return map_items(self._map_batches, method, batches, items, options, self._options, self.module, kwargs)
-        return self._map_batches(method, batches, options, kwargs)
-
-    def _map_batches(self, method: str, batches: Iterable[Any], options: MapOptions,
-                     kwargs: dict[str, Any]) -> Iterator[Any]:
         processes = check_workers(self.workers if options.workers is None else options.workers) == "processes"
-        return map_batches(
-            self.module, method, batches, kwargs, options, methods=self._dpm_methods, options_of=self._options,
-            devices=self._devices, output_device=getattr(self, "output_device", None),
-            replicate=self.replicate, pool=self._process_pool if processes and self._devices else None,
+        target = MapTarget(
+            self.module, methods={"forward": self._options("forward"), **self._dpm_methods}, devices=self._devices,
+            output_device=getattr(self, "output_device", None), replicate=self.replicate,
+            pool=self._process_pool if processes and self._devices else None,
         )
+        if items is not None:  # the map's batches are cut from the items
+            return map_items(target, method, batches, items, options, kwargs)
+        return map_batches(target, method, batches, kwargs, options)
 
     def _options(self, name: str) -> MethodOptions:
         opts = self._dpm_methods.get(name)

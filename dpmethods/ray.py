@@ -47,18 +47,25 @@ from torch import nn
 
 from dpmethods.data_parallel import DataParallel
 
-__all__ = ["Predictor"]
+__all__ = ["Predictor", "devices_for"]
 
 # numpy dtype kinds that become tensors: bool, signed and unsigned ints, floats, complex.
 _NUMERIC = "biufc"
 
 
-def _devices_for(gpu_ids: Sequence[Any] | None, cuda_count: int) -> list[Any]:
-    """The devices of an actor given Ray's GPU ids (None outside Ray) and torch's count.
+def devices_for(gpu_ids: Sequence[Any] | None, cuda_count: int) -> list[Any]:
+    """The devices a :class:`Predictor` runs on without ``device_ids=``, given the GPU ids
+    Ray gave its actor (None outside Ray) and the number of CUDA devices torch sees.
 
     Ray sets ``CUDA_VISIBLE_DEVICES`` to the actor's GPUs, so torch numbers them
     ``0..n-1``; where it does not (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``),
-    torch sees every GPU and Ray's ids are torch's indices.
+    torch sees every GPU and Ray's ids are torch's indices. No GPU means the CPU.
+
+    Example:
+        >>> devices_for(None, 2), devices_for([], 4)  # outside Ray; an actor given no GPU
+        ([0, 1], ['cpu'])
+        >>> devices_for([3, 5], 2), devices_for(["3", "5"], 8)  # Ray set the variable; it did not
+        ([0, 1], [3, 5])
     """
     if gpu_ids is None:
         return list(range(cuda_count)) or ["cpu"]
@@ -73,7 +80,7 @@ def _actor_devices() -> list[Any]:
     ray = sys.modules.get("ray")  # a Ray worker has imported it; elsewhere, no Ray to ask
     in_ray = ray is not None and ray.is_initialized()
     gpu_ids = ray.get_gpu_ids() if in_ray else None  # type: ignore[union-attr]
-    return _devices_for(gpu_ids, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    return devices_for(gpu_ids, torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 def _nearest(name: str, names: Sequence[str]) -> str:

@@ -2,8 +2,8 @@
 
 With ``cpu_replicas="distinct"`` every CPU replica has its own copies, as on
 distinct GPUs. A replica that reads another replica's tensors (say, a list of
-weights kept beside ``_parameters`` and not re-pointed, as ``nn.LSTM``'s
-``_flat_weights`` were) computes right on one machine and fails with a device
+weights kept beside ``_parameters``, as ``nn.LSTM``'s ``_flat_weights``, and not
+re-pointed when the replica is made) computes right on one machine and fails with a device
 mismatch on several GPUs. :func:`assert_replicas_isolated` finds that on CPU: it
 records, in each replica's thread, the storages every operator reads or writes
 (a ``TorchDispatchMode``), and fails if a replica touched the parameters or buffers

@@ -21,7 +21,7 @@ import collections
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
@@ -32,7 +32,7 @@ from dpmethods.items.collate import check_takes, default_collate, padding_of
 from dpmethods.items.options import ItemOptions
 from dpmethods.items.trim import PaddedDims
 from dpmethods.streaming.iterator import MapIterator
-from dpmethods.streaming.map import progress_bar
+from dpmethods.streaming.map import MapTarget, map_batches, progress_bar
 from dpmethods.streaming.options import MapOptions
 from dpmethods.streaming.resume import Checkpoint
 from dpmethods.streaming.source import Indexed, indexed
@@ -194,19 +194,16 @@ def _stop(outputs: Iterator[Any], bar: list[Any]) -> None:
 
 
 def map_items(
-    run_map: Callable[[str, Indexed, MapOptions, dict[str, Any]], Iterator[Any]], method: str,
-    batches: Iterable[Any], items: ItemOptions, options: MapOptions,
-    options_of: Callable[[str], MethodOptions], module: nn.Module, kwargs: dict[str, Any], /,
+    target: MapTarget, method: str, batches: Iterable[Any], items: ItemOptions, options: MapOptions,
+    kwargs: dict[str, Any], /,
 ) -> ItemIterator:
     """The map over the items of ``batches``, batched by ``items``: its batches run by
-    ``run_map(method, batches, options, kwargs)`` (a map of batches).
+    :func:`~dpmethods.streaming.map.map_batches` on ``target``.
 
     Args:
-        run_map: runs a map of batches.
+        target: what the map runs on (the method's signature checks each batch).
         options: the map's options (``ordered``, ``progress``, ``shard``, ``errors`` and
             ``checkpoint`` apply to items here; the others to the map of batches).
-        options_of: the method's options by name.
-        module: the wrapped module (the method's signature checks each batch).
         kwargs: the method's keyword arguments, for every batch.
 
     Example:
@@ -221,14 +218,14 @@ def map_items(
     checkpoint = None
     pairs: Iterable[tuple[int, Any]]
     if options.checkpoint is not None:  # the record counts items; sharded per rank
-        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, module, options.shard)
+        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, target.module, options.shard)
         pairs, total = checkpoint.pending, None
     else:
         pairs, total = indexed(batches, options.shard)
     source = _Source(pairs, items, method, kwargs)
     each_batch = dataclasses.replace(options, ordered=False, progress=False, shard=False, errors="yield",
                                      checkpoint=None)
-    outputs = run_map(method, Indexed(source), each_batch, kwargs)
-    source.bind(module, options_of(method))
+    outputs = map_batches(target, method, Indexed(source), kwargs, each_batch)
+    source.bind(target.module, target.options(method))
     return ItemIterator(outputs, source, ordered=options.ordered, errors=options.errors,
                         bar=progress_bar(options.progress, total, "item"), checkpoint=checkpoint)

@@ -18,14 +18,14 @@ import importlib.util
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
-__all__ = ["BUILD_RECORD", "DISABLE_ENV", "info", "module", "unsupported_reason"]
+__all__ = ["BUILD_RECORD", "DISABLE_ENV", "LOADER", "Loaded", "Loader", "info", "module", "unsupported_reason"]
 
 _log = logging.getLogger("dpmethods")
 
@@ -38,44 +38,77 @@ _FIX = (
 )
 
 
-@dataclass
-class _State:
+@dataclass(frozen=True)
+class Loaded:
+    """What loading ``dpmethods._C`` came to: the module, or None and why the fallback is in use.
+
+    Example:
+        >>> loaded = LOADER.load()
+        >>> (loaded.module is None) == (loaded.reason is not None)
+        True
+    """
+
     module: ModuleType | None
     reason: str | None
-    logged: set[str] = field(default_factory=set)
 
 
-_STATE: _State | None = None
+class Loader:
+    """Imports ``dpmethods._C`` once, checked against the build record at ``record``,
+    remembers the outcome, and says each reason for the fallback once on the
+    ``dpmethods`` logger.
+
+    :data:`LOADER` is the one the package uses; a test puts a loader of another record
+    in its place to load as a fresh process would.
+
+    Example:
+        >>> import tempfile
+        >>> missing = Path(tempfile.mkdtemp()) / "_build_info.json"  # no record: the library's own version is compared
+        >>> Loader(missing).load().module is LOADER.load().module
+        True
+    """
+
+    def __init__(self, record: Path) -> None:
+        self.record = record
+        self._loaded: Loaded | None = None
+        self._logged: set[str] = set()
+
+    def load(self) -> Loaded:
+        """Import ``dpmethods._C`` on the first call; every call returns that outcome."""
+        if self._loaded is None:
+            self._loaded = self._first_load()
+        return self._loaded
+
+    def say_once(self, reason: str, level: int) -> None:
+        """Log that the pure-PyTorch gather is in use because of ``reason``, once per reason."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            _log.log(level, "dpmethods: using the pure-PyTorch gather (%s)", reason)
+
+    def _first_load(self) -> Loaded:
+        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+            disabled = f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+            self.say_once(disabled, logging.INFO)
+            return Loaded(None, disabled)
+        built = _recorded_build(self.record)
+        reason = _mismatch(built)
+        if reason is None:
+            try:
+                # Importing the module loads the shared library, whose static
+                # initializers register torch.ops.dpmethods.*.
+                from dpmethods import _C  # type: ignore[attr-defined]
+            except Exception as exc:  # ImportError, OSError (undefined symbol), ...
+                reason = _import_failure(exc, built)
+            else:
+                # A build without a record: the library itself knows its torch version.
+                lib: Any = _C
+                reason = _mismatch({"torch": lib.torch_version()}) if built is None else None
+                if reason is None:
+                    return Loaded(_C, None)
+        self.say_once(reason, logging.WARNING)
+        return Loaded(None, reason)
 
 
-def _load() -> _State:
-    """Import ``dpmethods._C`` once and remember the outcome."""
-    global _STATE
-    if _STATE is not None:
-        return _STATE
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        _STATE = _State(None, f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}")
-        _log_once(_STATE, _STATE.reason or "", logging.INFO)
-        return _STATE
-    built = _recorded_build()
-    reason = _mismatch(built)
-    if reason is None:
-        try:
-            # Importing the module loads the shared library, whose static
-            # initializers register torch.ops.dpmethods.*.
-            from dpmethods import _C  # type: ignore[attr-defined]
-        except Exception as exc:  # ImportError, OSError (undefined symbol), ...
-            reason = _import_failure(exc, built)
-        else:
-            # A build without a record: the library itself knows its torch version.
-            lib: Any = _C
-            reason = _mismatch({"torch": lib.torch_version()}) if built is None else None
-            if reason is None:
-                _STATE = _State(_C, None)
-                return _STATE
-    _STATE = _State(None, reason)
-    _log_once(_STATE, reason, logging.WARNING)
-    return _STATE
+LOADER = Loader(BUILD_RECORD)
 
 
 def _import_failure(exc: Exception, built: dict[str, Any] | None) -> str:
@@ -91,10 +124,10 @@ def _import_failure(exc: Exception, built: dict[str, Any] | None) -> str:
     )
 
 
-def _recorded_build() -> dict[str, Any] | None:
-    """The torch ``dpmethods._C`` was compiled against, as setup.py recorded it (None: no record)."""
+def _recorded_build(path: Path) -> dict[str, Any] | None:
+    """The torch ``dpmethods._C`` was compiled against, as setup.py recorded it at ``path`` (None: no record)."""
     try:
-        record = json.loads(BUILD_RECORD.read_text())
+        record = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
@@ -137,12 +170,6 @@ def _mismatch(built: dict[str, Any] | None) -> str | None:
     )
 
 
-def _log_once(state: _State, reason: str, level: int) -> None:
-    if reason not in state.logged:
-        state.logged.add(reason)
-        _log.log(level, "dpmethods: using the pure-PyTorch gather (%s)", reason)
-
-
 def module() -> ModuleType | None:
     """The imported ``dpmethods._C``, or None when the fallback is in use.
 
@@ -150,7 +177,7 @@ def module() -> ModuleType | None:
         >>> (module() is None) == (info()["in_use"] == "pytorch fallback")
         True
     """
-    return _load().module
+    return LOADER.load().module
 
 
 def unsupported_reason(device: torch.device) -> str | None:
@@ -160,7 +187,7 @@ def unsupported_reason(device: torch.device) -> str | None:
         >>> unsupported_reason(torch.device("cpu")) == info()["reason"]
         True
     """
-    state = _load()
+    state = LOADER.load()
     if state.module is None:
         return state.reason
     if device.type == "cpu":
@@ -171,7 +198,7 @@ def unsupported_reason(device: torch.device) -> str | None:
         reason = "dpmethods._C was built without CUDA kernels"
     else:
         reason = f"dpmethods._C has no kernels for device type {device.type!r}"
-    _log_once(state, reason, logging.WARNING)
+    LOADER.say_once(reason, logging.WARNING)
     return reason
 
 
@@ -182,9 +209,9 @@ def info() -> dict[str, Any]:
         >>> info()["torch_runtime"] == str(torch.__version__)
         True
     """
-    state = _load()
+    state = LOADER.load()
     mod = state.module
-    record = _recorded_build() or {}
+    record = _recorded_build(LOADER.record) or {}
     archs: list[str] = []
     built: str | None = record.get("torch")
     cuda = False

@@ -56,10 +56,7 @@ def call_shares(
                 futures.append((w, pool.submit(w.index, request)))
             except Unsendable as exc:
                 check_sendable(oom, f"DataParallel.{name}(workers='processes', on_oom='split')", name)
-                raise TypeError(
-                    f"DataParallel.{name}(workers='processes'): its arguments cannot be sent "
-                    f"to a worker process: {exc}; use workers='threads'"
-                ) from exc.__cause__
+                raise exc.error(f"DataParallel.{name}(workers='processes')", "its arguments") from exc.__cause__
         return [received(w.reply(f, f"DataParallel.{name}: raised in share {w.index}",
                                  f"share {w.index} of DataParallel.{name}"), None) for w, f in futures]
     finally:

@@ -89,6 +89,20 @@ class WorkerDiedError(RuntimeError):
 class Unsendable(TypeError):
     """A request that cannot be pickled for a worker; its ``__cause__`` is pickling's error."""
 
+    def error(self, where: str, what: str) -> TypeError:
+        """The error the user sees: ``what`` (a batch of a map, a call's arguments) of
+        ``where`` cannot be sent, why, and the fix; raise it from pickling's error
+        (``self.__cause__``).
+
+        Threads run the method on the caller's own objects and pickle nothing, so they
+        give the answer one device gives for arguments that cannot cross processes.
+
+        Example:
+            >>> print(Unsendable("TypeError: boom").error("DataParallel.map", "batch 3"))
+            DataParallel.map: batch 3 cannot be sent to a worker process: TypeError: boom; use workers='threads'
+        """
+        return TypeError(f"{where}: {what} cannot be sent to a worker process: {self}; use workers='threads'")
+
 
 def check_workers(value: Any, name: str = "workers") -> str:
     """``value`` if it is ``"threads"`` or ``"processes"``; else a ``ValueError``.

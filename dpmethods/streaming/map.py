@@ -2,8 +2,9 @@
 
 Each batch runs whole on one replica, taken by whichever replica is free, so a replica
 that finished a short batch starts the next one instead of waiting for the others
-(dynamic load balancing). :func:`map_batches` checks the map, builds its stages and
-returns their iterator: the source (:mod:`~dpmethods.streaming.source`; with
+(dynamic load balancing). The wrapper gives what the map runs on as one value, a
+:class:`MapTarget`; :func:`map_batches` checks the map, builds its stages and returns
+their iterator: the source (:mod:`~dpmethods.streaming.source`; with
 ``checkpoint=``, the batches not taken yet: :mod:`~dpmethods.streaming.resume`), the
 scheduler (:mod:`~dpmethods.streaming.scheduler`: order, prefetch, retries, timeouts,
 ``errors=``, progress, stop) over one of two backends, worker threads
@@ -17,6 +18,7 @@ through a reorder buffer that is bounded too.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,17 +35,53 @@ from dpmethods.streaming.source import indexed
 from dpmethods.streaming.threads import ThreadBackend
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["map_batches"]
+__all__ = ["MapTarget", "map_batches"]
 
 
-def _check_method(module: nn.Module, method: Any, methods: list[str]) -> None:
-    if not isinstance(method, str) or (method != "forward" and method not in methods):
-        hint = ""
+@dataclass(frozen=True)
+class MapTarget:
+    """What a map runs on, as its wrapper gives it (``DataParallel.map`` builds one per map).
+
+    Attributes:
+        module: the module whose replicas (or worker processes) run the batches.
+        methods: each parallel method's options by name; a method not in it (an
+            undecorated ``"forward"``, which a map always accepts) has ``MethodOptions()``.
+        devices: one replica per device; none: the module runs itself in one thread.
+        output_device: where outputs go (None: the first device).
+        replicate: ``replicate(module, devices)`` builds the replicas of a map on threads
+            (the wrapper's seam of that name); None: the module itself, no copies.
+        pool: the worker processes the map runs in; None: threads.
+
+    Example:
+        >>> import torch
+        >>> from dpmethods.vocab.options import MethodOptions
+        >>> target = MapTarget(torch.nn.Linear(4, 2), {"forward": MethodOptions(dim=1)})
+        >>> target.options("forward").dim, target.options("encode").dim
+        (1, 0)
+    """
+
+    module: nn.Module
+    methods: Mapping[str, MethodOptions] = field(default_factory=dict)
+    devices: Sequence[torch.device] = ()
+    output_device: Any = None
+    replicate: Callable[[nn.Module, list[torch.device]], list[nn.Module]] | None = None
+    pool: ProcessPool | None = None
+
+    def options(self, method: str) -> MethodOptions:
+        """``method``'s options (its split ``dim``, its rules for ``on_oom="split"``)."""
+        found = self.methods.get(method)
+        return found if found is not None else MethodOptions()
+
+    def check_method(self, method: Any) -> None:
+        """Refuse a ``method`` that is neither ``"forward"`` nor a parallel method's name."""
+        if isinstance(method, str) and (method == "forward" or method in self.methods):
+            return
+        module, hint = self.module, ""
         if callable(getattr(type(module), "map", None)):
             hint = f"; to call {type(module).__name__}.map itself, use .module.map(...)"
         raise ValueError(
             f"map: method: expected 'forward' or the name of a parallel method of "
-            f"{type(module).__name__} {sorted(m for m in methods if m != 'forward')}, "
+            f"{type(module).__name__} {sorted(m for m in self.methods if m != 'forward')}, "
             f"got {type(method).__name__} {method!r}{hint}"
         )
 
@@ -62,81 +100,67 @@ def progress_bar(progress: bool | str, total: int | None, unit: str) -> Callable
     return lambda: tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
 
 
-def _backend(
-    module: nn.Module, method: str, devices: list[torch.device], output_device: Any,
-    replicate: Any, pool: ProcessPool | None, options: MapOptions, oom: MethodOptions | None,
-) -> Backend:
-    """The map's slots: the worker processes of ``pool``, else a thread per replica."""
+def _backend(target: MapTarget, method: str, options: MapOptions, oom: MethodOptions | None) -> Backend:
+    """The map's slots: the worker processes of ``target.pool``, else a thread per replica."""
+    devices = list(target.devices)
     # As a call: outputs on output_device; without devices (no GPU) a plain call.
-    out_dev = as_device(output_device if output_device is not None else devices[0]) if devices else None
-    if pool is not None:
-        return ProcessBackend(pool, module, method, out_dev, oom=oom)
-    replicas: list[nn.Module] = [module]  # one device: the module itself, no copies
+    out = target.output_device
+    out_dev = as_device(out if out is not None else devices[0]) if devices else None
+    if target.pool is not None:
+        return ProcessBackend(target.pool, target.module, method, out_dev, oom=oom)
+    replicas: list[nn.Module] = [target.module]  # one device: the module itself, no copies
     if len(devices) > 1:
-        check_source_device(module, devices[0])
-        # Built once for the whole map; under no_grad from the replica cache.
-        replicas = replicate(module, devices) if replicate is not None else replicas
+        check_source_device(target.module, devices[0])
+        if target.replicate is not None:  # built once for the whole map; under no_grad from the replica cache
+            replicas = target.replicate(target.module, devices)
     return ThreadBackend(replicas, [*devices] or [None], method, out_dev, prefetch=options.prefetch,
                          timeout=options.timeout, oom=oom)
 
 
 def map_batches(
-    module: nn.Module,
+    target: MapTarget,
     method: str,
     batches: Iterable[Any],
     kwargs: Mapping[str, Any] | None = None,
     options: MapOptions | None = None,
-    *,
-    methods: Iterable[str] = (),
-    options_of: Callable[[str], MethodOptions] | None = None,
-    devices: Sequence[torch.device] = (),
-    output_device: Any = None,
-    replicate: Callable[[nn.Module, list[torch.device]], list[nn.Module]] | None = None,
-    pool: ProcessPool | None = None,
 ) -> BatchIterator:
-    """Run ``method`` of ``module`` over ``batches``, as ``options`` say; see ``DataParallel.map``.
+    """Run ``method`` of ``target.module`` over ``batches``, as ``options`` say; see ``DataParallel.map``.
 
     Args:
-        module: the module whose replicas (or worker processes) run the batches.
+        target: what the map runs on: the module, its methods' options, the devices and
+            the worker processes, if any.
         method: a parallel method's name, or ``"forward"``.
         batches: any iterable; a Mapping batch is passed as keyword arguments, a tuple
             as positional arguments, anything else as the one positional argument.
         kwargs: keyword arguments passed to every call.
-        options: the map's options (``workers`` is the wrapper's to read: ``pool``).
-        methods: the names of the parallel methods (``method`` must be one, or ``"forward"``).
-        options_of: ``options_of(method)`` gives the method's options (its ``dim``).
-        devices: one replica per device; none: the module runs itself in one thread.
-        output_device: where outputs go (default: the first device).
-        replicate: ``replicate(module, devices)`` builds the replicas (threads).
-        pool: worker processes to run the batches in, instead of threads.
+        options: the map's options (``workers`` is the wrapper's to read: ``target.pool``).
 
     Example:
         >>> import torch
-        >>> outs = map_batches(torch.nn.Linear(4, 2), "forward", [torch.ones(3, 4), torch.ones(1, 4)])
+        >>> outs = map_batches(MapTarget(torch.nn.Linear(4, 2)), "forward", [torch.ones(3, 4), torch.ones(1, 4)])
         >>> [tuple(o.shape) for o in outs]
         [(3, 2), (1, 2)]
     """
     options = options if options is not None else MapOptions()
     oom = None
     if options.on_oom == "split":  # the method's rules cut and join its halves
-        oom = options_of(method) if options_of is not None else MethodOptions()
-        if pool is not None:  # before any batch runs, not in the first batch's error
+        oom = target.options(method)
+        if target.pool is not None:  # before any batch runs, not in the first batch's error
             check_sendable(oom, "DataParallel.map(workers='processes', on_oom='split')", method)
-    _check_method(module, method, list(methods))
+    target.check_method(method)
     if not isinstance(batches, Iterable):
         raise TypeError(f"map: batches: expected an iterable, got {type(batches).__name__}")
     kwargs = dict(kwargs or {})
     checkpoint = None
     source: Iterator[tuple[int, Any]]
     if options.checkpoint is not None:  # the record counts batches here; sharded per rank
-        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, module, options.shard)
+        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, target.module, options.shard)
         source, total = checkpoint.pending, None
     else:
         source, total = indexed(batches, options.shard)
-    backend = _backend(module, method, list(devices), output_device, replicate, pool, options, oom)
+    backend = _backend(target, method, options, oom)
     scheduler = Scheduler(backend, retries=options.retries, timeout=options.timeout,
                           keep_errors=options.errors == "yield")
-    dim = options_of(method).dim if options_of is not None else 0
     return BatchIterator(scheduler, source, kwargs, ordered=options.ordered, prefetch=options.prefetch,
-                         dim=dim, progress=progress_bar(options.progress, total, "batch"),
+                         dim=target.options(method).dim, progress=progress_bar(options.progress, total, "batch"),
                          checkpoint=checkpoint)

@@ -60,10 +60,7 @@ class ProcessBackend:
             # A module changed in the loop over this map is sent again, to the batches after.
             return self.pool.submit(slot, request, self.module)
         except Unsendable as exc:
-            raise TypeError(
-                f"DataParallel.map(workers='processes'): batch {batch.index} cannot be sent "
-                f"to a worker process: {exc}; use workers='threads'"
-            ) from exc.__cause__
+            raise exc.error("DataParallel.map(workers='processes')", f"batch {batch.index}") from exc.__cause__
         except WorkerDiedError as exc:
             raise add_note(exc, f"dpmethods: while sending batch {batch.index} of DataParallel.map; "
                            "the next map or call starts a fresh worker") from None

@@ -205,6 +205,17 @@ def test_no_private_name_crosses_modules() -> None:
     assert wrong == []
 
 
+def test_tests_import_no_private_name() -> None:
+    # Tests use what a module shares: a name they need is a public, documented name of
+    # the module that owns it.
+    modules = _modules()
+    tests = _PKG.parent / "tests"
+    wrong = [use for path in sorted(tests.rglob("*.py"))
+             for use in _private_uses(".".join(path.relative_to(tests.parent).with_suffix("").parts), path, modules)
+             if " imports " in use]
+    assert wrong == []
+
+
 def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
     modules = _modules()
     probe = tmp_path / "probe.py"
@@ -229,12 +240,14 @@ def _wrapper_private_attributes() -> set[str]:
     return names
 
 
-def test_core_reads_no_private_state_of_a_wrapper() -> None:
-    # core/ holds stateless stages: they take what they need as arguments.
+def test_no_layer_reads_a_wrappers_private_state() -> None:
+    # core/ holds stateless stages, and the layers above it (the map, the items, the
+    # worker processes) are given what they need as values: only the wrapper's own
+    # units read its private state.
     private = _wrapper_private_attributes() | {"_options"}
     wrong = []
     for module, path in _modules().items():
-        if _unit(module) != "core":
+        if _unit(module) in ("wrapper", "data_parallel"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in private:
@@ -242,6 +255,36 @@ def test_core_reads_no_private_state_of_a_wrapper() -> None:
             elif isinstance(node, ast.Constant) and node.value in private:  # __dict__["_replica_threads"]
                 wrong.append(f"{module}:{node.lineno} names {node.value!r}")
     assert wrong == []
+
+
+def _private_callbacks(module: str, path: Path) -> list[str]:
+    """The private methods of a class in ``path`` that it passes as an argument
+    (``run(options_of=self._options)``): a way back into the object's private state."""
+    tree = ast.parse(path.read_text())
+    methods = {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
+               if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and not f.name.startswith("__")}
+    return [f"{module}:{node.lineno} passes self.{a.attr}" for node in ast.walk(tree) if isinstance(node, ast.Call)
+            for a in [*node.args, *(k.value for k in node.keywords)]
+            if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name) and a.value.id == "self"
+            and a.attr in methods]
+
+
+def test_the_wrapper_passes_no_private_method_down() -> None:
+    # What a stage or the map needs from the wrapper is passed as a value (the map's
+    # MapTarget), not as a private method to call back.
+    wrong = [use for module, path in _modules().items() if _unit(module) in ("wrapper", "data_parallel")
+             for use in _private_callbacks(module, path)]
+    assert wrong == []
+
+
+def test_the_callback_check_sees_a_private_method_passed(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "class W:\n    def _options(self, name): ...\n    def run(self):\n"
+        "        go(self._options)\n        go(of=self._options)\n        go(self._options('x'))\n"
+    )
+    assert [use.split(" ", 1)[1] for use in _private_callbacks("probe", probe)] == [
+        "passes self._options", "passes self._options"]
 
 
 def test_third_party_libraries_only_in_integrations() -> None:

@@ -28,7 +28,7 @@ from tests.helpers.terms import mlp_terms, transformer_terms
 
 np = pytest.importorskip("numpy")
 
-from dpmethods.ray import Predictor, _devices_for  # noqa: E402
+from dpmethods.ray import Predictor, devices_for  # noqa: E402
 from dpmethods.testing import assert_close_to_reference  # noqa: E402
 
 # Ray Data's DataContext reads its own deprecated fields when the cluster's context is
@@ -220,11 +220,11 @@ def test_items_options_are_checked_when_the_predictor_is_built(tmp_path: Path) -
 
 
 def test_devices_are_the_gpus_ray_gave_the_actor() -> None:
-    assert _devices_for(None, 0) == ["cpu"]  # outside Ray, without GPUs
-    assert _devices_for(None, 2) == [0, 1]  # outside Ray: every visible GPU
-    assert _devices_for([], 4) == ["cpu"]  # an actor given no GPU
-    assert _devices_for([3, 5], 2) == [0, 1]  # CUDA_VISIBLE_DEVICES=3,5: torch's 0 and 1
-    assert _devices_for(["3", "5"], 8) == [3, 5]  # Ray left CUDA_VISIBLE_DEVICES alone
+    assert devices_for(None, 0) == ["cpu"]  # outside Ray, without GPUs
+    assert devices_for(None, 2) == [0, 1]  # outside Ray: every visible GPU
+    assert devices_for([], 4) == ["cpu"]  # an actor given no GPU
+    assert devices_for([3, 5], 2) == [0, 1]  # CUDA_VISIBLE_DEVICES=3,5: torch's 0 and 1
+    assert devices_for(["3", "5"], 8) == [3, 5]  # Ray left CUDA_VISIBLE_DEVICES alone
 
 
 def test_pandas_batches_come_back_as_dataframes() -> None:

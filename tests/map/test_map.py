@@ -23,6 +23,7 @@ from torch import nn
 import dpmethods
 from dpmethods.streaming import scheduler as streaming
 from dpmethods.testing import assert_close_to_reference as close
+from tests.helpers import WORKERS
 from tests.helpers.processes import (
     SHARD_BATCHES,
     build_net,
@@ -293,6 +294,28 @@ def test_progress_bar_output(net: Net, capsys: pytest.CaptureFixture[str]) -> No
     assert "6/6" in err  # the total comes from len(batches)
     assert "items/s" in err and "batch/s" in err
     assert "4batch" in err.replace(" ", "")  # no total for a bare iterator
+
+
+class Columns(nn.Module):
+    """An undecorated forward that runs out of memory above two columns."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > 2:
+            raise torch.OutOfMemoryError(f"{x.shape[1]} columns do not fit")
+        return x * 2
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_map_of_an_undecorated_forward_splits_on_the_wrappers_dim(workers: str) -> None:
+    # Cut on rows, the batches would run out of memory down to one row and raise.
+    dp = dpmethods.DataParallel(Columns(), device_ids=["cpu"] * 2, dim=1, workers=workers)
+    xs = [torch.randn(3, 7), torch.randn(2, 5)]
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("forward", xs, on_oom="split"))
+    finally:
+        dp.close()
+    assert [o.tolist() for o in outs] == [(x * 2).tolist() for x in xs]
 
 
 def test_invalid_arguments(net: Net) -> None:

@@ -302,6 +302,36 @@ def test_a_request_the_worker_cannot_unpickle_fails_that_batch_only(dp: Any, net
     assert _pids(dp) == before
 
 
+class _Scale(float):
+    """A scale the caller holds but cannot pickle, as a lock or an open stream."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("cannot pickle '_Scale' object")
+
+
+@pytest.mark.parametrize(("run", "what"), [
+    (lambda dp, x, scale: dp.encode(x, scale=scale), r"DataParallel\.encode\(workers='processes'\): its arguments"),
+    (lambda dp, x, scale: next(dp.map("encode", [x, x], scale=scale)),
+     r"DataParallel\.map\(workers='processes'\): batch 0"),
+], ids=["call", "map"])
+def test_arguments_that_cannot_be_sent_name_what_and_a_fix_that_is_right(
+    dp: Any, net: Net, run: Callable[..., Any], what: str
+) -> None:
+    x = torch.randn(7, 4)
+    with torch.no_grad():
+        with pytest.raises(TypeError, match=rf"^{what} cannot be sent to a worker process: TypeError: "
+                           r"cannot pickle '_Scale' object; use workers='threads'$") as info:
+            run(dp, x, _Scale(2.0))
+        assert str(info.value.__cause__) == "cannot pickle '_Scale' object"
+        threads = dpmethods.DataParallel(net, device_ids=["cpu"] * 3)  # the fix: the one-device answer
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            out = run(threads, x, _Scale(2.0))
+        _same(out["y"], net.encode(x, scale=2.0)["y"])
+    # A call's shares count 3, 2 and 2 rows: only its row count comes back as a list, and says so.
+    assert all("output['n'] (int) differs across replicas" in str(w.message) for w in seen)
+
+
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
     x = torch.randn(4, 4)
     with torch.no_grad():

@@ -6,6 +6,7 @@ here a record in a temporary folder stands in for it (the package folder is not 
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import json
@@ -38,13 +39,14 @@ def reload(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     # A record is read only when the extension is not disabled on purpose.
     monkeypatch.delenv(extension.DISABLE_ENV, raising=False)
 
-    def run(record: dict[str, Any] | None) -> extension._State:
+    def run(record: dict[str, Any] | None) -> extension.Loaded:
         path = tmp_path / "_build_info.json"
-        if record is not None:
+        if record is None:
+            path.unlink(missing_ok=True)
+        else:
             path.write_text(json.dumps(record))
-        monkeypatch.setattr(extension, "BUILD_RECORD", path)
-        monkeypatch.setattr(extension, "_STATE", None)
-        return extension._load()
+        monkeypatch.setattr(extension, "LOADER", extension.Loader(path))
+        return extension.LOADER.load()
 
     return run
 
@@ -54,7 +56,7 @@ def test_another_torch_version_and_cuda_is_named_with_the_fix(
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="dpmethods"):
         state = reload(_OTHER)
-        extension._load(), extension.info()  # asked again: no second message
+        extension.LOADER.load(), extension.info()  # asked again: no second message
     assert state.module is None
     expected = (
         f"dpmethods._C was built against torch 0.0.1+fake (CUDA 99.9), but torch {_running()} "
@@ -106,20 +108,30 @@ def test_info_command_says_the_same(reload: Any, capsys: pytest.CaptureFixture[s
     assert "  torch_built_against: 0.0.1+fake" in ext and f"  torch_runtime: {torch.__version__}" in ext
 
 
-def test_a_failed_import_names_both_torches_and_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A library that is there but fails to load (installed or not, here).
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
-        importlib.machinery.ModuleSpec(name, None) if name == "dpmethods._C" else find_spec(name, *args)))
-    record = {"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}
-    exc = OSError("libc10_cuda.so: cannot open shared object file: No such file or directory")
-    reason = extension._import_failure(exc, record)
+class _FailingLibrary(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """A ``dpmethods._C`` that is installed but fails to load, as a library linked
+    against a CUDA runtime the machine lacks does."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        return importlib.machinery.ModuleSpec(name, self) if name == "dpmethods._C" else None
+
+    def exec_module(self, module: Any) -> None:
+        raise OSError("libc10_cuda.so: cannot open shared object file: No such file or directory")
+
+
+def test_a_failed_import_names_both_torches_and_the_fix(
+    reload: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(dpmethods, "_C", raising=False)
+    monkeypatch.delitem(sys.modules, "dpmethods._C", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_FailingLibrary(), *sys.meta_path])
+    reason = reload({"torch": str(torch.__version__), "torch_cuda": torch.version.cuda}).reason
     assert reason.startswith(
         "import of dpmethods._C failed: OSError: libc10_cuda.so: cannot open shared object file"
     )
     assert f"it was built against torch {_running()}, torch {_running()} is running" in reason
     assert _FIX in reason
-    unknown = extension._import_failure(exc, None)
+    unknown = reload(None).reason
     assert "built against torch unknown (no dpmethods/_build_info.json)" in unknown
 
 
