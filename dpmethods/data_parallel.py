@@ -149,6 +149,8 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
         self._init_call_state()
         self.on_oom = "raise"
         super().__setstate__(state)
+        if "_process_pool" not in self.__dict__:  # 0.1.0's: its worker processes, not started
+            self.__dict__["_process_pool"] = ProcessPool(self._devices)
 
     def _undecorated_warning(self, name: str) -> str | None:
         return None if len(self._devices) < 2 else (
@@ -285,8 +287,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             >>> dp = dpmethods.DataParallel(torch.nn.Linear(2, 2), ["cpu"] * 2, workers="processes")
             >>> dp.close()
         """
-        if "_process_pool" in self.__dict__:  # none in a pickle of version 0.1.0
-            self._process_pool.close()
+        self._process_pool.close()
 
     def parallel_apply(  # type: ignore[override]
         self, replicas: Sequence[nn.Module], inputs: Sequence[Any], kwargs: Any = None

@@ -291,6 +291,7 @@ def test_calls_and_maps_from_several_threads_at_once(dp: Any, net: Net) -> None:
 def test_a_request_the_worker_cannot_unpickle_fails_that_batch_only(dp: Any, net: Net) -> None:
     x = torch.randn(4, 4)
     with torch.no_grad():
+        dp.encode(x)  # the workers are started, whichever test ran before
         before = _pids(dp)
         with pytest.raises(RuntimeError, match=r"a worker process could not unpickle a request: "
                            r"ModuleNotFoundError: No module named 'only_in_the_caller'.*"

@@ -35,3 +35,16 @@ def test_a_wrapper_pickled_by_an_earlier_release_loads_and_runs() -> None:
     # One Linear(3, 2): 3 products and the bias per output element.
     assert_close_to_reference(dp(x), expected, terms=4)
     assert_close_to_reference(getattr(dp, "0")(x), expected, terms=4)
+
+
+def test_a_wrapper_pickled_by_an_earlier_release_maps_on_worker_processes() -> None:
+    dp = pickle.loads(_PICKLED.read_bytes())
+    batches = [torch.randn(n, 3) for n in (5, 2, 7)]
+    try:
+        with torch.no_grad():
+            got = list(dp.map("forward", batches, workers="processes"))
+            expected = [dp.module(b) for b in batches]
+    finally:
+        dp.close()
+    for out, want in zip(got, expected, strict=True):
+        assert_close_to_reference(out, want, terms=4)  # Linear(3, 2), as above
