@@ -7,10 +7,14 @@ one parameter only, so the workers' own work is small and the same whatever the 
 size: the time per batch is what the map costs around the method (for processes: the
 check that the model did not change, pickling, the trip to the worker and back).
 Models of ``n`` parameter tensors (``n // 2`` ``Linear(1, 1)``, a module each); paths
-``map-<n>`` (threads, ``cache_replicas=True``), ``map-processes-<n>`` and
-``one-device-<n>``, every model's paths in the same interleaved rounds (so the sizes
-compare too); targets: ``map-processes-<n>`` within 2x of ``map-<n>``, paired per round,
-and (no target) ``map-processes-<n>`` over ``map-processes-2``.
+``map-<n>`` (threads, ``cache_replicas=True``), ``map-processes-<n>``,
+``one-device-<n>``, and what a user would use instead of a process map, the standard
+library's two process pools (forkserver, the model sent once to each worker at its
+start, so they never look at it again): ``mp-pool-<n>`` (``multiprocessing.Pool.imap``)
+and ``executor-<n>`` (``concurrent.futures.ProcessPoolExecutor.map``). Every model's paths
+run in the same interleaved rounds (so the sizes compare too); targets:
+``map-processes-<n>`` within 2x of ``map-<n>``, paired per round, and (no target)
+``map-processes-<n>`` over ``map-processes-2`` and over each standard pool.
 
 Example:
     >>> Many(4)(torch.ones(1, 1)).shape
@@ -19,6 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import multiprocessing
+import pickle
 import statistics
 import subprocess
 import sys
@@ -40,6 +47,7 @@ from dpmethods import DataParallel
 __all__ = ["NAMES", "SIZES", "Many", "commit", "plot", "rows", "run"]
 
 NAMES = ("batch-cost",)
+_STANDARD = ("mp-pool", "executor")  # the standard library's process pools' paths
 SIZES = (2, 200, 2000)  # parameter tensors: a tiny model, a BERT, a large UNet's order
 
 
@@ -53,6 +61,38 @@ class Many(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layers[0](x)  # type: ignore[no-any-return]
+
+
+_held: nn.Module | None = None  # a standard pool's worker's model
+
+
+def _hold(model: bytes) -> None:
+    global _held
+    torch.set_num_threads(1)
+    _held = pickle.loads(model)
+
+
+def _forward_held(x: torch.Tensor) -> torch.Tensor:
+    assert _held is not None
+    with torch.no_grad():
+        return _held(x)  # type: ignore[no-any-return]
+
+
+class _Pools:
+    """The standard library's two process pools for one model: what a user would use
+    instead of a process map."""
+
+    def __init__(self, model: nn.Module) -> None:
+        context = multiprocessing.get_context("forkserver")
+        # As bytes: passed as it is, each storage would cross as a file descriptor, more
+        # than a fork server takes at once for a model of 2,000 tensors.
+        data = pickle.dumps(model)
+        self.pool = context.Pool(2, _hold, (data,))
+        self.executor = cf.ProcessPoolExecutor(2, context, _hold, (data,))
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.executor.shutdown()
 
 
 def commit() -> str:
@@ -75,7 +115,7 @@ def _batch_cost(ids: list[Any], quick: bool) -> Measured:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(1, 1, generator=g) for _ in range(batches_n)]
     paths: dict[str, Callable[[], Any]] = {}
-    pools: list[DataParallel[Many]] = []
+    pools: list[Any] = []
     startup: dict[str, float] = {}
     tensors: dict[str, int] = {}  # str keys, as the JSON has them
     for n in SIZES:
@@ -91,9 +131,14 @@ def _batch_cost(ids: list[Any], quick: bool) -> Measured:
         paths[f"one-device-{n}"] = lambda model=model: [model(b) for b in batches]
         paths[f"map-{n}"] = lambda dp=dp: list(dp.map("forward", batches))
         paths[f"map-processes-{n}"] = lambda dpp=dpp: list(dpp.map("forward", batches))
+        standard = _Pools(model)
+        pools.append(standard)
+        paths[f"mp-pool-{n}"] = lambda p=standard.pool: list(p.imap(_forward_held, batches))
+        paths[f"executor-{n}"] = lambda e=standard.executor: list(e.map(_forward_held, batches))
     outputs, times, cpu = _interleave(paths, rounds, tuple(pools))
     targets = [_ratio(times, f"map-processes-{n}", f"map-{n}", at_most=2.0) for n in SIZES]
     targets += [_ratio(times, f"map-processes-{n}", f"map-processes-{SIZES[0]}") for n in SIZES[1:]]
+    targets += [_ratio(times, f"{kind}-{n}", f"map-processes-{n}") for kind in _STANDARD for n in SIZES]
     facts = {
         "workload": f"a map of {batches_n} batches of 1 x 1 on models of "
         f"{', '.join(map(str, tensors.values()))} parameter tensors (n // 2 x Linear(1, 1), forward "
@@ -105,7 +150,7 @@ def _batch_cost(ids: list[Any], quick: bool) -> Measured:
         "per_batch_cpu_ms": {p: {k: v * 1e3 / batches_n for k, v in _ms(cs).items()} for p, cs in cpu.items()},
         "targets": targets,
         "outputs_match_one_device": {
-            p: _equal(o, outputs[p.replace("map-processes", "one-device").replace("map", "one-device")])
+            p: _equal(o, outputs[f"one-device-{p.rsplit('-', 1)[1]}"])
             for p, o in outputs.items() if not p.startswith("one-device")
         },
     }
@@ -158,8 +203,9 @@ def plot(facts: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    kinds = ("one-device", "map", "map-processes")
-    colors = {"one-device": "tab:gray", "map": "tab:green", "map-processes": "tab:blue"}
+    kinds = tuple(k for k in ("one-device", "map", "map-processes", *_STANDARD) if f"{k}-{SIZES[0]}" in x["per_batch_ms"])
+    colors = {"one-device": "tab:gray", "map": "tab:green", "map-processes": "tab:blue",
+              "mp-pool": "tab:orange", "executor": "tab:red"}
     for k, kind in enumerate(kinds):
         ms = [x["per_batch_ms"][f"{kind}-{n}"] for n in SIZES]
         xs = [i * (len(kinds) + 1) + k for i in range(len(SIZES))]

@@ -31,7 +31,10 @@ shared host hits them alike and no path always follows the same one):
 - ``calls``          ``[dp.method(**b) for b in batches]``: every batch split over every replica (threads);
 - ``calls-processes`` the same on a ``workers="processes"`` wrapper;
 - ``one-device``     ``[model.method(**b) for b in batches]`` on the first device, on the CPU
-  with ``--one-device-threads`` torch threads (default: one replica's, ``--threads``).
+  with ``--one-device-threads`` torch threads (default: one replica's, ``--threads``);
+- ``by-hand``        (CPU only) what a user would write instead: the batches split by hand over
+  as many plain processes, each with its own copy of the model (benchmarks/_by_hand.py): the
+  ceiling of any process map on the host.
 
 It reports per path the median pass time and throughput with p10/p90, paired per-round
 ratios against the targets, the pools' start-up times (measured apart, never in a pass),
@@ -66,6 +69,7 @@ import _compare
 import _map_batch_cost
 import _map_digest
 import _map_long_runs
+from _by_hand import ByHand
 
 import dpmethods
 from dpmethods import DataParallel
@@ -78,6 +82,7 @@ WORKLOADS = ("gil", "ragged", "uniform", "encode", *_map_long_runs.NAMES, *_map_
 TARGETS = [
     ("gil", "map-processes", "map", 2.0),
     ("gil", "map-processes", "one-device", 1.5),
+    ("gil", "map-processes", "by-hand", 0.95),  # at parity with plain processes: the host's ceiling
     ("gil", "calls-processes", "calls", 2.0),
     ("ragged", "map", "calls", 1.25),
     ("uniform", "map", "calls", 0.95),
@@ -270,7 +275,16 @@ def _paths(
         "calls-processes": lambda: [pcall(**b, **kwargs) for b in batches],
         "one-device": one_device,
     }
-    return paths, startup, dpp.close
+    if device != "cpu":
+        return paths, startup, dpp.close
+    by_hand = ByHand(model, method, batches, kwargs, len(ids), per_replica)
+    paths["by-hand"] = by_hand
+
+    def stop() -> None:
+        dpp.close()
+        by_hand.close()
+
+    return paths, startup, stop
 
 
 def _st_pool(model: Any, n: int, per_replica: int) -> Any:

@@ -82,6 +82,8 @@ class ThreadState:
             and self.grad == torch.is_grad_enabled()
         ):
             return _NOTHING  # the caller's own thread, or a kept thread from the last call
+        if not self.autocast and not self.inference:
+            return torch.set_grad_enabled(self.grad)  # the common case, without a stack
         stack = contextlib.ExitStack()
         if self.inference:
             stack.enter_context(torch.inference_mode())
