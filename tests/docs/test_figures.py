@@ -87,6 +87,11 @@ def _map_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
     pool_range = f"{min(pools):.1f} to {max(pools):.1f} s"
     ragged_rounds = bench_map.target_rounds(w["ragged"], ragged)
     commit = saved["machine"]["commit"][:7]
+    by_hand = t["gil", "by-hand"]
+    cost = {(x["faster"], x["slower"]): x["median"] for x in w["batch-cost"]["targets"]}
+    per_batch = [cost[f"map-{n}", f"map-processes-{n}"] for n in (2, 200, 2000)]
+    standard = {kind: [cost[f"map-processes-{n}", f"{kind}-{n}"] for n in (2, 200, 2000)]
+             for kind in ("mp-pool", "executor")}
     return {
         "README.md": [
             f"`map` on processes was {gil_map:.2f}x the thread map and {gil_one:.2f}x one device",
@@ -122,6 +127,13 @@ def _map_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
             f"`map` was {uniform_map['median']:.3f}x the calls loop, below its target",
             f"`dp.encode` on processes is {speed['encode']['calls-processes']:.2f}x one device and "
             f"{encode['median']:.2f}x sentence-transformers' own pool",
+            f"Two plain processes, split by hand, ran at {speed['gil']['by-hand']:.2f}x one device: the map is "
+            f"{by_hand['median']:.2f}x of them, paired (rounds {by_hand['p10']:.2f}x-{by_hand['p90']:.2f}x)",
+            f"Per batch, processes cost {per_batch[0]:.2f}x threads with 2 parameter tensors, {per_batch[1]:.2f}x "
+            f"with 200 and {per_batch[2]:.2f}x with 2,000, above the 2x target; the standard pools cost "
+            f"{standard['mp-pool'][0]:.1f}x, {standard['mp-pool'][1]:.1f}x and {standard['mp-pool'][2]:.1f}x (`Pool.imap`) "
+            f"and {standard['executor'][0]:.1f}x, {standard['executor'][1]:.1f}x and {standard['executor'][2]:.1f}x "
+            "(`ProcessPoolExecutor.map`) what the process map costs",
             f"Its pool reached its first output in {starts['processes start-up']:.2f} s, "
             f"sentence-transformers' in {starts['st-pool start-up']:.2f} s: {encode_start['median']:.2f}x, paired",
         ],
