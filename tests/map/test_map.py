@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 import dpmethods
-from dpmethods.streaming import scheduler as streaming
 from dpmethods.testing import assert_close_to_reference as close
 from tests.helpers import WORKERS
 from tests.helpers.processes import (
@@ -198,7 +197,9 @@ def test_endless_iterable_is_pulled_a_bounded_way_ahead(
 ) -> None:
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
     pulled: list[int] = []
-    window = prefetch * 2 * (streaming._REORDER if ordered else 1)
+    # docs/map.md: prefetch x replicas in flight, and in order no batch more than
+    # 2 x prefetch x replicas ahead of the last one yielded.
+    window = prefetch * 2 * (2 if ordered else 1)
     it = dp.map("encode", _counting(pulled), ordered=ordered, prefetch=prefetch)
     with torch.no_grad():
         for taken in range(1, 40):

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 import dpmethods
+from dpmethods import ops
 from dpmethods.extending import mark_batch_coupled, register_process_rule
 from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
@@ -557,7 +558,7 @@ UNSHOWN: dict[str, Callable[[Watched], object]] = {
 
 
 # Where the running torch gives no dict versions, every look walks the module.
-_WATCHING = pytest.mark.skipif(not state._versions_change(), reason="this torch gives no dict versions")
+_WATCHING = pytest.mark.skipif(not state.versions_change(), reason="this torch gives no dict versions")
 
 
 class Crowd(nn.Module):
@@ -575,28 +576,32 @@ _READERS = ["compiled", "python"]
 
 
 @pytest.fixture(params=_READERS)
-def readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def readers(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "python":
-        monkeypatch.setattr(state, "_compiled", dict)
-    elif len(state._compiled()) < 3:
-        pytest.skip("dpmethods._C is not built, or lacks the Watch's readers")
-    return str(request.param)
+        with ops.without_extension():
+            yield "python"
+        return
+    if ops.extension_info()["in_use"] != "compiled":
+        pytest.skip("dpmethods._C is not built")
+    yield "compiled"
 
 
 @_WATCHING
 @pytest.mark.parametrize("crowd", [False, True], ids=["alone", "among_600_modules"])
 @pytest.mark.parametrize("name", [*CHANGES, *UNSHOWN])
-def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state, "_RULES", list(state._RULES))  # a rule registered here goes
+def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str) -> None:
     model = Crowd() if crowd else Watched()
     watch = Watch(model)
     watched = model.model if isinstance(model, Crowd) else model
     with torch.no_grad():
         watched(torch.randn(2, 4))
     assert watch.unchanged()  # running the module changes nothing
-    {**CHANGES, **UNSHOWN}[name](watched)
-    assert not watch.unchanged()
+    made = {**CHANGES, **UNSHOWN}[name](watched)
+    try:
+        assert not watch.unchanged()
+    finally:
+        if isinstance(made, state.ProcessRule):
+            made.remove()  # a rule registered here goes
 
 
 @_WATCHING
@@ -620,7 +625,7 @@ def test_the_watch_sees_a_hook_removed() -> None:
 
 def test_the_watch_says_changed_when_it_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Watched()
-    monkeypatch.setattr(state, "_versions_change", lambda: False)  # another torch
+    monkeypatch.setattr(state, "versions_change", lambda: False)  # another torch
     assert not Watch(model).unchanged()
     monkeypatch.undo()
     with torch.inference_mode():
