@@ -291,17 +291,28 @@ def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
         "14 reads m._walk", "15 reads t._walk", "16 reads dpmethods.types.tree._walk", "17 reads flatten._cache"])
 
 
+def _set_on_self(path: Path) -> set[str]:
+    """The private attributes the classes in ``path`` set on themselves (``self._x = ...``,
+    ``self.__dict__["_x"] = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            name = node.attr
+        elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+              and _chain(node.value) == ["self", "__dict__"] and isinstance(node.slice, ast.Constant)):
+            name, node = str(node.slice.value), node.value
+        else:
+            continue
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and name.startswith("_") and not name.startswith("__")):
+            names.add(name)
+    return names
+
+
 def _wrapper_private_attributes() -> set[str]:
     """The private attributes the wrappers' classes set on themselves."""
-    names: set[str] = set()
-    for unit in ("wrapper", "data_parallel"):
-        for path in (p for m, p in _modules().items() if _unit(m) == unit):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                        and node.value.id == "self" and node.attr.startswith("_")
-                        and not node.attr.startswith("__") and isinstance(node.ctx, ast.Store)):
-                    names.add(node.attr)
-    return names
+    return {name for module, path in _modules().items() if _unit(module) in ("wrapper", "data_parallel")
+            for name in _set_on_self(path)}
 
 
 def test_no_layer_reads_a_wrappers_private_state() -> None:
@@ -318,6 +329,25 @@ def test_no_layer_reads_a_wrappers_private_state() -> None:
                 wrong.append(f"{module}:{node.lineno} reads .{node.attr}")
             elif isinstance(node, ast.Constant) and node.value in private:  # __dict__["_replica_threads"]
                 wrong.append(f"{module}:{node.lineno} names {node.value!r}")
+    assert wrong == []
+
+
+def test_tests_read_no_wrappers_private_state() -> None:
+    # A test sees a wrapper as its users do (its calls, maps, hooks on its module, the
+    # worker processes it starts); what a wrapper keeps for itself may change.
+    private = _wrapper_private_attributes() | {"_options"}
+    tests = _PKG.parent / "tests"
+    wrong = []
+    for path in sorted(tests.rglob("*.py")):
+        if path == Path(__file__):
+            continue  # names them to look for them
+        own = _set_on_self(path)  # a test's own classes may use the same names
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private - own
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                wrong.append(f"{path.relative_to(tests.parent)}:{node.lineno} reads .{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in private - own:  # dp.__dict__["_process_pool"]
+                wrong.append(f"{path.relative_to(tests.parent)}:{node.lineno} names {node.value!r}")
     assert wrong == []
 
 

@@ -8,6 +8,7 @@ tests share one wrapper whose pool lives for the module; no test asserts a time.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -79,7 +80,9 @@ def dp(net: Net) -> Iterator[dpmethods.DataParallel[Net]]:
 
 
 def _pids(dp: Any) -> list[int]:
-    return [w.process.pid for w in dp.__dict__["_process_pool"].workers]
+    """Each device's worker's pid, in device order: a call gives each device one row."""
+    with torch.no_grad():
+        return [int(pid) for pid in dp.pid(torch.zeros(len(dp.device_ids), 4))]
 
 
 def _batches(n: int = 9) -> list[torch.Tensor]:
@@ -147,7 +150,7 @@ def test_calls_gather_every_mode_as_threads(dp: Any, net: Net, method: str) -> N
 def test_calls_run_in_the_workers(dp: Any) -> None:
     with torch.no_grad():
         pids = dp.pid(torch.zeros(4, 4))
-    assert sorted(set(pids.tolist())) == sorted(_pids(dp))
+    assert len(set(pids.tolist())) == 2 and set(pids.tolist()) <= {p.pid for p in _workers()}
     assert os.getpid() not in pids.tolist()
 
 
@@ -392,14 +395,14 @@ def test_a_job_raising_system_exit_leaves_the_worker_usable(dp: Any, net: Net, h
     assert _pids(dp) == before  # the same workers took their next job
 
 
-def test_a_killed_worker_fails_exactly_its_pending_jobs(dp: Any, net: Net) -> None:
+def test_a_killed_worker_fails_exactly_its_pending_jobs(net: Net) -> None:
     from dpmethods.core.parallel_apply import ThreadState
     from dpmethods.processes.messages import Request
 
     x = torch.randn(3, 4)
-    with torch.no_grad():
-        dp(x)
-        pool = dp.__dict__["_process_pool"]
+    pool = pool_module.ProcessPool([torch.device("cpu")] * 2)
+    with torch.no_grad(), contextlib.closing(pool):
+        pool.prepare(net)
         victim, other = pool.workers
 
         def request(seconds: float) -> Request:
@@ -415,8 +418,10 @@ def test_a_killed_worker_fails_exactly_its_pending_jobs(dp: Any, net: Net) -> No
                                r"died with exit code -9 \(SIGKILL\)"):
                 victim.reply(future, "raised", "a test's job")
         _same(other.reply(kept, "raised", "a test's job"), net.sleepy(x))
-        _same(dp(x), net(x))  # a fresh worker 0
-    assert _pids(dp)[0] != pid
+        pool.prepare(net)  # a fresh worker 0
+        fresh = pool.workers[0]
+        _same(fresh.reply(pool.submit(0, request(0.0)), "raised", "a test's job"), net.sleepy(x))
+        assert fresh.process.pid != pid
 
 
 def test_frames_bigger_than_the_pipe_to_a_busy_worker_neither_block_the_caller_nor_reorder(
@@ -833,7 +838,7 @@ def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
 
 
 _ORPHAN_SCRIPT = """
-import sys, time, torch, dpmethods
+import multiprocessing, sys, time, torch, dpmethods
 sys.path.insert(0, {tests!r})
 from tests.helpers.long_runs import Faulty
 
@@ -843,7 +848,7 @@ if __name__ == "__main__":
     x = torch.randn(3, 6)
     with torch.no_grad():
         dp.encode(x)
-        print(*[w.process.pid for w in dp.__dict__["_process_pool"].workers], flush=True)
+        print(*[p.pid for p in multiprocessing.active_children() if p.name.startswith("dpmethods-worker-")], flush=True)
         if sys.argv[2] == "busy":  # batch 0 hangs in one worker; the other goes idle
             list(dp.map("encode", [{{"x": x, "tag": i}} for i in range(4)], fault="hang", at=0))
         time.sleep(600)
@@ -947,13 +952,14 @@ def test_a_model_that_cannot_be_pickled_fails_at_once() -> None:
     net = build_net()
     net.lin.register_forward_hook(lambda m, i, o: o)
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, workers="processes")
+    before = {p.pid for p in _workers()}
     with pytest.raises(TypeError) as info:
         next(dp.map("forward", [torch.randn(2, 4)]))
     text = str(info.value)
     assert "the module cannot be sent to a worker process" in text
     assert "module.lin._forward_hooks[" in text and "<lambda>" in text
     assert "workers='threads'" in text and "factory=" in text
-    assert not dp.__dict__["_process_pool"].started()  # nothing was started
+    assert {p.pid for p in _workers()} <= before  # nothing was started
 
 
 @pytest.mark.parametrize("devices", [1, 2])
