@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -115,6 +114,7 @@ def __dir__() -> list[str]:
 # imported (dpmethods.integrations); none imports its library itself.
 from dpmethods import integrations as _integrations  # noqa: E402, F401
 from dpmethods import ops as _ops  # noqa: E402, F401
+from dpmethods.vocab.warn_once import warn_once as _warn_once  # noqa: E402
 
 # A wrapper pickled by version 0.1.0 names its classes by these module paths; pickle
 # imports them by name, so each path is the module that holds those classes.
@@ -130,17 +130,12 @@ class _Renamed(ModuleType):
     def __init__(self, old: str, new: str) -> None:
         super().__init__(old, f"The former name of {new}.")
         self._new = new
-        self._warned = False
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"{self.__name__} is named {self._new}: import {name} from {self._new}",
-                FutureWarning, stacklevel=2,
-            )
+        _warn_once(f"{self.__name__} is named {self._new}: import its names from {self._new}",
+                  stacklevel=3, category=FutureWarning)
         return getattr(importlib.import_module(self._new), name)
 
 

@@ -23,7 +23,11 @@ torch 2.11 crashes (a segfault in dynamo's tracing) when replicas' threads compi
 at once or one after another, unless the caller's thread compiled first; there,
 replicas that run compiled code take turns (:func:`takes_turns`): ``parallel_apply``
 runs them one after another in the caller's thread, ``map`` one at a time
-(:func:`one_at_a_time`), with a one-time warning.
+(:func:`one_at_a_time`), with a one-time warning. :data:`CONCURRENT_COMPILE` says
+whether the running torch runs them in threads:
+
+    >>> CONCURRENT_COMPILE == (tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 14))
+    True
 """
 
 from __future__ import annotations
@@ -40,12 +44,12 @@ from torch import nn
 from dpmethods.types.owners import is_compiled_wrapper
 from dpmethods.vocab.warn_once import warn_once
 
-__all__ = ["one_at_a_time", "takes_turns"]
+__all__ = ["CONCURRENT_COMPILE", "one_at_a_time", "takes_turns"]
 
 # Compiled code called from several threads can crash the process (a segfault) on torch
 # 2.11, even with the threads' calls serialized by a lock; the caller's thread running
 # the replicas in turn is safe. 2.14 is the first version known to run them in threads.
-_CONCURRENT_COMPILE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
+CONCURRENT_COMPILE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 _COMPILE_LOCK = threading.RLock()  # re-entrant: a replica's method may call another replica
 _TAKING_TURNS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -160,7 +164,7 @@ def rebind(
         if new is not value:
             clone.__dict__[key] = new
             compiled = compiled or hasattr(new, "_torchdynamo_orig_callable")
-    if compiled and not _CONCURRENT_COMPILE:
+    if compiled and not CONCURRENT_COMPILE:
         _TAKING_TURNS.add(clones[0])
         warn_once(
             f"DataParallel: torch {torch.__version__} crashes when replicas' threads compile, "

@@ -7,12 +7,13 @@ warning that they were ignored. ``"cpu:0"`` is the CPU (tensors report ``cpu``).
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from itertools import chain
 from typing import Any
 
 import torch
+
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["DeviceLike", "as_device", "check_source_device", "resolve_devices", "resolve_output_device"]
 
@@ -30,8 +31,6 @@ def as_device(device: DeviceLike) -> torch.device:
     if isinstance(device, int):
         return torch.device("cpu") if device < 0 else torch.device("cuda", device)
     return torch.device(device)
-
-_warned_no_gpu = False
 
 
 def _check_device(dev: torch.device, where: str, given: DeviceLike) -> torch.device:
@@ -79,15 +78,10 @@ def resolve_devices(device_ids: Sequence[DeviceLike] | None) -> list[torch.devic
             raise ValueError(f"device_ids[{i}]: expected a device, got {d!r} ({exc})") from None
     if parsed and not torch.cuda.is_available() and all(d.type == "cuda" for d in parsed):
         # As torch: without GPUs the wrapper is a plain call, whatever the ids say.
-        global _warned_no_gpu
-        if not _warned_no_gpu:
-            _warned_no_gpu = True
-            warnings.warn(
-                f"DataParallel: device_ids {list(device_ids)} were ignored because no GPU is "
-                "available; the module runs as a plain call, as in torch.nn.DataParallel",
-                UserWarning,
-                stacklevel=3,
-            )
+        warn_once(
+            f"DataParallel: device_ids {list(device_ids)} were ignored because no GPU is "
+            "available; the module runs as a plain call, as in torch.nn.DataParallel"
+        )
         return []
     devices = [
         _check_device(d, f"device_ids[{i}]", given)

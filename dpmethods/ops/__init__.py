@@ -24,6 +24,8 @@ modes take ``torch.ops.dpmethods._gather_coalesced_autograd``, the same kernel b
 the dispatcher. Without any input requiring grad (or with grad mode off) no node is
 built at all.
 
+:func:`without_extension` runs a block of code on the pure-PyTorch path.
+
 Environment variables (read at call time):
     DPMETHODS_DISABLE_EXTENSION=1  use the pure-PyTorch path (read once, at import)
     DPMETHODS_FORCE_STAGED=1       CUDA: always use the pack / peer copy / unpack path
@@ -32,15 +34,16 @@ Environment variables (read at call time):
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from dpmethods.ops import extension as _extension
 
-__all__ = ["extension_info", "gather_coalesced"]
+__all__ = ["extension_info", "gather_coalesced", "without_extension"]
 
 _OP_NAME = "dpmethods::gather_coalesced"
 
@@ -239,6 +242,29 @@ def _register() -> None:
 
 
 _register()
+
+
+@contextlib.contextmanager
+def without_extension() -> Iterator[None]:
+    """Run the block as without ``dpmethods._C``, as ``DPMETHODS_DISABLE_EXTENSION=1``
+    does for a whole process: the gather takes its pure-PyTorch path, the module
+    checks of ``workers="processes"`` read in Python, and :func:`extension_info` says
+    so. To compare the two paths, or rule the extension out; it holds for the whole
+    process (every thread) until the block ends.
+
+    Example:
+        >>> with without_extension():
+        ...     extension_info()["in_use"]
+        'pytorch fallback'
+    """
+    global _op
+    saved = _op, _extension.LOADER
+    _op = None
+    _extension.LOADER = _extension.Loader(saved[1].record, disabled="disabled by dpmethods.ops.without_extension()")
+    try:
+        yield
+    finally:
+        _op, _extension.LOADER = saved
 
 
 def gather_coalesced(

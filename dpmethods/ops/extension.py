@@ -58,7 +58,8 @@ class Loader:
     ``dpmethods`` logger.
 
     :data:`LOADER` is the one the package uses; a test puts a loader of another record
-    in its place to load as a fresh process would.
+    in its place to load as a fresh process would. A loader given ``disabled`` (the
+    reason) never tries the extension, as with ``DPMETHODS_DISABLE_EXTENSION=1``.
 
     Example:
         >>> import tempfile
@@ -67,8 +68,9 @@ class Loader:
         True
     """
 
-    def __init__(self, record: Path) -> None:
+    def __init__(self, record: Path, disabled: str | None = None) -> None:
         self.record = record
+        self.disabled = disabled  # why the fallback is in use without trying the extension
         self._loaded: Loaded | None = None
         self._logged: set[str] = set()
 
@@ -85,8 +87,10 @@ class Loader:
             _log.log(level, "dpmethods: using the pure-PyTorch gather (%s)", reason)
 
     def _first_load(self) -> Loaded:
-        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        disabled = self.disabled
+        if disabled is None and os.environ.get(DISABLE_ENV, "") not in ("", "0"):
             disabled = f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+        if disabled is not None:
             self.say_once(disabled, logging.INFO)
             return Loaded(None, disabled)
         built = _recorded_build(self.record)

@@ -36,18 +36,32 @@ except ImportError:  # pragma: no cover - a torch without it: every look walks t
     _dict_version = None
 
 __all__ = [
-    "Watch", "per_call", "rebuilt", "register_process_rule", "state_digest", "without_per_call_hooks",
+    "ProcessRule", "Watch", "per_call", "rebuilt", "register_process_rule", "state_digest", "versions_change",
+    "without_per_call_hooks",
 ]
 
 
-@dataclass(frozen=True)
-class _Rule:
+@dataclass(frozen=True, eq=False)
+class ProcessRule:
+    """A rule :func:`register_process_rule` registered; :meth:`remove` takes it back.
+
+    Example:
+        >>> rule = register_process_rule(attributes=("installed",))
+        >>> rule.attributes
+        ('installed',)
+        >>> rule.remove()
+    """
+
     per_call_hook: Callable[[Any], bool] | None
     attributes: tuple[str, ...]
     rebuilt: Callable[[nn.Module], None] | None
 
+    def remove(self) -> None:
+        """Take the rule back, for the models sent from now on (a second call does nothing)."""
+        _RULES[:] = [r for r in _RULES if r is not self]
 
-_RULES: list[_Rule] = []
+
+_RULES: list[ProcessRule] = []
 
 
 def register_process_rule(
@@ -55,7 +69,7 @@ def register_process_rule(
     *,
     attributes: tuple[str, ...] = (),
     rebuilt: Callable[[nn.Module], None] | None = None,
-) -> None:
+) -> ProcessRule:
     """Tell ``workers="processes"`` what a library keeps per process.
 
     Args:
@@ -67,9 +81,12 @@ def register_process_rule(
         rebuilt: called in a worker process on each submodule of a model it received,
             to register again what the library's constructor registers per process.
 
+    Returns:
+        The rule, whose ``remove()`` takes it back.
+
     Example:
-        >>> register_process_rule(lambda hook: getattr(hook, "__name__", "") == "_mine")
-        >>> _ = _RULES.pop()
+        >>> rule = register_process_rule(lambda hook: getattr(hook, "__name__", "") == "_mine")
+        >>> rule.remove()
     """
     for name, fn in (("per_call_hook", per_call_hook), ("rebuilt", rebuilt)):
         if fn is not None and not callable(fn):
@@ -82,7 +99,9 @@ def register_process_rule(
             f"register_process_rule: attributes: expected a tuple of str, got "
             f"{type(attributes).__name__} {attributes!r}"
         )
-    _RULES.append(_Rule(per_call_hook, attributes, rebuilt))
+    rule = ProcessRule(per_call_hook, attributes, rebuilt)
+    _RULES.append(rule)
+    return rule
 
 
 def per_call(hook: Any) -> bool:
@@ -232,21 +251,30 @@ def _probe(version: Callable[[dict[Any, Any]], Any]) -> bool:
 
 
 @functools.cache
-def _versions_change() -> bool:
+def versions_change() -> bool:
     """Whether a dict's version changes with every way a module's attributes change,
-    on this interpreter and this torch (else :class:`Watch` never says unchanged)."""
+    on this interpreter and this torch (else :class:`Watch` never says unchanged, and
+    every look walks the module).
+
+    Example:
+        >>> versions_change() == Watch(nn.Linear(2, 2)).unchanged()
+        True
+    """
     return _dict_version is not None and _probe(_dict_version)
 
 
 _Read = Callable[[list[Any]], "bytes | None"]
 
 
-@functools.cache
 def _compiled() -> dict[str, _Read]:
-    """The extension's readers (each a pass over a list, into bytes) where it is built:
+    """The extension's readers (each a pass over a list, into bytes) where it is in use:
     ``tensor_states``, ``identities`` (classes and ``__dict__``), and ``dict_versions``
     where this interpreter's dict versions pass the probe."""
-    lib = extension.module()
+    return _readers(extension.module())
+
+
+@functools.cache
+def _readers(lib: Any) -> dict[str, _Read]:
     reads = {n: getattr(lib, f"_{n}") for n in ("tensor_states", "dict_versions", "identities")
              if hasattr(lib, f"_{n}")}
     if "dict_versions" in reads and not _probe(lambda d: reads["dict_versions"]([d])):
@@ -308,7 +336,7 @@ class Watch:
         self._tensors: list[Tensor] = []
         self._objects: list[Any] = []
         self._seen: tuple[Any, ...] | None = None
-        if _versions_change():
+        if versions_change():
             try:
                 steps = optimizer_steps()
                 versions = self._walk(module)

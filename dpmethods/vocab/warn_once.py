@@ -18,12 +18,13 @@ _lock = threading.Lock()
 _LIMIT = 10_000  # a bound, so messages naming many distinct paths can't grow without end
 
 
-def warn_once(message: str, stacklevel: int = 4) -> bool:
-    """Warn with ``message`` (UserWarning) unless it was given before; True if it warned.
+def warn_once(message: str, stacklevel: int = 4, category: type[Warning] = UserWarning) -> bool:
+    """Warn with ``message`` unless it was given before; True if it warned.
 
     Args:
         message: the full text; it is what is remembered.
         stacklevel: as for :func:`warnings.warn`.
+        category: the warning's class (a former name says ``FutureWarning``).
 
     Example:
         >>> import warnings
@@ -37,7 +38,7 @@ def warn_once(message: str, stacklevel: int = 4) -> bool:
     """
     if not first_time(message):
         return False
-    warnings.warn(message, UserWarning, stacklevel=stacklevel)
+    warnings.warn(message, category, stacklevel=stacklevel)
     return True
 
 

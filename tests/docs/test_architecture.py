@@ -163,18 +163,54 @@ def test_the_import_walk_sees_every_form(tmp_path: Path) -> None:
         "__init__", "__init__", "parallel", "types.tree", "streaming.threads", "parallel"]
 
 
+def _private(part: str) -> bool:
+    """A private name: one underscore, not a dunder; ``_C`` is the compiled library, whose
+    entry points its own page and tests name."""
+    return part.startswith("_") and not part.startswith("__") and part != "_C"
+
+
+def _chain(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]``; None for anything that is not names and dots."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(parts)] if isinstance(node, ast.Name) else None
+
+
+def _module_named(node: ast.expr | None) -> str | None:
+    """The dpmethods module a ``sys.modules["dpmethods.x"]`` or
+    ``importlib.import_module("dpmethods.x")`` expression gives, else None."""
+    arg: ast.expr | None = None
+    if isinstance(node, ast.Subscript) and _chain(node.value) == ["sys", "modules"]:
+        arg = node.slice
+    elif isinstance(node, ast.Call) and (_chain(node.func) or [""])[-1] == "import_module" and node.args:
+        arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.split(".")[0] == "dpmethods":
+        return arg.value
+    return None
+
+
+_BY_NAME = {"getattr", "setattr", "delattr", "hasattr"}  # and monkeypatch's setattr, delattr
+
+
 def _private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[str]:
     """The private names ``module`` takes from another module: imported by name
-    (``from dpmethods.x import _y``, relative or not) or read from an imported module
-    (``tree._y`` after ``from dpmethods.types import tree``)."""
+    (``from dpmethods.x import _y``, relative or not), or read from a name it imported
+    from dpmethods, however it was imported (``tree._y`` after ``from dpmethods.types
+    import tree``, ``dpmethods.types.tree._y``, ``m._y`` after ``m =
+    sys.modules["dpmethods.types.tree"]``), by attribute, by name
+    (``monkeypatch.setattr(tree, "_y", ...)``, ``getattr(tree, "_y")``), through its
+    ``__dict__``, or as a dotted path (``monkeypatch.setattr("dpmethods.types.tree._y", ...)``)."""
     package = module.split(".")[:-1]
     tree = ast.parse(path.read_text())
-    bound: dict[str, str] = {}  # a local name -> the dpmethods module it is
+    bound: set[str] = set()  # the local names that are dpmethods modules, or names imported from them
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            bound.update((a.asname or a.name.split(".")[0], a.name) for a in node.names
-                         if a.name.split(".")[0] == "dpmethods")
+            bound.update(a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "dpmethods")
+        elif isinstance(node, ast.Assign) and _module_named(node.value):
+            bound.update(t.id for t in node.targets if isinstance(t, ast.Name))
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -184,16 +220,35 @@ def _private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[str
                 continue
             source = _resolve(base.removeprefix("dpmethods").lstrip("."), modules)
             for alias in node.names:
-                full = f"{base}.{alias.name}".removeprefix("dpmethods.")
-                if full in modules or f"{full}.__init__" in modules:
-                    bound[alias.asname or alias.name] = full
-                private = [p for p in [*base.split(".")[1:], alias.name] if p.startswith("_") and not p.startswith("__")]
-                if private and private != ["_C"] and source != module:
+                bound.add(alias.asname or alias.name)
+                if any(map(_private, [*base.split(".")[1:], alias.name])) and source != module:
                     found.append(f"{module}:{node.lineno} imports {base}.{alias.name}")
+
+    def read(node: ast.expr, names: list[str | None]) -> str | None:
+        """``node.names...`` as text where ``node`` is a bound name, its public attributes
+        and ``names`` end in a private one."""
+        chain = _chain(node)
+        if not chain or chain[0] not in bound or any(map(_private, chain[1:])):
+            return None
+        tail = next((i for i, n in enumerate(names) if n is not None and _private(n)), None)
+        return None if tail is None else ".".join([*chain, *map(str, names[: tail + 1])])
+
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in bound and node.attr.startswith("_") and not node.attr.startswith("__")):
-            found.append(f"{module}:{node.lineno} reads {node.value.id}.{node.attr}")
+        name: str | None = None
+        if isinstance(node, ast.Attribute):
+            name = read(node.value, [node.attr])
+        elif (isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "__dict__" and isinstance(node.slice, ast.Constant)):
+            name = read(node.value.value, [str(node.slice.value)])
+        elif isinstance(node, ast.Call) and (_chain(node.func) or [""])[-1] in _BY_NAME and node.args:
+            first = node.args[0]
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+                name = read(first, [node.args[1].value])
+            elif isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("dpmethods."):
+                parts = first.value.split(".")
+                name = first.value if any(map(_private, parts[1:])) else None
+        if name is not None:
+            found.append(f"{module}:{node.lineno} reads {name}")
     return found
 
 
@@ -206,13 +261,13 @@ def test_no_private_name_crosses_modules() -> None:
 
 
 def test_tests_import_no_private_name() -> None:
-    # Tests use what a module shares: a name they need is a public, documented name of
-    # the module that owns it.
+    # Tests use what a module shares: they neither import nor read (by attribute, by
+    # name, through __dict__ or as a dotted path) a private name of dpmethods; a name
+    # they need is a public, documented name of the module that owns it.
     modules = _modules()
     tests = _PKG.parent / "tests"
     wrong = [use for path in sorted(tests.rglob("*.py"))
-             for use in _private_uses(".".join(path.relative_to(tests.parent).with_suffix("").parts), path, modules)
-             if " imports " in use]
+             for use in _private_uses(".".join(path.relative_to(tests.parent).with_suffix("").parts), path, modules)]
     assert wrong == []
 
 
@@ -222,22 +277,42 @@ def test_the_private_name_check_sees_each_form(tmp_path: Path) -> None:
     probe.write_text(
         "from dpmethods.types.tree import _walk\nfrom .tree import _walk\n"
         "from dpmethods.types import tree as t\nt._walk\nfrom dpmethods.types.tree import flatten\n"
+        "import dpmethods.types.tree as m\nimport dpmethods\nimport sys, torch\n"
+        "s = sys.modules['dpmethods.types.tree']\nm._walk.x\ndpmethods.types.tree._walk\ns._walk\n"
+        "monkeypatch.setattr(t, '_walk', None)\ngetattr(m, '_walk')\nt.__dict__['_walk']\n"
+        "monkeypatch.setattr('dpmethods.types.tree._walk', None)\nflatten._cache\n"
+        # none of these is a private name of dpmethods
+        "t.flatten\ntorch._C\nself._walk\ndpmethods._C\nmonkeypatch.delattr(dpmethods, '_C')\n"
+        "getattr(t, 'flatten')\nmonkeypatch.setattr('torch._C', None)\n"
     )
-    assert [use.split(" ", 1)[1] for use in _private_uses("types.probe", probe, modules)] == [
-        "imports dpmethods.types.tree._walk", "imports dpmethods.types.tree._walk", "reads t._walk"]
+    assert sorted(use.split(":", 1)[1] for use in _private_uses("types.probe", probe, modules)) == sorted([
+        "1 imports dpmethods.types.tree._walk", "2 imports dpmethods.types.tree._walk", "4 reads t._walk",
+        "10 reads m._walk", "11 reads dpmethods.types.tree._walk", "12 reads s._walk", "13 reads t._walk",
+        "14 reads m._walk", "15 reads t._walk", "16 reads dpmethods.types.tree._walk", "17 reads flatten._cache"])
+
+
+def _set_on_self(path: Path) -> set[str]:
+    """The private attributes the classes in ``path`` set on themselves (``self._x = ...``,
+    ``self.__dict__["_x"] = ...``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            name = node.attr
+        elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
+              and _chain(node.value) == ["self", "__dict__"] and isinstance(node.slice, ast.Constant)):
+            name, node = str(node.slice.value), node.value
+        else:
+            continue
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+                and name.startswith("_") and not name.startswith("__")):
+            names.add(name)
+    return names
 
 
 def _wrapper_private_attributes() -> set[str]:
     """The private attributes the wrappers' classes set on themselves."""
-    names: set[str] = set()
-    for unit in ("wrapper", "data_parallel"):
-        for path in (p for m, p in _modules().items() if _unit(m) == unit):
-            for node in ast.walk(ast.parse(path.read_text())):
-                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                        and node.value.id == "self" and node.attr.startswith("_")
-                        and not node.attr.startswith("__") and isinstance(node.ctx, ast.Store)):
-                    names.add(node.attr)
-    return names
+    return {name for module, path in _modules().items() if _unit(module) in ("wrapper", "data_parallel")
+            for name in _set_on_self(path)}
 
 
 def test_no_layer_reads_a_wrappers_private_state() -> None:
@@ -254,6 +329,25 @@ def test_no_layer_reads_a_wrappers_private_state() -> None:
                 wrong.append(f"{module}:{node.lineno} reads .{node.attr}")
             elif isinstance(node, ast.Constant) and node.value in private:  # __dict__["_replica_threads"]
                 wrong.append(f"{module}:{node.lineno} names {node.value!r}")
+    assert wrong == []
+
+
+def test_tests_read_no_wrappers_private_state() -> None:
+    # A test sees a wrapper as its users do (its calls, maps, hooks on its module, the
+    # worker processes it starts); what a wrapper keeps for itself may change.
+    private = _wrapper_private_attributes() | {"_options"}
+    tests = _PKG.parent / "tests"
+    wrong = []
+    for path in sorted(tests.rglob("*.py")):
+        if path == Path(__file__):
+            continue  # names them to look for them
+        own = _set_on_self(path)  # a test's own classes may use the same names
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in private - own
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+                wrong.append(f"{path.relative_to(tests.parent)}:{node.lineno} reads .{node.attr}")
+            elif isinstance(node, ast.Constant) and node.value in private - own:  # dp.__dict__["_process_pool"]
+                wrong.append(f"{path.relative_to(tests.parent)}:{node.lineno} names {node.value!r}")
     assert wrong == []
 
 

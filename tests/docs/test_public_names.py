@@ -73,14 +73,15 @@ def test_the_docs_name_public_names_at_their_homes(doc: str, reference: str) -> 
         owner = _public(owner, part)
 
 
-def test_the_former_name_of_state_dicts_gives_its_names_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_former_name_of_state_dicts_gives_its_names_and_warns_once() -> None:
     import dpmethods.checkpoints as former  # type: ignore[import-not-found]
 
     from dpmethods import state_dicts
+    from dpmethods.vocab import warn_once
 
-    monkeypatch.setattr(former, "_warned", False)
+    warn_once.reset()
     with pytest.warns(FutureWarning, match=r"^dpmethods\.checkpoints is named dpmethods\.state_dicts: import "
-                      r"unwrap from dpmethods\.state_dicts$"):
+                      r"its names from dpmethods\.state_dicts$"):
         assert former.unwrap is state_dicts.unwrap
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -8,6 +8,7 @@ tests share one wrapper whose pool lives for the module; no test asserts a time.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import gc
 import multiprocessing
 import os
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 import dpmethods
+from dpmethods import ops
 from dpmethods.extending import mark_batch_coupled, register_process_rule
 from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
@@ -78,7 +80,9 @@ def dp(net: Net) -> Iterator[dpmethods.DataParallel[Net]]:
 
 
 def _pids(dp: Any) -> list[int]:
-    return [w.process.pid for w in dp.__dict__["_process_pool"].workers]
+    """Each device's worker's pid, in device order: a call gives each device one row."""
+    with torch.no_grad():
+        return [int(pid) for pid in dp.pid(torch.zeros(len(dp.device_ids), 4))]
 
 
 def _batches(n: int = 9) -> list[torch.Tensor]:
@@ -146,7 +150,7 @@ def test_calls_gather_every_mode_as_threads(dp: Any, net: Net, method: str) -> N
 def test_calls_run_in_the_workers(dp: Any) -> None:
     with torch.no_grad():
         pids = dp.pid(torch.zeros(4, 4))
-    assert sorted(set(pids.tolist())) == sorted(_pids(dp))
+    assert len(set(pids.tolist())) == 2 and set(pids.tolist()) <= {p.pid for p in _workers()}
     assert os.getpid() not in pids.tolist()
 
 
@@ -391,14 +395,14 @@ def test_a_job_raising_system_exit_leaves_the_worker_usable(dp: Any, net: Net, h
     assert _pids(dp) == before  # the same workers took their next job
 
 
-def test_a_killed_worker_fails_exactly_its_pending_jobs(dp: Any, net: Net) -> None:
+def test_a_killed_worker_fails_exactly_its_pending_jobs(net: Net) -> None:
     from dpmethods.core.parallel_apply import ThreadState
     from dpmethods.processes.messages import Request
 
     x = torch.randn(3, 4)
-    with torch.no_grad():
-        dp(x)
-        pool = dp.__dict__["_process_pool"]
+    pool = pool_module.ProcessPool([torch.device("cpu")] * 2)
+    with torch.no_grad(), contextlib.closing(pool):
+        pool.prepare(net)
         victim, other = pool.workers
 
         def request(seconds: float) -> Request:
@@ -414,8 +418,10 @@ def test_a_killed_worker_fails_exactly_its_pending_jobs(dp: Any, net: Net) -> No
                                r"died with exit code -9 \(SIGKILL\)"):
                 victim.reply(future, "raised", "a test's job")
         _same(other.reply(kept, "raised", "a test's job"), net.sleepy(x))
-        _same(dp(x), net(x))  # a fresh worker 0
-    assert _pids(dp)[0] != pid
+        pool.prepare(net)  # a fresh worker 0
+        fresh = pool.workers[0]
+        _same(fresh.reply(pool.submit(0, request(0.0)), "raised", "a test's job"), net.sleepy(x))
+        assert fresh.process.pid != pid
 
 
 def test_frames_bigger_than_the_pipe_to_a_busy_worker_neither_block_the_caller_nor_reorder(
@@ -557,7 +563,7 @@ UNSHOWN: dict[str, Callable[[Watched], object]] = {
 
 
 # Where the running torch gives no dict versions, every look walks the module.
-_WATCHING = pytest.mark.skipif(not state._versions_change(), reason="this torch gives no dict versions")
+_WATCHING = pytest.mark.skipif(not state.versions_change(), reason="this torch gives no dict versions")
 
 
 class Crowd(nn.Module):
@@ -575,28 +581,32 @@ _READERS = ["compiled", "python"]
 
 
 @pytest.fixture(params=_READERS)
-def readers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def readers(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "python":
-        monkeypatch.setattr(state, "_compiled", dict)
-    elif len(state._compiled()) < 3:
-        pytest.skip("dpmethods._C is not built, or lacks the Watch's readers")
-    return str(request.param)
+        with ops.without_extension():
+            yield "python"
+        return
+    if ops.extension_info()["in_use"] != "compiled":
+        pytest.skip("dpmethods._C is not built")
+    yield "compiled"
 
 
 @_WATCHING
 @pytest.mark.parametrize("crowd", [False, True], ids=["alone", "among_600_modules"])
 @pytest.mark.parametrize("name", [*CHANGES, *UNSHOWN])
-def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(state, "_RULES", list(state._RULES))  # a rule registered here goes
+def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str) -> None:
     model = Crowd() if crowd else Watched()
     watch = Watch(model)
     watched = model.model if isinstance(model, Crowd) else model
     with torch.no_grad():
         watched(torch.randn(2, 4))
     assert watch.unchanged()  # running the module changes nothing
-    {**CHANGES, **UNSHOWN}[name](watched)
-    assert not watch.unchanged()
+    made = {**CHANGES, **UNSHOWN}[name](watched)
+    try:
+        assert not watch.unchanged()
+    finally:
+        if isinstance(made, state.ProcessRule):
+            made.remove()  # a rule registered here goes
 
 
 @_WATCHING
@@ -620,7 +630,7 @@ def test_the_watch_sees_a_hook_removed() -> None:
 
 def test_the_watch_says_changed_when_it_cannot_tell(monkeypatch: pytest.MonkeyPatch) -> None:
     model = Watched()
-    monkeypatch.setattr(state, "_versions_change", lambda: False)  # another torch
+    monkeypatch.setattr(state, "versions_change", lambda: False)  # another torch
     assert not Watch(model).unchanged()
     monkeypatch.undo()
     with torch.inference_mode():
@@ -828,7 +838,7 @@ def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
 
 
 _ORPHAN_SCRIPT = """
-import sys, time, torch, dpmethods
+import multiprocessing, sys, time, torch, dpmethods
 sys.path.insert(0, {tests!r})
 from tests.helpers.long_runs import Faulty
 
@@ -838,7 +848,7 @@ if __name__ == "__main__":
     x = torch.randn(3, 6)
     with torch.no_grad():
         dp.encode(x)
-        print(*[w.process.pid for w in dp.__dict__["_process_pool"].workers], flush=True)
+        print(*[p.pid for p in multiprocessing.active_children() if p.name.startswith("dpmethods-worker-")], flush=True)
         if sys.argv[2] == "busy":  # batch 0 hangs in one worker; the other goes idle
             list(dp.map("encode", [{{"x": x, "tag": i}} for i in range(4)], fault="hang", at=0))
         time.sleep(600)
@@ -942,13 +952,14 @@ def test_a_model_that_cannot_be_pickled_fails_at_once() -> None:
     net = build_net()
     net.lin.register_forward_hook(lambda m, i, o: o)
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, workers="processes")
+    before = {p.pid for p in _workers()}
     with pytest.raises(TypeError) as info:
         next(dp.map("forward", [torch.randn(2, 4)]))
     text = str(info.value)
     assert "the module cannot be sent to a worker process" in text
     assert "module.lin._forward_hooks[" in text and "<lambda>" in text
     assert "workers='threads'" in text and "factory=" in text
-    assert not dp.__dict__["_process_pool"].started()  # nothing was started
+    assert {p.pid for p in _workers()} <= before  # nothing was started
 
 
 @pytest.mark.parametrize("devices", [1, 2])

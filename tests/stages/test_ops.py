@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +23,11 @@ from tests.helpers.gather_data import rand as _rand
 CPU = torch.device("cpu")
 COMPILED = ops.extension_info()["in_use"] == "compiled"
 needs_ext = pytest.mark.skipif(not COMPILED, reason="dpmethods._C not built")
+
+
+def _on(path: str) -> contextlib.AbstractContextManager[None]:
+    """The gather's path a test asks for: the pure-PyTorch one, or this process's."""
+    return ops.without_extension() if path == "pure PyTorch" else contextlib.nullcontext()
 
 
 
@@ -314,27 +320,38 @@ def test_compiled_op_is_used() -> None:
 )
 def test_error_messages(
     tensors: list[torch.Tensor], r: int, dim: int, exc: type[Exception], match: str, path: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The pure-PyTorch path refuses what the kernels refuse, with their errors: callers
     # (the gather's join of packed sequences, say) catch these types.
     if path == "compiled" and not COMPILED:
         pytest.skip("dpmethods._C is not in use")
-    if path == "pure PyTorch":
-        monkeypatch.setattr(ops, "_op", None)
-    with pytest.raises(exc, match=match):
+    with _on(path), pytest.raises(exc, match=match):
         ops.gather_coalesced(tensors, r, dim, CPU)
 
 
 @pytest.mark.parametrize("path", ["this process's", "pure PyTorch"])
-def test_a_piece_that_is_no_tensor_is_named(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if path == "pure PyTorch":
-        monkeypatch.setattr(ops, "_op", None)
+def test_a_piece_that_is_no_tensor_is_named(path: str) -> None:
     t = torch.ones(2, 3)
-    with pytest.raises(TypeError, match=r"^gather_coalesced\(\): tensors\[1\]: expected a Tensor, got NoneType None$"):
-        ops.gather_coalesced([t, None], 2, 0, CPU)  # type: ignore[list-item]
-    with pytest.raises(TypeError, match=r"^gather_coalesced\(\): tensors\[2\]: expected a Tensor, got str 'x'$"):
-        ops.gather_coalesced([t, t, "x", t], 2, 0, CPU)  # type: ignore[list-item]
+    with _on(path):
+        with pytest.raises(TypeError, match=r"^gather_coalesced\(\): tensors\[1\]: expected a Tensor, got NoneType None$"):
+            ops.gather_coalesced([t, None], 2, 0, CPU)  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"^gather_coalesced\(\): tensors\[2\]: expected a Tensor, got str 'x'$"):
+            ops.gather_coalesced([t, t, "x", t], 2, 0, CPU)  # type: ignore[list-item]
+
+
+@needs_ext
+def test_without_extension_gathers_in_pure_pytorch_for_the_block_only() -> None:
+    pieces = [torch.randn(2, 3), torch.randn(1, 3)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with ops.without_extension():
+            inside = ops.gather_coalesced(pieces, 2, 0, CPU)
+            assert ops.extension_info()["in_use"] == "pytorch fallback"
+    assert "dpmethods::gather_coalesced" not in [e.name for e in prof.events()]
+    assert torch.equal(inside[0], torch.cat(pieces))
+    assert ops.extension_info()["in_use"] == "compiled"
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.gather_coalesced(pieces, 2, 0, CPU)
+    assert "dpmethods::gather_coalesced" in [e.name for e in prof.events()]
 
 
 def test_count_errors_without_extension_path() -> None:
@@ -538,4 +555,4 @@ def test_eager_entry_argument_errors() -> None:
     with pytest.raises(TypeError, match=r"dim: expected an int, got float 0.0$"):
         ops.gather_coalesced(t, 2, 0.0, CPU)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"takes 4 arguments \(tensors, num_replicas, dim, device\), got 3"):
-        ops._eager(t, 2, 0)
+        ops.extension.module()._gather_coalesced(t, 2, 0)  # type: ignore[union-attr]

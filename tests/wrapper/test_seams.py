@@ -21,6 +21,7 @@ from torch import nn
 import dpmethods
 from dpmethods import DataParallel, parallel_method
 from dpmethods.testing import assert_close_to_reference as close
+from dpmethods.vocab import warn_once
 from tests.helpers.terms import mlp_terms
 
 CPU3 = ["cpu"] * 3
@@ -167,8 +168,8 @@ def test_dict_outputs_with_keys_in_another_order_gather_by_key() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without GPUs")
-def test_gpu_ids_without_gpus_are_a_plain_call_with_one_warning(monkeypatch: Any) -> None:
-    monkeypatch.setattr("dpmethods.core.devices._warned_no_gpu", False)
+def test_gpu_ids_without_gpus_are_a_plain_call_with_one_warning() -> None:
+    warn_once.reset()
     ref, model = _pair()
     with pytest.warns(UserWarning, match=r"device_ids \[0, 1\] were ignored because no GPU is available"):
         dp = DataParallel(model, device_ids=[0, 1])

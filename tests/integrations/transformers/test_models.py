@@ -19,6 +19,7 @@ import dpmethods
 from dpmethods import DataParallel, parallel_methods
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
+from dpmethods.wrapper.registry import resolve_methods
 from tests.helpers import SPLITS
 from tests.helpers.models import batch_sizes_seen, shares, tiny_qwen2_vl
 from tests.helpers.terms import transformer_terms
@@ -83,14 +84,12 @@ def test_clip_get_features_without_configuration(n: int, devices: int) -> None:
 def test_methods_list_takes_the_registered_options_and_a_dict_overrides_them() -> None:
     cfg = transformers.GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2)
     model = transformers.GPT2LMHeadModel(cfg)
-    devices = ["cpu", "cpu"]
-    assert DataParallel(model, devices)._dpm_methods["generate"].gather == "generate"
-    listed = DataParallel(model, devices, methods=["generate"])._dpm_methods["generate"]
-    assert listed.gather == "generate"
-    given = DataParallel(model, devices, methods={"generate": {"gather": "pad", "pad_value": 5}})
-    assert (given._dpm_methods["generate"].gather, given._dpm_methods["generate"].pad_value) == (
-        "pad", 5,
-    )
+    # What DataParallel(model, devices, methods=...) runs (its methods= is tested in
+    # tests/wrapper/test_registry.py).
+    assert resolve_methods(model)["generate"].gather == "generate"
+    assert resolve_methods(model, ["generate"])["generate"].gather == "generate"
+    given = resolve_methods(model, {"generate": {"gather": "pad", "pad_value": 5}})["generate"]
+    assert (given.gather, given.pad_value) == ("pad", 5)
 
 
 def test_decorations_and_registrations_win_over_builtins() -> None:
