@@ -69,3 +69,32 @@ def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if os.environ.get("PYTEST_XDIST_WORKER") and workers > 1:
         torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+    _preload_the_model_libraries()
+
+
+# What a worker process imports to unpickle the tests' tiny models: transformers'
+# modeling (GPT-2, BERT, CLIP, Qwen2-VL) and sentence-transformers; then the module that
+# freezes what the server imported.
+_PRELOADED = ("transformers.modeling_utils", "transformers.generation.utils", "sentence_transformers",
+              "tests.helpers.fork_server")
+
+
+def _preload_the_model_libraries() -> None:
+    """Worker processes fork from the fork server (``dpmethods.processes.pool``), which
+    imports torch and dpmethods' worker once. Some 30 workers of the suite then import
+    transformers or sentence-transformers to unpickle a tiny model, seconds of CPU each;
+    the tests' fork server imports them once instead, in its own process, when the first
+    worker starts (or the first gloo run: one server serves both, with the preload of
+    whichever starts it), and freezes them (tests/helpers/fork_server.py). A worker
+    still registers a library's rules itself, at its first lookup after the library is
+    in ``sys.modules`` (``dpmethods.vocab.loading``), as when the import comes with the
+    model; and it still collects, then freezes, what its first model's build made."""
+    import importlib.util
+
+    from dpmethods.processes import pool
+    from tests.helpers.processes import GLOO_PRELOAD
+
+    names = [n for n in _PRELOADED if importlib.util.find_spec(n.split(".")[0]) is not None]
+    for preload in (getattr(pool, "_PRELOAD", None), GLOO_PRELOAD):
+        if isinstance(preload, list):
+            preload.extend(n for n in names if n not in preload)

@@ -35,12 +35,12 @@ from dpmethods.distributed import (
 from dpmethods.state_dicts import unwrap
 from dpmethods.testing import assert_close_to_reference as close
 from dpmethods.wrapper.registry import parallel_method
+from tests.helpers.processes import GLOO_PRELOAD
 
 REPO = Path(__file__).resolve().parents[2]
 _PG_TIMEOUT_S = 30  # a rank blocked on a dead peer gives up after this
 _JOIN_TIMEOUT_S = 150  # the whole spawned run, start-up included
 
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "dpmethods.distributed"]
 
 needs_gloo = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
@@ -373,7 +373,7 @@ def _spawn(suite: str, world: int, tmp: Path) -> list[dict[str, Any]]:
     # runs instead of once per rank; that is most of a run's time on two cores.
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if method == "forkserver":
-        multiprocessing.get_context("forkserver").set_forkserver_preload(_PRELOAD)
+        multiprocessing.get_context("forkserver").set_forkserver_preload(GLOO_PRELOAD)
     context = mp.start_processes(
         _worker,
         args=(world, _free_port(), str(tmp), suite),

@@ -119,6 +119,15 @@ def test_info_prints_no_none(runs: dict[str, subprocess.CompletedProcess[str]]) 
     assert "None" not in out, out
 
 
+def test_info_lists_the_registrations(runs: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    from dpmethods.integrations import INTEGRATIONS
+
+    out = runs["info"].stdout
+    for library in INTEGRATIONS:
+        assert library in out
+    assert "generate (gather='generate')" in out
+
+
 def test_help_works_and_the_op_is_registered() -> None:
     # `python -m dpmethods --help` imports the package first, which now imports torch and
     # loads the extension: --help still answers, and the op exists.

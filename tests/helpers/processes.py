@@ -394,7 +394,8 @@ class _Cycle:
 
 class GcProbe(nn.Module):
     """Returns ``x * scale`` and its worker's collector: enabled, how many objects are
-    frozen, and whether the cyclic garbage its builds made was collected."""
+    frozen, whether this model is one of them, and whether the cyclic garbage its
+    builds made was collected."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -402,7 +403,8 @@ class GcProbe(nn.Module):
         _CYCLES.append(weakref.ref(_Cycle()))
 
     def forward(self, x: torch.Tensor) -> Any:
-        return x * self.scale, gc.isenabled(), gc.get_freeze_count(), all(r() is None for r in _CYCLES)
+        frozen = not any(o is self for o in gc.get_objects())  # the collector's generations skip it
+        return x * self.scale, gc.isenabled(), gc.get_freeze_count(), frozen, all(r() is None for r in _CYCLES)
 
 
 def build_gc_probe() -> GcProbe:

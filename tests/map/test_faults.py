@@ -72,8 +72,9 @@ class Faulty(nn.Module):
             assert ctl.release.wait(30), "the test never released the replica"
         if ctl.slow_last is not None and first == (N_DEV - 1) * ROWS:
             # Finish only after the call returned, or after a while: a call that
-            # returns without waiting for this replica then has no output from it.
-            ctl.slow_last.wait(1.0)
+            # returns without waiting for this replica then has no output from it. The
+            # other replicas finish in milliseconds; such a call returns as soon.
+            ctl.slow_last.wait(0.3)
         return y
 
 
@@ -434,7 +435,7 @@ def _live_tensors() -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
-def test_memory_is_flat_over_3000_calls(cache: bool) -> None:
+def test_memory_is_flat_over_1000_calls(cache: bool) -> None:
     """Neither Python objects nor tensors pile up from call to call."""
     model = nn.Sequential(nn.Linear(D, 8), nn.ReLU(), nn.Linear(8, 2))
     dp = DataParallel(model, device_ids=["cpu"] * N_DEV, cache_replicas=cache)
@@ -453,12 +454,12 @@ def test_memory_is_flat_over_3000_calls(cache: bool) -> None:
         run(20)
         gc.collect()
         tensors_before, first = _live_tensors(), tracemalloc.get_traced_memory()[0]
-        run(3000)
+        run(1000)
         gc.collect()
         tensors_after, last = _live_tensors(), tracemalloc.get_traced_memory()[0]
     finally:
         tracemalloc.stop()
     assert tensors_after == tensors_before
-    # A leak of one small object per call would be 3000 * ~100 bytes; allow a little
-    # slack for interpreter caches that settle.
-    assert last - first < 64 * 1024, f"Python memory grew by {last - first} bytes"
+    # A leak of 22 bytes or more per call (one small object and the pointer to it) shows:
+    # 1000 calls grow by 22 KB; interpreter caches that settle take well under 1 KB.
+    assert last - first < 21 * 1024, f"Python memory grew by {last - first} bytes"

@@ -1346,10 +1346,10 @@ def test_the_first_model_is_built_without_the_collector_then_frozen() -> None:
     # after one collection, so the build's cyclic garbage is not frozen with them.
     dp = dpmethods.DataParallel(GcProbe(), device_ids=["cpu"] * 2, workers="processes", factory=build_gc_probe)
     try:
-        [(_, enabled, frozen, collected)] = list(dp.map("forward", [torch.ones(1)]))
+        [(_, enabled, frozen, model_frozen, collected)] = list(dp.map("forward", [torch.ones(1)]))
     finally:
         dp.close()
-    assert enabled and frozen > 0 and collected
+    assert enabled and frozen > 0 and model_frozen and collected
 
 
 def test_a_second_model_unfreezes_the_first() -> None:
@@ -1358,7 +1358,7 @@ def test_a_second_model_unfreezes_the_first() -> None:
     try:
         list(dp.map("forward", [torch.ones(1)]))
         probe.scale = 2.0  # a new model goes to the workers
-        [(out, enabled, frozen, _)] = list(dp.map("forward", [torch.ones(1)]))
+        [(out, enabled, frozen, model_frozen, _)] = list(dp.map("forward", [torch.ones(1)]))
     finally:
         dp.close()
-    assert out.tolist() == [2.0] and enabled and frozen == 0
+    assert out.tolist() == [2.0] and enabled and frozen == 0 and not model_frozen

@@ -359,44 +359,6 @@ def test_count_errors_without_extension_path() -> None:
         ops.gather_coalesced([], 0, 0, CPU)
 
 
-_FALLBACK_SCRIPT = textwrap.dedent(
-    """
-    import json, logging, sys
-    import torch
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    from dpmethods import ops
-    g = torch.Generator().manual_seed(0)
-    ts = [torch.randn(2, 3, generator=g), torch.randn(2, 1, generator=g),
-          torch.randint(0, 9, (1, 4), generator=g), torch.randint(0, 9, (1, 2), generator=g)]
-    outs = ops.gather_coalesced([ts[0], ts[1]], 2, 1, torch.device("cpu"))
-    outs += ops.gather_coalesced([ts[2], ts[3]], 2, -1, torch.device("cpu"))
-    ok = torch.equal(outs[0], torch.cat(ts[:2], 1)) and torch.equal(outs[1], torch.cat(ts[2:], 1))
-    print(json.dumps({"info": ops.extension_info(), "ok": ok}))
-    """
-)
-
-
-def test_fallback_when_disabled() -> None:
-    env = dict(os.environ, DPMETHODS_DISABLE_EXTENSION="1")
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run(
-        [sys.executable, "-c", _FALLBACK_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["ok"]
-    info = result["info"]
-    assert info["in_use"] == "pytorch fallback" and not info["available"]
-    assert "DPMETHODS_DISABLE_EXTENSION=1" in info["reason"]
-    # Logged once, at info level.
-    assert proc.stderr.count("using the pure-PyTorch gather") == 1
-
-
 _IMPORT_SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -415,28 +377,65 @@ _IMPORT_SCRIPT = textwrap.dedent(
     }))
     """
 )
+# Then, in the same interpreter, the gathers of the fallback (the extension disabled).
+_FALLBACK_SCRIPT = textwrap.dedent(
+    """
+    from dpmethods import ops
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(2, 3, generator=g), torch.randn(2, 1, generator=g),
+          torch.randint(0, 9, (1, 4), generator=g), torch.randint(0, 9, (1, 2), generator=g)]
+    outs = ops.gather_coalesced([ts[0], ts[1]], 2, 1, torch.device("cpu"))
+    outs += ops.gather_coalesced([ts[2], ts[3]], 2, -1, torch.device("cpu"))
+    ok = torch.equal(outs[0], torch.cat(ts[:2], 1)) and torch.equal(outs[1], torch.cat(ts[2:], 1))
+    print(json.dumps({"info": ops.extension_info(), "ok": ok}))
+    """
+)
 
 
-@needs_ext
-def test_op_is_registered_once_import_dpmethods_returns() -> None:
-    # As torchvision registers its ops on import: torch.export programs holding the op,
-    # and direct torch.ops callers, must find it after `import dpmethods` alone.
+def _run(code: str, disabled: bool) -> subprocess.CompletedProcess[str]:
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ)
     env.pop("DPMETHODS_DISABLE_EXTENSION", None)
+    if disabled:
+        env["DPMETHODS_DISABLE_EXTENSION"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc
+
+
+@pytest.fixture(scope="module")
+def disabled() -> tuple[dict[str, object], dict[str, object], str]:
+    """One fresh interpreter with DPMETHODS_DISABLE_EXTENSION=1, logging at info level
+    from the start: what the import alone gives, then what the fallback's gathers give,
+    and its stderr."""
+    logged = "import logging, sys\nlogging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+    proc = _run(logged + _IMPORT_SCRIPT + _FALLBACK_SCRIPT, disabled=True)
+    imported, gathered = (json.loads(line) for line in proc.stdout.strip().splitlines()[-2:])
+    return imported, gathered, proc.stderr
+
+
+def test_fallback_when_disabled(disabled: tuple[dict[str, object], dict[str, object], str]) -> None:
+    _, result, stderr = disabled
+    assert result["ok"]
+    info = result["info"]
+    assert isinstance(info, dict)
+    assert info["in_use"] == "pytorch fallback" and not info["available"]
+    assert "DPMETHODS_DISABLE_EXTENSION=1" in info["reason"]
+    # Logged once, at info level.
+    assert stderr.count("using the pure-PyTorch gather") == 1
+
+
+@needs_ext
+def test_op_is_registered_once_import_dpmethods_returns(
+    disabled: tuple[dict[str, object], dict[str, object], str],
+) -> None:
+    # As torchvision registers its ops on import: torch.export programs holding the op,
+    # and direct torch.ops callers, must find it after `import dpmethods` alone.
+    result = json.loads(_run(_IMPORT_SCRIPT, disabled=False).stdout.strip().splitlines()[-1])
     assert result == {"has_op": True, "cat": True, "grad": True, "data_parallel_loaded": False}
     # With the extension disabled, the import stays pure-Python: no op, no error.
-    env["DPMETHODS_DISABLE_EXTENSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result == {"has_op": False, "cat": False, "grad": False, "data_parallel_loaded": False}
+    assert disabled[0] == {"has_op": False, "cat": False, "grad": False, "data_parallel_loaded": False}
 
 
 # ------------------------------------------------- small outputs from shared blocks

@@ -98,14 +98,20 @@ def _unharmed(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     assert len(list(model.parameters())) == 4
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
+@pytest.fixture(scope="module", autouse=True)
+def _collected_after() -> Iterator[None]:
     yield
-    # Dynamo's compile state of this test (fake tensors, guards) is freed here, not in
-    # whatever test runs next, whose own garbage checks must see only their own objects.
+    # Dynamo's compile state of these tests (fake tensors, guards) is freed here, not in
+    # whatever module runs next, whose own garbage checks must see only their own objects.
     torch._dynamo.reset()
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(_collected_after: None) -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 class _Run(NamedTuple):
