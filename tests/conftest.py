@@ -95,6 +95,5 @@ def _preload_the_model_libraries() -> None:
     from tests.helpers.processes import GLOO_PRELOAD
 
     names = [n for n in _PRELOADED if importlib.util.find_spec(n.split(".")[0]) is not None]
-    for preload in (getattr(pool, "_PRELOAD", None), GLOO_PRELOAD):
-        if isinstance(preload, list):
-            preload.extend(n for n in names if n not in preload)
+    pool.preload(*names)
+    GLOO_PRELOAD.extend(n for n in names if n not in GLOO_PRELOAD)

@@ -59,7 +59,7 @@ __all__: list[str] = []
 
 WORKERS = ("threads", "processes")
 _LOG = logging.getLogger("dpmethods")
-_PRELOAD = ["torch", "dpmethods.processes.worker"]  # what the fork server imports once
+_PRELOAD = ["torch", "dpmethods.processes.worker"]  # what the fork server imports once (see preload)
 _STOP_S = 3.0  # how long close() lets busy workers finish before terminating them
 UNGUARDED_MAIN_EXIT = 86  # a worker that found itself running an unguarded main module
 _UNGUARDED = "without `if __name__ == \"__main__\":`"
@@ -146,7 +146,7 @@ def start_method() -> Any:
     once, then forks each worker from that state (never initializing CUDA): a worker
     starts in a fraction of a second, where a spawned one imports torch itself (about a
     second of CPU each). Either way each worker imports the script's main module again
-    (not the server: :data:`_PRELOAD` leaves ``__main__`` out), and gets the caller's
+    (not the server: its preload, :func:`preload`, leaves ``__main__`` out), and gets the caller's
     environment as it is at the worker's start (:func:`~dpmethods.processes.worker.init`).
 
     Example:
@@ -158,6 +158,20 @@ def start_method() -> Any:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first worker)
     return context
+
+
+def preload(*modules: str) -> list[str]:
+    """Have the fork server import ``modules`` too, once, so that each worker forked from
+    it has them already (a model's library: seconds of import per worker otherwise);
+    the list the server will import. Read when the server starts, at the first worker
+    of the process: later calls change nothing for a running server.
+
+    Example:
+        >>> preload("json")[-1]
+        'json'
+    """
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
+    return list(_PRELOAD)
 
 
 class Worker:
