@@ -167,8 +167,8 @@ def preload(*modules: str) -> list[str]:
     of the process: later calls change nothing for a running server.
 
     Example:
-        >>> preload("json")[-1]
-        'json'
+        >>> preload()[:2]  # with no module, the list as it stands
+        ['torch', 'dpmethods.processes.worker']
     """
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
     return list(_PRELOAD)
