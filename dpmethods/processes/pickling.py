@@ -130,10 +130,22 @@ class OutputRequiresGrad(RuntimeError):
     """An output holds a tensor that requires grad: its graph cannot cross processes."""
 
 
+def _shown(t: Tensor) -> Tensor:
+    """``t``, or where its conjugate or negative bit makes it show other values than its
+    storage holds, a copy holding the values it shows: torch's reductions and the model's
+    block send a storage as it is, without the bits."""
+    if not (t.is_conj() or t.is_neg()) or (t.requires_grad and not t.is_leaf):
+        return t  # the latter: torch's reduction refuses it, saying why
+    copy = t.detach().resolve_conj().resolve_neg()
+    if type(t) is nn.Parameter:
+        return nn.Parameter(copy, requires_grad=t.requires_grad)
+    return copy.requires_grad_(t.requires_grad)
+
+
 def _reduce_plain(t: Tensor) -> Any:
     """A ``Tensor`` or ``Parameter`` (exactly) in a batch, an output or a message."""
     reduced = _io_reduce(t)
-    return reduce_tensor(t) if reduced is NotImplemented else reduced  # torch's own for the rest
+    return reduce_tensor(_shown(t)) if reduced is NotImplemented else reduced  # torch's own for the rest
 
 
 class _IOPickler(pickle.Pickler):
@@ -149,16 +161,6 @@ class _IOPickler(pickle.Pickler):
     _sources: ClassVar[tuple[int, int]] = (-1, -1)
 
 
-def _io_pickler() -> type[_IOPickler]:
-    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
-    sources = (len(copyreg.dispatch_table), len(extra))
-    if _IOPickler._sources != sources:
-        _IOPickler.dispatch_table = {**copyreg.dispatch_table, **extra, Tensor: _reduce_plain,
-                                     nn.Parameter: _reduce_plain}
-        _IOPickler._sources = sources
-    return _IOPickler
-
-
 class _OutputPickler(_IOPickler):
     """An output: as :class:`_IOPickler`, refusing any tensor that requires grad.
 
@@ -172,6 +174,18 @@ class _OutputPickler(_IOPickler):
         return _io_reduce(obj)
 
 
+def _io_pickler(output: bool) -> type[_IOPickler]:
+    """The pickler for a batch or a message (``output``: for an output), the dispatch table
+    both read made again where a reduction was registered since the last message."""
+    extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    sources = (len(copyreg.dispatch_table), len(extra))
+    if _IOPickler._sources != sources:
+        _IOPickler.dispatch_table = {**copyreg.dispatch_table, **extra, Tensor: _reduce_plain,
+                                     nn.Parameter: _reduce_plain}
+        _IOPickler._sources = sources
+    return _OutputPickler if output else _IOPickler
+
+
 _ALIGN = 64  # each storage's place in the model's block: a multiple of any element size
 
 
@@ -181,7 +195,12 @@ def _storage_key(t: Tensor) -> tuple[Any, ...]:
 
 
 def _in_block(t: Tensor) -> bool:
-    return type(t) in _PLAIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+    """Whether the model's block holds ``t``'s storage: not for a conjugate or negative
+    view, whose storage holds other values than it shows (it crosses on its own)."""
+    return (
+        type(t) in _PLAIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
+        and not t.is_conj() and not t.is_neg()
+    )
 
 
 def _model_block(tensors: list[Tensor]) -> tuple[torch.UntypedStorage, dict[Any, int]]:
@@ -229,7 +248,7 @@ class _ModelPickler(ForkingPickler):
         if not isinstance(obj, Tensor):
             return without_per_call_hooks(obj) if isinstance(obj, nn.Module) else NotImplemented
         if id(obj) not in self._tensors or not _in_block(obj):
-            return _io_reduce(obj)
+            return _reduce_plain(obj) if type(obj) in _PLAIN else _io_reduce(obj)
         offset = self._places[_storage_key(obj)] // obj.element_size() + obj.storage_offset()
         grad = obj.requires_grad and (type(obj) is nn.Parameter or obj.is_leaf)
         return (_from_block, (self._block, offset, obj.dtype, obj.shape, obj.stride(),
@@ -242,8 +261,7 @@ def dumps(obj: Any, *, output: bool = False) -> bytes:
     An ``output`` that holds a tensor requiring grad raises :class:`OutputRequiresGrad`.
     """
     buf = io.BytesIO()
-    pickler = _io_pickler()
-    (_OutputPickler if output else pickler)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    _io_pickler(output)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 

@@ -362,6 +362,22 @@ class Contract(nn.Module):
         return self.conv(x)
 
 
+class ShownViews(nn.Module):
+    """Tensors that show other values than their storages hold: a parameter that is the
+    conjugate view of another's storage, and a buffer that is a negative view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(4)
+        z = torch.randn(3, dtype=torch.complex64, generator=g)
+        self.base = nn.Parameter(z, requires_grad=False)
+        self.conj = nn.Parameter(z.conj(), requires_grad=False)  # base's storage, conjugated
+        self.register_buffer("neg", torch.randn(3, dtype=torch.complex64, generator=g).conj().imag)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"base": self.base * x, "conj": self.conj * x, "neg": self.neg * x.real}
+
+
 _LOCKS: list[Any] = []
 
 

@@ -45,6 +45,7 @@ from tests.helpers.processes import (
     InBatchLoss,
     MarkedLater,
     Net,
+    ShownViews,
     Unloadable,
     Watched,
     build_gc_probe,
@@ -1236,6 +1237,23 @@ def test_conjugate_and_negative_views_keep_their_values(contract: dict[str, Any]
         for key, ref in want.items():
             assert torch.equal(out[key].resolve_conj().resolve_neg(), ref.resolve_conj().resolve_neg()), key
 
+
+
+@_KINDS
+def test_a_model_whose_tensors_are_conjugate_or_negative_views_keeps_their_values(workers: str) -> None:
+    # The model's parameters and buffers cross as their storages: a view with the
+    # conjugate or negative bit must arrive with the values it shows.
+    model = ShownViews().eval()
+    x = torch.randn(5, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            got = [dp(x), *dp.map("forward", [x[:3], x[3:]])]
+            want = [model(x), model(x[:3]), model(x[3:])]  # elementwise products: exact
+    finally:
+        dp.close()
+    for out, ref in zip(got, want, strict=True):
+        assert {k: torch.equal(v, ref[k]) for k, v in out.items()} == dict.fromkeys(ref, True)
 
 _SHM_SCRIPT = """
 import os, sys, torch, dpmethods
