@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dpmethods.types.coupled_modules import Mark
+
 __all__ = ["Done", "Failed", "Load", "Request", "Split", "Warned"]
 
 
@@ -64,7 +66,7 @@ class Load(_Record):
 
     kind: str
     what: Any
-    marks: dict[type, str]
+    marks: dict[type, Mark]
 
 
 @dataclasses.dataclass(frozen=True)

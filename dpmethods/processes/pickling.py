@@ -145,7 +145,11 @@ def _shown(t: Tensor) -> Tensor:
 def _reduce_plain(t: Tensor) -> Any:
     """A ``Tensor`` or ``Parameter`` (exactly) in a batch, an output or a message."""
     reduced = _io_reduce(t)
-    return reduce_tensor(_shown(t)) if reduced is NotImplemented else reduced  # torch's own for the rest
+    if reduced is not NotImplemented:
+        return reduced
+    if t.is_quantized:  # torch's reduction drops its quantizer; pickle's keeps it
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return reduce_tensor(_shown(t))  # torch's own for the rest
 
 
 class _IOPickler(pickle.Pickler):
@@ -195,11 +199,12 @@ def _storage_key(t: Tensor) -> tuple[Any, ...]:
 
 
 def _in_block(t: Tensor) -> bool:
-    """Whether the model's block holds ``t``'s storage: not for a conjugate or negative
-    view, whose storage holds other values than it shows (it crosses on its own)."""
+    """Whether the model's block holds ``t``'s storage: not for a quantized tensor (its
+    quantizer is not in its storage), nor for a conjugate or negative view (its storage
+    holds other values than it shows); those cross on their own."""
     return (
         type(t) in _PLAIN and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-        and not t.is_conj() and not t.is_neg()
+        and not t.is_quantized and not t.is_conj() and not t.is_neg()
     )
 
 

@@ -51,7 +51,7 @@ from dpmethods.processes.pickling import check_factory as check_factory  # for D
 from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import Watch, state_digest
 from dpmethods.types import tree as _tree
-from dpmethods.types.coupled_modules import class_marks, marks
+from dpmethods.types.coupled_modules import Mark, class_marks, marks
 from dpmethods.vocab import warn_once
 from dpmethods.vocab.loading import load_pending
 
@@ -382,7 +382,7 @@ class ProcessPool:
         self._setup = threading.RLock()  # one start-up or model update at a time
         self._seen: list[Any] = []  # what the workers' model was built from (see prepare)
         # The last look at the module, the key it gave and its marks; every live worker holds it.
-        self._looked: tuple[Watch, Any, dict[type, str]] | None = None
+        self._looked: tuple[Watch, Any, dict[type, Mark]] | None = None
         self._finalizer = weakref.finalize(self, stop_all, self.workers)
 
     def __reduce__(self) -> Any:  # a copy (of a wrapper) gets a fresh pool, not started
@@ -470,7 +470,7 @@ class ProcessPool:
             and all(w.key is key for w in self.workers if w.executor is not None)
         )
 
-    def _model_messages(self, module: nn.Module, n: int, marked: dict[type, str]) -> list[bytes]:
+    def _model_messages(self, module: nn.Module, n: int, marked: dict[type, Mark]) -> list[bytes]:
         if self.factory is not None:
             return [dumps(Load("factory", self.factory, marked))] * n
         return [dumps(Load("model", p, marked)) for p in model_payloads(module, n)]

@@ -126,10 +126,17 @@ def init(device: str, threads: int, environ: dict[str, str] | None = None) -> No
 
 
 def _build(msg: Load) -> nn.Module:
-    for cls, text in msg.marks.items():
-        mark_batch_coupled(cls, what=text)
+    for cls, mark in msg.marks.items():
+        mark_batch_coupled(cls, what=mark.what, advice=mark.advice)
     kind, what = msg.kind, msg.what
-    model = loads(what) if kind == "model" else what()
+    if kind == "model":
+        with warnings.catch_warnings():
+            # torch's own rebuild of some tensors (a quantized one) warns of torch's
+            # internals (TypedStorage, its deprecations): the caller's model warned of none.
+            warnings.filterwarnings("ignore", module=r"torch\.")
+            model = loads(what)
+    else:
+        model = what()
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"factory: expected a callable that returns an nn.Module, got "

@@ -17,6 +17,7 @@ thread-local read per call of that class's forward, and nothing for other classe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterable, Iterator
@@ -28,11 +29,25 @@ from dpmethods.types.named_classes import check_class_path, when_class_imported
 from dpmethods.vocab.warn_once import warn_once
 
 __all__ = [
-    "class_marks", "is_batch_coupled", "mark_batch_coupled", "marks", "part_of_batch",
+    "Mark", "class_marks", "is_batch_coupled", "mark_batch_coupled", "marks", "part_of_batch",
 ]
 
+
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """What couples a marked class's batch, and what to do instead, for its warning.
+
+    Example:
+        >>> Mark("in-batch negatives").advice is None
+        True
+    """
+
+    what: str  # what couples the batch
+    advice: str | None = None  # None: a loss's (gather the features, compute it outside)
+
+
 _state = threading.local()
-_MARKED: dict[type, str] = {}  # class -> what couples its batch, for the message
+_MARKED: dict[type, Mark] = {}  # class -> its mark
 _WRAPPED = "__dpmethods_batch_coupled__"
 
 
@@ -64,9 +79,9 @@ def is_batch_coupled(cls: type) -> bool:
     return any(k in _MARKED for k in cls.__mro__)
 
 
-def marks(module: nn.Module) -> dict[type, str]:
+def marks(module: nn.Module) -> dict[type, Mark]:
     """The marked classes among ``module``'s submodules' classes and their bases, with
-    what couples their batch: what a worker process marks again before it runs them.
+    their marks: what a worker process marks again before it runs them.
 
     Example:
         >>> marks(nn.Linear(2, 2))
@@ -75,7 +90,7 @@ def marks(module: nn.Module) -> dict[type, str]:
     return class_marks({type(m) for m in module.modules()})
 
 
-def class_marks(classes: Iterable[type]) -> dict[type, str]:
+def class_marks(classes: Iterable[type]) -> dict[type, Mark]:
     """:func:`marks` of a module whose submodules' classes are ``classes``.
 
     Example:
@@ -86,7 +101,8 @@ def class_marks(classes: Iterable[type]) -> dict[type, str]:
 
 
 def mark_batch_coupled(
-    cls: type | str, *, what: str = "it computes over the whole batch", missing_ok: bool = False
+    cls: type | str, *, what: str = "it computes over the whole batch", advice: str | None = None,
+    missing_ok: bool = False,
 ) -> None:
     """Mark ``cls`` as a module whose output couples the items of its batch.
 
@@ -95,6 +111,8 @@ def mark_batch_coupled(
             ``"module:Class"`` for a class whose module may not be imported yet: it is
             marked once that module is imported (checked when a wrapper is made).
         what: what couples the batch, for the warning (``"in-batch negatives"``).
+        advice: the warning's last sentences, what gives the full-batch result; None
+            for a loss: gather the embeddings or features, compute the loss outside.
         missing_ok: with ``"module:Class"``, a class that its module (imported already)
             lacks is skipped instead of refused: for a class only some versions of a
             library have.
@@ -110,13 +128,16 @@ def mark_batch_coupled(
     """
     if not isinstance(what, str):
         raise TypeError(f"mark_batch_coupled: what: expected a str, got {type(what).__name__} {what!r}")
+    if advice is not None and not isinstance(advice, str):
+        raise TypeError(f"mark_batch_coupled: advice: expected a str or None, got {type(advice).__name__} {advice!r}")
+    mark = Mark(what, advice)
     if isinstance(cls, str):
         check_class_path("mark_batch_coupled", cls, missing_ok)
-        when_class_imported(cls, functools.partial(_mark_found, what=what))
+        when_class_imported(cls, functools.partial(_mark_found, mark=mark))
         return
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise TypeError(f"mark_batch_coupled: cls: expected an nn.Module subclass, got {cls!r}")
-    _MARKED[cls] = what
+    _MARKED[cls] = mark
     forward = cls.forward  # its own or a base's
     if getattr(forward, _WRAPPED, False):
         return  # a marked base's forward: it warns, naming this class
@@ -131,18 +152,37 @@ def mark_batch_coupled(
     cls.forward = coupled_forward  # type: ignore[method-assign]
 
 
-def _mark_found(cls: Any, what: str) -> None:
+def _mark_found(cls: Any, mark: Mark) -> None:
     if isinstance(cls, type) and issubclass(cls, nn.Module):  # None: missing_ok's skip
-        mark_batch_coupled(cls, what=what)
+        mark_batch_coupled(cls, what=mark.what, advice=mark.advice)
 
 
 def _warn(cls: type) -> None:
-    what = next((_MARKED[k] for k in cls.__mro__ if k in _MARKED), "")
+    mark = next((_MARKED[k] for k in cls.__mro__ if k in _MARKED), Mark(""))
+    advice = mark.advice or (
+        f"(a loss averaged over replicas is a different loss). Gather the embeddings or features "
+        f"with dpmethods (a parallel method that returns them) and run {cls.__name__} outside, on "
+        f"the whole batch."
+    )
     warn_once(
-        f"DataParallel: {cls.__name__} couples the items of its batch ({what}), but it ran "
+        f"DataParallel: {cls.__name__} couples the items of its batch ({mark.what}), but it ran "
         f"in a replica on that replica's share of the batch only, so its result is not "
-        f"the full-batch one (a loss averaged over replicas is a different loss). Gather "
-        f"the embeddings or features with dpmethods (a parallel method that returns them) "
-        f"and run {cls.__name__} outside, on the whole batch.",
+        f"the full-batch one{'' if mark.advice is None else '.'} {advice}",
         stacklevel=3,
+    )
+
+
+# torch's own: a dynamically quantized module (torch.ao.quantization.quantize_dynamic)
+# quantizes its input with one scale computed over the whole batch at each call.
+_DYNAMIC = "torch.ao.nn.quantized.dynamic.modules"
+for _path in (
+    f"{_DYNAMIC}.linear:Linear", f"{_DYNAMIC}.rnn:LSTM", f"{_DYNAMIC}.rnn:GRU", f"{_DYNAMIC}.rnn:LSTMCell",
+    f"{_DYNAMIC}.rnn:GRUCell", f"{_DYNAMIC}.rnn:RNNCell",
+    "torch.ao.nn.intrinsic.quantized.dynamic.modules.linear_relu:LinearReLU",
+):
+    mark_batch_coupled(
+        _path, what="dynamic quantization: one scale quantizes the input of the whole batch",
+        advice="Each item's result depends on the items batched with it, on one device too; "
+        "DataParallel.map runs each batch whole on one replica, which gives each batch's own result.",
+        missing_ok=True,
     )

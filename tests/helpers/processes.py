@@ -10,6 +10,7 @@ import gc
 import os
 import time
 import types
+import warnings
 import weakref
 from typing import Any, ClassVar
 
@@ -362,9 +363,10 @@ class Contract(nn.Module):
         return self.conv(x)
 
 
-class ShownViews(nn.Module):
-    """Tensors that show other values than their storages hold: a parameter that is the
-    conjugate view of another's storage, and a buffer that is a negative view."""
+class BeyondStorage(nn.Module):
+    """Tensors that are more than their storage: a parameter that is the conjugate view
+    of another's storage, a buffer that is a negative view, and a quantized buffer (its
+    scale and zero point live in its quantizer)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -373,9 +375,13 @@ class ShownViews(nn.Module):
         self.base = nn.Parameter(z, requires_grad=False)
         self.conj = nn.Parameter(z.conj(), requires_grad=False)  # base's storage, conjugated
         self.register_buffer("neg", torch.randn(3, dtype=torch.complex64, generator=g).conj().imag)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch deprecates its quantized tensors
+            self.register_buffer("q", torch.quantize_per_tensor(torch.randn(3, generator=g), 0.05, 3, torch.qint8))
 
     def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"base": self.base * x, "conj": self.conj * x, "neg": self.neg * x.real}
+        return {"base": self.base * x, "conj": self.conj * x, "neg": self.neg * x.real,
+                "q": self.q.dequantize() * x.real}
 
 
 _LOCKS: list[Any] = []

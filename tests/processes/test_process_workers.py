@@ -37,6 +37,7 @@ from dpmethods.processes.state import Watch
 from dpmethods.testing import assert_close_to_reference
 from tests.helpers.models import random_sentences, tiny_sentence_transformer
 from tests.helpers.processes import (
+    BeyondStorage,
     Contract,
     DoubledLinear,
     EnvProbe,
@@ -45,7 +46,6 @@ from tests.helpers.processes import (
     InBatchLoss,
     MarkedLater,
     Net,
-    ShownViews,
     Unloadable,
     Watched,
     build_gc_probe,
@@ -1240,10 +1240,10 @@ def test_conjugate_and_negative_views_keep_their_values(contract: dict[str, Any]
 
 
 @_KINDS
-def test_a_model_whose_tensors_are_conjugate_or_negative_views_keeps_their_values(workers: str) -> None:
-    # The model's parameters and buffers cross as their storages: a view with the
-    # conjugate or negative bit must arrive with the values it shows.
-    model = ShownViews().eval()
+def test_a_model_whose_tensors_are_more_than_their_storage_keeps_their_values(workers: str) -> None:
+    # The model's parameters and buffers cross as their storages: a conjugate or negative
+    # view must arrive with the values it shows, a quantized tensor with its quantizer.
+    model = BeyondStorage().eval()
     x = torch.randn(5, 3, dtype=torch.complex64, generator=torch.Generator().manual_seed(5))
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
     try:

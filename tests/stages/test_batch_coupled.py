@@ -151,3 +151,34 @@ def test_a_dim_equal_to_the_share_warns_only_where_the_shares_differ() -> None:
                       r"\(\[4, 3\]\) in more than one dim, like a similarity matrix"):
         pieces = DataParallel(Similarity(), device_ids=["cpu"] * 2)(torch.randn(7, 3))
     assert [tuple(p.shape) for p in pieces] == [(4, 4), (3, 3)]
+
+
+def _dynamic_int8() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates torch.ao.quantization and its tensors
+        return torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes"])
+def test_a_dynamically_quantized_model_warns_on_shares_and_a_map_keeps_batches_whole(workers: str) -> None:
+    # quantize_dynamic's Linear quantizes its input with one scale over the whole batch:
+    # a replica's share gets its own scale, so the result is not the full batch's.
+    model = _dynamic_int8()
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(1))
+    x[0] *= 20  # one row sets the whole batch's scale
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                outs = list(dp.map("forward", [x, x[3:]]))
+            assert [str(w.message) for w in caught] == []  # each batch ran whole; nothing of torch's
+            assert [torch.equal(out, model(b)) for out, b in zip(outs, [x, x[3:]])] == [True, True]
+            with pytest.warns(UserWarning, match=r"Linear couples the items of its batch \(dynamic quantization: "
+                              r"one scale .*DataParallel\.map runs each batch whole on one replica"):
+                split = dp(x)
+            assert not torch.equal(split, model(x))  # what the warning is about
+    finally:
+        dp.close()
