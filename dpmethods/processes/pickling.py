@@ -115,6 +115,7 @@ def _plain_cpu(obj: Any) -> bool:
         and obj.device.type == "cpu"
         and obj.layout == torch.strided
         and not obj.is_quantized
+        and not obj.is_nested  # strided, but without strides of its own
     )
 
 

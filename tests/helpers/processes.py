@@ -356,6 +356,11 @@ class Contract(nn.Module):
         return {"given": z, "conj": z.conj(), "neg": z.conj().imag}
 
     @dpmethods.parallel_method
+    def nested(self, x: torch.Tensor) -> torch.Tensor:
+        """``lin`` of the first row and of the rest, as one nested tensor."""
+        return torch.nested.nested_tensor([self.lin(x[:1]), self.lin(x[1:])])
+
+    @dpmethods.parallel_method
     def noisy(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x) + torch.rand(len(x), 3)
 

@@ -1239,6 +1239,19 @@ def test_conjugate_and_negative_views_keep_their_values(contract: dict[str, Any]
 
 
 
+
+@_KINDS
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage:UserWarning")
+def test_a_nested_tensor_output_keeps_its_pieces(contract: dict[str, Any], workers: str) -> None:
+    dp, g = contract[workers], torch.Generator().manual_seed(6)
+    batches = [torch.randn(n, 4, generator=g) for n in (3, 5)]
+    with torch.no_grad():
+        got = list(dp.map("nested", batches))
+        want = [dp.module.lin(b) for b in batches]
+    for out, ref in zip(got, want, strict=True):
+        assert out.is_nested
+        assert [torch.equal(a, b) for a, b in zip(out.unbind(), (ref[:1], ref[1:]), strict=True)] == [True, True]
+
 @_KINDS
 def test_a_model_whose_tensors_are_more_than_their_storage_keeps_their_values(workers: str) -> None:
     # The model's parameters and buffers cross as their storages: a conjugate or negative
