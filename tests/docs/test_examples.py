@@ -204,20 +204,6 @@ def test_hf_generate_does_not_log_loss_type(hf: ModuleType) -> None:
     assert "loss_type" not in proc.stderr, proc.stderr
 
 
-def test_ray_batch_inference_equals_one_device() -> None:
-    import subprocess
-
-    pytest.importorskip("ray.data", reason="examples/ray_batch_inference.py needs ray[data]")
-    proc = subprocess.run(
-        [sys.executable, str(_EXAMPLES / "ray_batch_inference.py"), "--rows", "96",
-         "--batch-size", "16", "--replicas", "2"],
-        capture_output=True, text=True, timeout=240, env=_env(),
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "rows: 96, columns: ['embedding', 'id', 'norm']" in proc.stdout, proc.stdout
-    assert "equal to one device (within fp32 rounding): True" in proc.stdout, proc.stdout
-
-
 def test_resumable_map_stops_and_resumes(tmp_path: Path) -> None:
     import subprocess
 
