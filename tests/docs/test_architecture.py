@@ -6,6 +6,7 @@ and the top level has twelve public names (and the old ones as aliases)."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -61,6 +62,12 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return "__init__"
 
 
+@functools.cache
+def _parse(source: str) -> ast.Module:
+    """A file's syntax tree, parsed once for every check that walks it (none changes it)."""
+    return ast.parse(source)
+
+
 def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, int]]:
     """The dpmethods modules ``module`` imports, in every form (``import dpmethods``,
     ``from dpmethods import X``, relative imports, ``importlib.import_module("dpmethods.x")``),
@@ -74,7 +81,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[st
             if target is not None and target != "_C":
                 found.append((target, line))
 
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name, node.lineno)
@@ -202,7 +209,7 @@ def _private_uses(module: str, path: Path, modules: dict[str, Path]) -> list[str
     (``monkeypatch.setattr(tree, "_y", ...)``, ``getattr(tree, "_y")``), through its
     ``__dict__``, or as a dotted path (``monkeypatch.setattr("dpmethods.types.tree._y", ...)``)."""
     package = module.split(".")[:-1]
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     bound: set[str] = set()  # the local names that are dpmethods modules, or names imported from them
     found = []
     for node in ast.walk(tree):
@@ -294,7 +301,7 @@ def _set_on_self(path: Path) -> set[str]:
     """The private attributes the classes in ``path`` set on themselves (``self._x = ...``,
     ``self.__dict__["_x"] = ...``)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
             name = node.attr
         elif (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
@@ -323,7 +330,7 @@ def test_no_layer_reads_a_wrappers_private_state() -> None:
     for module, path in _modules().items():
         if _unit(module) in ("wrapper", "data_parallel"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in private:
                 wrong.append(f"{module}:{node.lineno} reads .{node.attr}")
             elif isinstance(node, ast.Constant) and node.value in private:  # __dict__["_replica_threads"]
@@ -341,7 +348,7 @@ def test_tests_read_no_wrappers_private_state() -> None:
         if path == Path(__file__):
             continue  # names them to look for them
         own = _set_on_self(path)  # a test's own classes may use the same names
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if (isinstance(node, ast.Attribute) and node.attr in private - own
                     and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
                 wrong.append(f"{path.relative_to(tests.parent)}:{node.lineno} reads .{node.attr}")
@@ -353,7 +360,7 @@ def test_tests_read_no_wrappers_private_state() -> None:
 def _private_callbacks(module: str, path: Path) -> list[str]:
     """The private methods of a class in ``path`` that it passes as an argument
     (``run(options_of=self._options)``): a way back into the object's private state."""
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     methods = {f.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) for f in c.body
                if isinstance(f, ast.FunctionDef) and f.name.startswith("_") and not f.name.startswith("__")}
     return [f"{module}:{node.lineno} passes self.{a.attr}" for node in ast.walk(tree) if isinstance(node, ast.Call)
@@ -386,7 +393,7 @@ def test_third_party_libraries_only_in_integrations() -> None:
         if module.startswith("integrations"):
             continue
         engine = _ENGINES.get(module.split(".")[0])
-        tree = ast.parse(path.read_text())
+        tree = _parse(path.read_text())
         for node in ast.walk(tree):
             names = []
             if isinstance(node, ast.Import):
@@ -410,7 +417,7 @@ def test_functions_stay_short_and_modules_open_with_their_map() -> None:
     # a docstring that says what it holds, the map a newcomer reads first.
     unmapped, long = [], []
     for module, path in _modules().items():
-        tree = ast.parse(path.read_text())
+        tree = _parse(path.read_text())
         if ast.get_docstring(tree) is None:
             unmapped.append(module)
         for node in ast.walk(tree):
@@ -447,7 +454,7 @@ def _dpmethods_imports(path: Path) -> list[tuple[str, int]]:
     """Every name ``path`` imports from dpmethods, spelled in full (``import dpmethods``
     alone is ``dpmethods``; ``from dpmethods import x`` is ``dpmethods.x``)."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(a.name, node.lineno) for a in node.names if a.name.split(".")[0] == "dpmethods"]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dpmethods":

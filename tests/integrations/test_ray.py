@@ -1,9 +1,10 @@
 """``dpmethods.ray.Predictor``: methods in Ray Data pipelines equal one device.
 
 The pipelines run on a local Ray cluster (``ray.init(num_cpus=2)``, started once for the
-module); the cheap error cases call a Predictor directly on a dict of numpy arrays, as
-Ray would, and need no Ray. The factories live in tests/helpers/ray_models.py, which Ray's
-workers import by name (the repository root is on their PYTHONPATH).
+module), which examples/ray_batch_inference.py joins as a second driver; the cheap error
+cases call a Predictor directly on a dict of numpy arrays, as Ray would, and need no Ray.
+The factories live in tests/helpers/ray_models.py, which Ray's workers import by name
+(the repository root is on their PYTHONPATH).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 import functools
 import inspect
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -243,14 +246,20 @@ def test_pandas_batches_come_back_as_dataframes() -> None:
 def ray() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data")
-    path = os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # The cluster's processes inherit this PYTHONPATH: the workers of every job on it,
+    # this module's and the example's, import this checkout's dpmethods and tests.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", _pythonpath())
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def _run(ray: Any, items: list[dict[str, Any]], batch_format: str = "numpy", **kwargs: Any) -> list[dict[str, Any]]:
@@ -335,7 +344,25 @@ def test_generate_with_max_tokens_in_a_pipeline_equals_each_prompt_alone(ray: An
 
 
 @pytest.mark.timeout(240)
+def test_the_example_on_a_running_cluster_equals_one_device(ray: Any) -> None:
+    """examples/ray_batch_inference.py run as a script against a running cluster
+    (``--address``, as under ``ray job submit``): this module's, whose Ray Data helper
+    actors it shares instead of starting a cluster of its own."""
+    example = _ROOT / "examples" / "ray_batch_inference.py"
+    proc = subprocess.run(
+        [sys.executable, str(example), "--address", ray.get_runtime_context().gcs_address,
+         "--rows", "96", "--batch-size", "16", "--replicas", "2"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": _pythonpath()},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "rows: 96, columns: ['embedding', 'id', 'norm']" in proc.stdout, proc.stdout
+    assert "equal to one device (within fp32 rounding): True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.timeout(240)
 def test_a_missing_column_in_a_pipeline_reaches_the_driver(ray: Any) -> None:
+    # The module's last pipeline: after the error, Ray Data keeps the failed actor's CPU
+    # for tens of seconds, which a later pipeline on this cluster would wait for.
     items = [{"id": i, "pixels": np.zeros(FEATURES, dtype=np.float32)} for i in range(4)]
     with pytest.raises(Exception, match=r"columns: 'x' is not a column of the batch; its columns are \['id', 'pixels'\]"):
         _run(ray, items, factory=encoder, method="encode", columns=["x"])
