@@ -254,7 +254,7 @@ class _ModelPickler(ForkingPickler):
         if not isinstance(obj, Tensor):
             return without_per_call_hooks(obj) if isinstance(obj, nn.Module) else NotImplemented
         if id(obj) not in self._tensors or not _in_block(obj):
-            return _reduce_plain(obj) if type(obj) in _PLAIN else _io_reduce(obj)
+            return _reduce_plain(obj) if type(obj) in _PLAIN else NotImplemented
         offset = self._places[_storage_key(obj)] // obj.element_size() + obj.storage_offset()
         grad = obj.requires_grad and (type(obj) is nn.Parameter or obj.is_leaf)
         return (_from_block, (self._block, offset, obj.dtype, obj.shape, obj.stride(),

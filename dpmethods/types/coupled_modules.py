@@ -159,30 +159,18 @@ def _mark_found(cls: Any, mark: Mark) -> None:
 
 def _warn(cls: type) -> None:
     mark = next((_MARKED[k] for k in cls.__mro__ if k in _MARKED), Mark(""))
-    advice = mark.advice or (
-        f"(a loss averaged over replicas is a different loss). Gather the embeddings or features "
-        f"with dpmethods (a parallel method that returns them) and run {cls.__name__} outside, on "
-        f"the whole batch."
-    )
+    if mark.advice is None:
+        advice = (
+            f" (a loss averaged over replicas is a different loss). Gather the embeddings or "
+            f"features with dpmethods (a parallel method that returns them) and run "
+            f"{cls.__name__} outside, on the whole batch."
+        )
+    else:
+        advice = f". {mark.advice}"
     warn_once(
         f"DataParallel: {cls.__name__} couples the items of its batch ({mark.what}), but it ran "
         f"in a replica on that replica's share of the batch only, so its result is not "
-        f"the full-batch one{'' if mark.advice is None else '.'} {advice}",
+        f"the full-batch one{advice}",
         stacklevel=3,
     )
 
-
-# torch's own: a dynamically quantized module (torch.ao.quantization.quantize_dynamic)
-# quantizes its input with one scale computed over the whole batch at each call.
-_DYNAMIC = "torch.ao.nn.quantized.dynamic.modules"
-for _path in (
-    f"{_DYNAMIC}.linear:Linear", f"{_DYNAMIC}.rnn:LSTM", f"{_DYNAMIC}.rnn:GRU", f"{_DYNAMIC}.rnn:LSTMCell",
-    f"{_DYNAMIC}.rnn:GRUCell", f"{_DYNAMIC}.rnn:RNNCell",
-    "torch.ao.nn.intrinsic.quantized.dynamic.modules.linear_relu:LinearReLU",
-):
-    mark_batch_coupled(
-        _path, what="dynamic quantization: one scale quantizes the input of the whole batch",
-        advice="Each item's result depends on the items batched with it, on one device too; "
-        "DataParallel.map runs each batch whole on one replica, which gives each batch's own result.",
-        missing_ok=True,
-    )

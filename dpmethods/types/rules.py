@@ -112,4 +112,5 @@ def _set_found(cls: Any, rule: _tree.TypeRule) -> None:
 
 
 torch_rules.install_packed_sequence()
+torch_rules.mark_dynamic_quantization()
 when_imported("torch.distributions", torch_rules.install_distributions)

@@ -14,6 +14,11 @@
   classes come back as a list of the replicas' objects, with the one-time warning that
   names :func:`dpmethods.register_type`.
 
+- ``torch.ao``'s dynamically quantized layers (``quantize_dynamic``'s ``Linear``,
+  ``LSTM``, ``GRU``, the cells, ``LinearReLU``) quantize their input with one scale
+  computed over the whole batch at each call: they are marked batch-coupled
+  (:mod:`dpmethods.types.coupled_modules`), so a call that splits a batch warns once.
+
 The rules are registered through :mod:`dpmethods.types.rules`; torch's pytree registry
 is not touched.
 """
@@ -24,8 +29,9 @@ import sys
 from typing import Any
 
 from dpmethods.types import tree as _tree
+from dpmethods.types.coupled_modules import mark_batch_coupled
 
-__all__ = ["install_distributions", "install_packed_sequence"]
+__all__ = ["install_distributions", "install_packed_sequence", "mark_dynamic_quantization"]
 
 
 # --- PackedSequence -------------------------------------------------------------------
@@ -188,3 +194,28 @@ def install_distributions() -> None:
         _tree.TypeRule(_flatten_transformed, _unflatten_transformed, per_item=True, exact=True),
     )
 
+
+# --- dynamically quantized layers ------------------------------------------------------
+
+_DYNAMIC = "torch.ao.nn.quantized.dynamic.modules"
+_DYNAMIC_LAYERS = (
+    f"{_DYNAMIC}.linear:Linear", f"{_DYNAMIC}.rnn:LSTM", f"{_DYNAMIC}.rnn:GRU", f"{_DYNAMIC}.rnn:LSTMCell",
+    f"{_DYNAMIC}.rnn:GRUCell", f"{_DYNAMIC}.rnn:RNNCell",
+    "torch.ao.nn.intrinsic.quantized.dynamic.modules.linear_relu:LinearReLU",
+)
+
+
+def mark_dynamic_quantization() -> None:
+    """Mark torch's dynamically quantized layers batch-coupled (see the module docstring),
+    each once its module is imported; a layer this torch lacks is skipped.
+
+    Example:
+        >>> mark_dynamic_quantization()
+    """
+    for path in _DYNAMIC_LAYERS:
+        mark_batch_coupled(
+            path, what="dynamic quantization: one scale quantizes the input of the whole batch",
+            advice="Each item's result depends on the items batched with it, on one device too; "
+            "DataParallel.map runs each batch whole on one replica, which gives each batch's own result.",
+            missing_ok=True,
+        )
