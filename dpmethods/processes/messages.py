@@ -12,10 +12,10 @@
                                                      or Failed(error, traceback, warned)
 
 Each record is pickled by :func:`~dpmethods.processes.pickling.dumps` (tensors inline
-or in shared memory) as its class and the tuple of its fields, and is the whole message: a failure is a reply, never an
-exception of the executor, so any exception comes back with its type, notes and
-traceback text. :class:`Warned` is one warning a job raised, given again in the caller
-(:meth:`~dpmethods.processes.pool.Worker.reply`).
+or in shared memory) as its class and the tuple of its fields, and is the whole
+message: a failure is a reply, never an exception of the executor, so any exception
+comes back with its type, notes and traceback text. :class:`Warned` is one warning a
+job raised, given again in the caller (:meth:`~dpmethods.processes.pool.Worker.reply`).
 """
 
 from __future__ import annotations

@@ -173,4 +173,3 @@ def _warn(cls: type) -> None:
         f"the full-batch one{advice}",
         stacklevel=3,
     )
-
