@@ -3,7 +3,7 @@
 would run in the caller.
 
 - :mod:`~dpmethods.processes.executor`: a worker's ``concurrent.futures`` executor (one
-  process, one pipe, a reader thread);
+  process, one pipe; the replies read by the caller's thread that waits for them);
 - :mod:`~dpmethods.processes.pool`: the workers' lifecycle (start, model updates, death,
   ``close()``), a batch's or share's way out and its reply read back;
 - :mod:`~dpmethods.processes.worker`: what runs inside a worker;

@@ -12,26 +12,37 @@ Data flow::
     in order, to a sender thread that waits        |    returns, or the exception it
     for room: a busy worker never blocks submit)   |    raised (any BaseException:
                                                    |    SystemExit too), and sends the
-  reader thread: each reply resolves the oldest <--+--- reply; then the next frame
-    pending Future (its done callbacks run here);  |
+  a thread that waits (Future.result(),        <---+--- reply and when it finished;
+    exception(), wait_replies()) reads the         |    then the next frame
+    replies of every live executor while it waits: |
+    each resolves the oldest pending Future of     |
+    its executor (its done callbacks run there);   |
     end of file or the process gone: every         |
     pending Future fails with BrokenExecutor       |
+
+Replies are read by the threads that wait for them, one at a time: the first to wait
+reads for every executor, the others wait for it to read theirs (and one of them reads
+once it stops). A reader thread of our own would take the GIL from the thread that
+waits at each reply, and hand it back: two thread switches per job, more than a small
+job's own cost in the caller. A Future nobody waits for is resolved by the next wait of
+any thread; waiting on these Futures through ``concurrent.futures.wait`` or
+``as_completed`` alone reads nothing.
 
 A job is sent at once and cannot be cancelled: its Future is running from ``submit``.
 ``shutdown()`` sends a stop frame: the worker runs the jobs sent before it, then
 leaves through the normal exit path.
 
 Not ``concurrent.futures.ProcessPoolExecutor``: its management thread and its queue's
-feeder thread take several thread switches per job in the caller (about 0.2 ms of CPU
-on a 2-core host, twice a thread replica's whole batch), where a write on the caller's
-thread and one reader thread cost a few tens of microseconds; and the worker reads its
-jobs on the thread that runs them, with no thread switch either.
+feeder thread take several thread switches per job in the caller, where a write on
+the caller's thread costs a few microseconds; and the worker reads its jobs on the
+thread that runs them, with no thread switch either.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import math
 import os
 import pickle
 import select
@@ -44,7 +55,7 @@ from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["WorkerExecutor"]
+__all__ = ["WorkerExecutor", "wait_replies"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -70,8 +81,8 @@ class WorkerExecutor(cf.Executor):
 
     def __init__(self, context: Any, initializer: Callable[..., None], initargs: tuple[Any, ...], name: str) -> None:
         self._send_lock = threading.Lock()  # a frame at a time; its Future joins in the same order
-        self._pending: collections.deque[cf.Future[Any]] = collections.deque()
-        self._since = time.monotonic()  # when the oldest pending job started
+        self._pending: collections.deque[_Reply] = collections.deque()  # sent, not answered
+        self._finished_at = 0.0  # when the worker finished its last job read (time.monotonic())
         self._broken = False
         self._shutdown = False
         ours, theirs = context.Pipe(duplex=True)
@@ -82,22 +93,18 @@ class WorkerExecutor(cf.Executor):
         self._out = _Outbox(ours, name)
         _LIVE.add(self)
         weakref.finalize(self, self._out.last, _STOP)  # dropped without shutdown(): the worker leaves
-        threading.Thread(target=_read, args=(weakref.ref(self), ours, self.process.sentinel),
-                         name=f"{name}-reader", daemon=True).start()
 
     def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> cf.Future[_T]:
         """Send ``fn(*args, **kwargs)`` (``fn`` picklable: a module-level function) to the
         worker; its Future."""
         frame = pickle.dumps((fn, args, kwargs), pickle.HIGHEST_PROTOCOL)
-        future: cf.Future[_T] = cf.Future()
+        future = _Reply(self)
         future.set_running_or_notify_cancel()  # sent at once: it can no longer be cancelled
         with self._send_lock:
             if self._broken:
                 raise cf.BrokenExecutor(f"{self.process.name} is gone (exit code {self.process.exitcode})")
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            if not self._pending:
-                self._since = time.monotonic()  # an idle worker starts it now
             self._pending.append(future)
             try:
                 self._out.send(frame)
@@ -113,11 +120,16 @@ class WorkerExecutor(cf.Executor):
 
     def started(self, future: cf.Future[Any]) -> float | None:
         """When the worker started ``future``'s job (``time.monotonic()``), or None while
-        it waits behind another job, or is finished."""
+        it waits behind another job, or is finished.
+
+        A job starts when it was sent or when the job before it finished, whichever is
+        later; the worker tells the second with its reply (``time.monotonic()`` is the
+        host's monotonic clock, one for all its processes)."""
         try:
-            return self._since if self._pending[0] is future else None
+            first = self._pending[0]
         except IndexError:
             return None
+        return max(first.sent, self._finished_at) if first is future else None
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Tell the worker to leave after the jobs sent; ``wait``: join it."""
@@ -128,16 +140,37 @@ class WorkerExecutor(cf.Executor):
         if wait:
             self.process.join()
 
-    def _resolve(self, frame: bytes) -> None:
+    def _read(self, conn_ready: bool) -> None:
+        """Read one reply and resolve its Future, called by the thread that reads
+        (:class:`_Inbox`) once the pipe (``conn_ready``) or the process's sentinel is ready."""
+        if not conn_ready and not self._conn.poll():  # gone, with nothing left to read
+            self._break("its process is gone")
+            return
+        try:
+            frame = self._conn.recv_bytes()
+        except (EOFError, OSError):
+            self._break("its process is gone")
+            return
+        except BaseException:  # a KeyboardInterrupt inside a frame: the pipe is out of step for good
+            self.process.kill()
+            self._break("the caller was interrupted while reading a reply, and killed it")
+            raise
         future = self._pending.popleft()
-        self._since = time.monotonic()  # the next one starts as this one ends
-        ok, value = pickle.loads(frame)
+        try:
+            ok, value, finished_at = pickle.loads(frame)
+        except BaseException as exc:  # the pipe is in step: this job's reply alone is lost
+            future.set_exception(exc if isinstance(exc, Exception) else
+                                 RuntimeError(f"reading the reply was interrupted ({type(exc).__name__})"))
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self._finished_at = min(finished_at, time.monotonic())
         if ok:
             future.set_result(value)
         else:
             future.set_exception(value)
 
-    def _break(self) -> None:
+    def _break(self, why: str) -> None:
         with self._send_lock:
             self._broken = True
             failed = list(self._pending)
@@ -145,7 +178,26 @@ class WorkerExecutor(cf.Executor):
         self._out.close()
         self._conn.close()
         for future in failed:
-            future.set_exception(cf.BrokenExecutor(f"{self.process.name} is gone"))
+            future.set_exception(cf.BrokenExecutor(f"{self.process.name} is gone: {why}"))
+        with _INBOX.changed:  # a thread waiting for a pending Future, told
+            _INBOX.changed.notify_all()
+
+
+class _Reply(cf.Future):  # type: ignore[type-arg]
+    """A job's Future: waiting for it reads the replies (:func:`wait_replies`)."""
+
+    def __init__(self, executor: WorkerExecutor) -> None:
+        super().__init__()
+        self.sent = time.monotonic()  # when it was sent (see WorkerExecutor.started)
+        self._executor = executor  # kept alive while its Future can be waited on
+
+    def result(self, timeout: float | None = None) -> Any:
+        wait_replies(self.done, timeout)
+        return super().result(timeout=0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        wait_replies(self.done, timeout)
+        return super().exception(timeout=0)
 
 
 class _Outbox:
@@ -241,37 +293,97 @@ class _Outbox:
             self._socket.close()
 
 
-def _readable(conn: Any, sentinel: int) -> Callable[[], bool]:
-    """A wait for the next reply: True once ``conn`` has one (or its end of file),
-    False once the process is gone with nothing left to read. Not a read alone: a
-    process the worker forked may hold its end of the pipe open after it died."""
+class _Inbox:
+    """Reads the replies of every live executor for the threads that wait: one thread
+    at a time reads (``reading``) until what it waits for is done, the others wait on
+    ``changed``, told after each read, and one of them takes over when it stops."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition(threading.Lock())  # told after each read, and when reading stops
+        self.reading = False  # a thread reads (under changed)
+
+    def wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.changed:
+            while not done():
+                left = _left(deadline)
+                if left == 0.0:
+                    return False
+                if not self.reading:
+                    self.reading = True
+                    break
+                self.changed.wait(left)
+            else:
+                return True
+        try:
+            while not done():
+                left = _left(deadline)
+                if left == 0.0:
+                    break
+                if not self._read(left):  # nothing to read: wait to be told
+                    with self.changed:
+                        self.changed.wait(left)
+                    continue
+                with self.changed:
+                    self.changed.notify_all()
+        finally:
+            with self.changed:
+                self.reading = False
+                self.changed.notify_all()
+        return done()
+
+    def _read(self, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for replies of any live executor, and read them; False
+        if no executor is left to read from."""
+        executors = [e for e in list(_LIVE) if not e._broken]
+        if not executors:
+            return False
+        for executor, conn_ready in _ready(executors, timeout):
+            if not executor._broken:
+                executor._read(conn_ready)
+        return True
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _ready(executors: list[WorkerExecutor], timeout: float | None) -> list[tuple[WorkerExecutor, bool]]:
+    """The executors whose pipe (True) or process's sentinel (False) is ready, waiting up
+    to ``timeout``. Not the pipe alone: a process the worker forked may hold its end of
+    the pipe open after it died."""
     if hasattr(select, "poll"):
-        poller = select.poll()  # made once: one system call a wait
-        poller.register(conn.fileno(), select.POLLIN)
-        poller.register(sentinel, select.POLLIN)
-        fd = conn.fileno()
-        return lambda: any(ready == fd for ready, _ in poller.poll())
-    return lambda: conn in mp_connection.wait([conn, sentinel])  # pragma: no cover - Windows
+        poller = select.poll()
+        owner: dict[int, tuple[WorkerExecutor, bool]] = {}
+        for e in executors:
+            for fd, conn_ready in ((e._conn.fileno(), True), (e.process.sentinel, False)):
+                owner[fd] = (e, conn_ready)
+                poller.register(fd, select.POLLIN)
+        events = poller.poll(None if timeout is None else math.ceil(timeout * 1000))
+        ready = [owner[fd] for fd, _ in events]
+        conns = {e for e, conn_ready in ready if conn_ready}
+        return [(e, c) for e, c in ready if c or e not in conns]
+    waits = {e._conn: (e, True) for e in executors} | {e.process.sentinel: (e, False) for e in executors}
+    got = [waits[w] for w in mp_connection.wait(list(waits), timeout)]  # pragma: no cover - Windows
+    conns = {e for e, c in got if c}  # pragma: no cover - Windows
+    return [(e, c) for e, c in got if c or e not in conns]  # pragma: no cover - Windows
 
 
-def _read(ref: weakref.ref[WorkerExecutor], conn: Any, sentinel: int) -> None:
-    """The caller's reader thread: replies, in order, until the worker is gone."""
-    try:
-        readable = _readable(conn, sentinel)
-        while True:
-            if not readable():
-                break
-            frame = conn.recv_bytes()
-            executor = ref()
-            if executor is None:
-                return
-            executor._resolve(frame)
-            del executor
-    except (EOFError, OSError):
-        pass
-    executor = ref()
-    if executor is not None:
-        executor._break()
+_INBOX = _Inbox()
+
+
+def wait_replies(done: Callable[[], bool], timeout: float | None) -> bool:
+    """Read the replies of every live executor until ``done()`` is true, for at most
+    ``timeout`` seconds (None: no limit); ``done()``.
+
+    ``done`` is called under a lock each time a reply was read: a check of state that
+    replies change (a Future's ``done``, a queue the done callbacks fill).
+
+    Example:
+        >>> wait_replies(lambda: True, 0.0)
+        True
+    """
+    return _INBOX.wait(done, timeout)
 
 
 def _stop_all_at_exit() -> None:
@@ -303,7 +415,7 @@ def _serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...
         try:
             fn, args, kwargs = pickle.loads(frame)
             del frame
-            reply = pickle.dumps((True, fn(*args, **kwargs)), pickle.HIGHEST_PROTOCOL)
+            reply = pickle.dumps((True, fn(*args, **kwargs), time.monotonic()), pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:
             reply = _error_reply(exc)
         conn.send_bytes(reply)
@@ -311,6 +423,7 @@ def _serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...
 
 def _error_reply(exc: BaseException) -> bytes:
     try:
-        return pickle.dumps((False, exc), pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps((False, exc, time.monotonic()), pickle.HIGHEST_PROTOCOL)
     except Exception:
-        return pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {exc}")), pickle.HIGHEST_PROTOCOL)
+        error = RuntimeError(f"{type(exc).__name__}: {exc}")
+        return pickle.dumps((False, error, time.monotonic()), pickle.HIGHEST_PROTOCOL)

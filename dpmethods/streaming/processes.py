@@ -12,12 +12,14 @@ worker is replaced by a fresh one (the scheduler sends its batches again).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
 from typing import Any
 
 from torch import nn
 
 from dpmethods.core.parallel_apply import ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
+from dpmethods.processes.executor import wait_replies
 from dpmethods.processes.messages import Request, Split
 from dpmethods.processes.pool import ProcessPool, Unsendable, WorkerDiedError, drain, received
 from dpmethods.streaming.scheduler import Batch
@@ -64,6 +66,13 @@ class ProcessBackend:
         except WorkerDiedError as exc:
             raise add_note(exc, f"dpmethods: while sending batch {batch.index} of DataParallel.map; "
                            "the next map or call starts a fresh worker") from None
+
+    def next_finished(self, finished: queue.SimpleQueue[cf.Future[Any]], timeout: float) -> cf.Future[Any] | None:
+        wait_replies(lambda: not finished.empty(), timeout)  # this thread reads the replies
+        try:
+            return finished.get_nowait()
+        except queue.Empty:
+            return None
 
     def output(self, slot: int, future: cf.Future[Any], batch: Batch) -> Any:
         out = self.pool.workers[slot].reply(

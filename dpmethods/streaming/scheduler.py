@@ -84,6 +84,10 @@ class Backend(Protocol):
     def submit(self, slot: int, batch: Batch) -> cf.Future[Any]:
         """Send ``batch`` to ``slot``'s executor."""
 
+    def next_finished(self, finished: queue.SimpleQueue[cf.Future[Any]], timeout: float) -> cf.Future[Any] | None:
+        """The next Future put in ``finished`` (by its done callback), waiting at most
+        ``timeout`` seconds for one (None if none came)."""
+
     def output(self, slot: int, future: cf.Future[Any], batch: Batch) -> Any:
         """``batch``'s output as the caller keeps it, or its error raised with a note
         naming the batch and where it ran (``WorkerDiedError``: the slot's worker died)."""
@@ -178,9 +182,8 @@ class Scheduler:
         """The next finished batch and its output (under ``errors="yield"``, its
         exception), or its error raised."""
         while True:
-            try:
-                future = self.finished.get(timeout=self.poll)
-            except queue.Empty:
+            future = self.backend.next_finished(self.finished, self.poll)
+            if future is None:
                 late = self._look()
                 if late is None:
                     continue

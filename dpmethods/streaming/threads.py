@@ -188,6 +188,12 @@ class ThreadBackend:
         ready = None if streams is None else _stage(batch, self.devices[slot], streams)
         return self.executors[slot].submit(self.runs[slot], batch, ready)
 
+    def next_finished(self, finished: queue.SimpleQueue[cf.Future[Any]], timeout: float) -> cf.Future[Any] | None:
+        try:
+            return finished.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
     def output(self, slot: int, future: cf.Future[Any], batch: Batch) -> Any:
         try:
             return future.result()

@@ -454,6 +454,88 @@ def test_frames_bigger_than_the_pipe_to_a_busy_worker_neither_block_the_caller_n
         executor.shutdown()
 
 
+def test_a_jobs_clock_starts_when_the_job_before_it_finished_not_when_its_reply_was_read(
+    tmp_path: Path,
+) -> None:
+    # The replies are read by the thread that waits; a map's timeout must not grow by
+    # the time the caller spent elsewhere before it read the reply before.
+    from dpmethods.processes.executor import WorkerExecutor
+    from dpmethods.processes.pool import start_method
+    from tests.helpers import processes as helpers
+
+    flag = tmp_path / "go"
+    executor = WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
+    try:
+        first, second = executor.submit(bytes, b"a"), executor.submit(helpers.wait_for, str(flag), 30.0)
+        assert executor._conn.poll(60)  # the first job is finished: its reply waits in the pipe
+        before_read = time.monotonic()
+        assert executor.started(second) is None  # behind a job not known to be finished
+        assert first.result(timeout=60) == b"a"
+        began = executor.started(second)
+        assert began is not None and second.sent <= began < before_read  # type: ignore[attr-defined]
+        flag.touch()
+        assert second.result(timeout=60) is True
+        assert executor.started(second) is None
+    finally:
+        executor.shutdown()
+
+
+class _Interrupted:
+    """Raises KeyboardInterrupt once, where a Ctrl-C would land in the caller's read."""
+
+    def __init__(self, real: Callable[..., Any]) -> None:
+        self.real, self.raised = real, False
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.raised:
+            self.raised = True
+            raise KeyboardInterrupt
+        return self.real(*args)
+
+
+def test_an_interrupt_inside_a_reply_kills_the_worker_and_fails_its_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Halfway through a frame, the pipe can no longer be read in step: a worker left
+    # running would answer each later job with the reply of the one before it.
+    from dpmethods.processes.executor import WorkerExecutor
+    from dpmethods.processes.pool import start_method
+
+    executor = WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
+    try:
+        assert executor.submit(int).result(timeout=60) == 0
+        jobs = [executor.submit(bytes, b"a"), executor.submit(bytes, b"b")]
+        assert executor._conn.poll(60)  # the first reply is there to read
+        monkeypatch.setattr(executor._conn, "recv_bytes", _Interrupted(executor._conn.recv_bytes))
+        with pytest.raises(KeyboardInterrupt):
+            jobs[0].result(timeout=60)
+        for job in jobs:
+            with pytest.raises(concurrent.futures.BrokenExecutor, match="interrupted while reading"):
+                job.result(timeout=0)
+        executor.process.join(30)
+        assert executor.process.exitcode == -signal.SIGKILL
+        with pytest.raises(concurrent.futures.BrokenExecutor):
+            executor.submit(int)
+    finally:
+        executor.shutdown()
+
+
+def test_an_interrupt_after_a_whole_reply_fails_that_job_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpmethods.processes import executor as executor_module
+    from dpmethods.processes.pool import start_method
+
+    executor = executor_module.WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
+    try:
+        assert executor.submit(int).result(timeout=60) == 0
+        lost, kept = executor.submit(bytes, b"a"), executor.submit(bytes, b"b")
+        monkeypatch.setattr(executor_module.pickle, "loads", _Interrupted(executor_module.pickle.loads))
+        with pytest.raises(KeyboardInterrupt):
+            lost.result(timeout=60)
+        assert isinstance(lost.exception(timeout=0), RuntimeError)
+        assert kept.result(timeout=60) == b"b"  # still in step: each job gets its own reply
+        assert executor.submit(bytes, b"c").result(timeout=60) == b"c"
+    finally:
+        executor.shutdown()
+
+
 def _matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
     try:
         assert_close_to_reference(out, ref, terms=5)  # Linear(4, 3)
