@@ -296,7 +296,8 @@ class _Outbox:
 class _Inbox:
     """Reads the replies of every live executor for the threads that wait: one thread
     at a time reads (``reading``) until what it waits for is done, the others wait on
-    ``changed``, told after each read, and one of them takes over when it stops."""
+    ``changed``, told after each read, and one of them takes over when it stops. The
+    Futures' done callbacks run in the thread that reads: they must not wait for a job."""
 
     def __init__(self) -> None:
         self.changed = threading.Condition(threading.Lock())  # told after each read, and when reading stops
@@ -306,26 +307,26 @@ class _Inbox:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.changed:
             while not done():
-                left = _left(deadline)
-                if left == 0.0:
-                    return False
                 if not self.reading:
                     self.reading = True
                     break
+                left = _left(deadline)
+                if left == 0.0:
+                    return False
                 self.changed.wait(left)
             else:
                 return True
         try:
             while not done():
                 left = _left(deadline)
-                if left == 0.0:
-                    break
-                if not self._read(left):  # nothing to read: wait to be told
+                if self._read(left):
+                    with self.changed:
+                        self.changed.notify_all()
+                else:  # no executor to read from: only a break can resolve it now
                     with self.changed:
                         self.changed.wait(left)
-                    continue
-                with self.changed:
-                    self.changed.notify_all()
+                if left == 0.0:  # what was ready is read
+                    break
         finally:
             with self.changed:
                 self.reading = False
@@ -374,7 +375,7 @@ _INBOX = _Inbox()
 
 def wait_replies(done: Callable[[], bool], timeout: float | None) -> bool:
     """Read the replies of every live executor until ``done()`` is true, for at most
-    ``timeout`` seconds (None: no limit); ``done()``.
+    ``timeout`` seconds (None: no limit; 0: what is ready); ``done()``.
 
     ``done`` is called under a lock each time a reply was read: a check of state that
     replies change (a Future's ``done``, a queue the done callbacks fill).
