@@ -166,7 +166,8 @@ class Scheduler:
         self._submit_pending()
 
     def _submit_pending(self) -> None:
-        """Send pending batches to the least busy slots while one has room."""
+        """Send pending batches to the least busy slots while one has room; with none
+        pending, move a batch that waits behind another to a slot left idle."""
         busy, room = self.busy, self.backend.room
         while self.pending and self.slots:
             slot = min(self.slots, key=busy.__getitem__)
@@ -177,6 +178,20 @@ class Scheduler:
             self.inflight[future] = (batch, slot)
             busy[slot] += 1
             future.add_done_callback(self.finished.put)
+        if self.slots and room > 1 and not self.pending and not busy[min(self.slots, key=busy.__getitem__)]:
+            self._steal()
+
+    def _steal(self) -> None:
+        """A slot is idle while another holds a batch it has not started (behind a long
+        one, it would wait for it): the last such batch is cancelled there and sent again
+        (a process's job, sent at once, cannot be cancelled, and stays)."""
+        for future, (batch, slot) in reversed(self.inflight.items()):
+            if self.busy[slot] > 1 and future.cancel():  # its done callback puts it in finished: skipped
+                del self.inflight[future]
+                self.busy[slot] -= 1
+                self.pending.append(batch)
+                self._submit_pending()
+                return
 
     def take(self) -> tuple[Batch, Any]:
         """The next finished batch and its output (under ``errors="yield"``, its

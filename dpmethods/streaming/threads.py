@@ -125,9 +125,11 @@ class ThreadBackend:
         self.output_device, self.oom = output_device, oom
         self.width = len(replicas)  # slots
         self.cuda = any(d is not None and d.type == "cuda" for d in devices)  # batches pinned, copied ahead
-        # Only CUDA gains from holding batches ahead (their copies overlap the compute);
-        # with a timeout none are held, so a hung replica holds no batch but its own.
-        self.room = prefetch if self.cuda and timeout is None else 1
+        # A batch held ahead starts as soon as the one before it ends, without waiting
+        # for the caller's thread (on CUDA its copy overlaps the compute too); one held
+        # behind a long batch moves to a replica that falls idle (Scheduler). With a
+        # timeout none are held, so a hung replica holds no batch but its own.
+        self.room = prefetch if timeout is None else 1
         self.timeout = timeout
         self.state = ThreadState.capture()  # the caller's modes at map()
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on

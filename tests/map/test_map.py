@@ -141,7 +141,8 @@ def test_forward_with_grad_and_hooks(net: Net) -> None:
 
 def test_a_slow_batch_does_not_hold_back_the_others(net: Net) -> None:
     # Batch 0 blocks until the caller has received batches 1..5: in lock step (every
-    # replica waiting for every batch) this could never finish.
+    # replica waiting for every batch) this could never finish, nor if a batch queued
+    # behind batch 0 on its replica stayed there while the other replica is free.
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
     event = threading.Event()
     batches = [(torch.randn(2, 4), event)] + [(torch.randn(2, 4), None) for _ in range(5)]
