@@ -2,11 +2,12 @@
 
 Each replica's slot is a single-thread executor (:class:`ReplicaThread`) that runs its
 batches whole, in turn, under the caller's grad and autocast modes, and moves each
-output to ``output_device``. On CPU a slot holds only the batch it runs (the others
-wait in the scheduler, free for whichever replica is idle); on CUDA it also holds up to
-``prefetch - 1`` batches whose copies to its device run on a copy stream of its own,
-started when they are submitted, while it computes on another. A thread cannot be
-stopped: a replica that runs a batch past the timeout is dropped from the map.
+output to ``output_device``. A slot holds up to ``prefetch`` batches, so it starts the
+next as soon as one ends (the scheduler moves one held behind a long batch to a slot
+left idle); on CUDA their copies to its device run on a copy stream of its own, started
+when they are submitted, while it computes on another. A thread cannot be stopped: a
+replica that runs a batch past the timeout is dropped from the map, and with a timeout a
+slot holds only the batch it runs.
 """
 
 from __future__ import annotations
