@@ -130,7 +130,8 @@ def _map_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
             f"Two plain processes, split by hand, ran at {speed['gil']['by-hand']:.2f}x one device: the map is "
             f"{by_hand['median']:.2f}x of them, paired (rounds {by_hand['p10']:.2f}x-{by_hand['p90']:.2f}x)",
             f"Per batch, processes cost {per_batch[0]:.2f}x threads with 2 parameter tensors, {per_batch[1]:.2f}x "
-            f"with 200 and {per_batch[2]:.2f}x with 2,000, above the 2x target; the standard pools cost "
+            f"with 200 and {per_batch[2]:.2f}x with 2,000, {'above' if max(per_batch) > 2 else 'within'} "
+            "the 2x target; the standard pools cost "
             f"{standard['mp-pool'][0]:.1f}x, {standard['mp-pool'][1]:.1f}x and {standard['mp-pool'][2]:.1f}x (`Pool.imap`) "
             f"and {standard['executor'][0]:.1f}x, {standard['executor'][1]:.1f}x and {standard['executor'][2]:.1f}x "
             "(`ProcessPoolExecutor.map`) what the process map costs",
