@@ -31,6 +31,7 @@ from torch import nn
 import dpmethods
 from dpmethods import ops
 from dpmethods.extending import mark_batch_coupled, register_process_rule
+from dpmethods.processes import executor as executor_module
 from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
 from dpmethods.processes.state import Watch
@@ -53,6 +54,7 @@ from tests.helpers.processes import (
     build_net_doubled,
     count_calls,
     tiny_gpt2,
+    wait_for,
 )
 from tests.helpers.terms import transformer_terms
 
@@ -425,59 +427,53 @@ def test_a_killed_worker_fails_exactly_its_pending_jobs(net: Net) -> None:
         assert fresh.process.pid != pid
 
 
+@pytest.fixture
+def executor() -> Iterator[Any]:
+    """One started worker executor of its own (no model: its jobs are plain functions)."""
+    started = executor_module.WorkerExecutor(pool_module.start_method(), int, (), "dpmethods-test-worker")
+    try:
+        yield started
+    finally:
+        started.shutdown()
+
+
 def test_frames_bigger_than_the_pipe_to_a_busy_worker_neither_block_the_caller_nor_reorder(
-    tmp_path: Path,
+    executor: Any, tmp_path: Path,
 ) -> None:
     # The busy job waits for a file that this thread creates only after every submit has
     # returned: a submit that waited for the worker to read its frame would leave the job
     # to give up (False) before the file appeared.
-    from dpmethods.processes.executor import WorkerExecutor
-    from dpmethods.processes.pool import start_method
-    from tests.helpers import processes as helpers
-
     flag = tmp_path / "go"
-    executor = WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
-    try:
-        executor.submit(int).result(timeout=60)  # started
-        busy = executor.submit(helpers.wait_for, str(flag), 30.0)
-        frames = [bytes([i]) * (8 << 20 if i % 2 == 0 else 1) for i in range(5)]  # 8 MiB, 1 B, ...
-        echoed = [executor.submit(bytes, f) for f in frames]
-        flag.touch()
-        assert busy.result(timeout=60) is True
-        assert [f.result(timeout=60) for f in echoed] == frames
-        # While the worker drains what the pipe could not take, frames keep coming:
-        # each goes behind the ones left, never into the middle of one.
-        frames = [bytes([i]) * (2 << 20 if i % 2 == 0 else 1) for i in range(24)]
-        echoed = [executor.submit(bytes, f) for f in frames]
-        assert [f.result(timeout=60) for f in echoed] == frames
-    finally:
-        executor.shutdown()
+    executor.submit(int).result(timeout=60)  # started
+    busy = executor.submit(wait_for, str(flag), 30.0)
+    frames = [bytes([i]) * (8 << 20 if i % 2 == 0 else 1) for i in range(5)]  # 8 MiB, 1 B, ...
+    echoed = [executor.submit(bytes, f) for f in frames]
+    flag.touch()
+    assert busy.result(timeout=60) is True
+    assert [f.result(timeout=60) for f in echoed] == frames
+    # While the worker drains what the pipe could not take, frames keep coming:
+    # each goes behind the ones left, never into the middle of one.
+    frames = [bytes([i]) * (2 << 20 if i % 2 == 0 else 1) for i in range(24)]
+    echoed = [executor.submit(bytes, f) for f in frames]
+    assert [f.result(timeout=60) for f in echoed] == frames
 
 
 def test_a_jobs_clock_starts_when_the_job_before_it_finished_not_when_its_reply_was_read(
-    tmp_path: Path,
+    executor: Any, tmp_path: Path,
 ) -> None:
     # The replies are read by the thread that waits; a map's timeout must not grow by
     # the time the caller spent elsewhere before it read the reply before.
-    from dpmethods.processes.executor import WorkerExecutor
-    from dpmethods.processes.pool import start_method
-    from tests.helpers import processes as helpers
-
     flag = tmp_path / "go"
-    executor = WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
-    try:
-        first, second = executor.submit(bytes, b"a"), executor.submit(helpers.wait_for, str(flag), 30.0)
-        assert executor._conn.poll(60)  # the first job is finished: its reply waits in the pipe
-        before_read = time.monotonic()
-        assert executor.started(second) is None  # behind a job not known to be finished
-        assert first.result(timeout=0) == b"a"  # a zero timeout still reads what is ready
-        began = executor.started(second)
-        assert began is not None and second.sent <= began < before_read  # type: ignore[attr-defined]
-        flag.touch()
-        assert second.result(timeout=60) is True
-        assert executor.started(second) is None
-    finally:
-        executor.shutdown()
+    first, second = executor.submit(bytes, b"a"), executor.submit(wait_for, str(flag), 30.0)
+    assert executor._conn.poll(60)  # the first job is finished: its reply waits in the pipe
+    before_read = time.monotonic()
+    assert executor.started(second) is None  # behind a job not known to be finished
+    assert first.result(timeout=0) == b"a"  # a zero timeout still reads what is ready
+    began = executor.started(second)
+    assert began is not None and second.sent <= began < before_read  # type: ignore[attr-defined]
+    flag.touch()
+    assert second.result(timeout=60) is True
+    assert executor.started(second) is None
 
 
 class _Interrupted:
@@ -493,47 +489,35 @@ class _Interrupted:
         return self.real(*args)
 
 
-def test_an_interrupt_inside_a_reply_kills_the_worker_and_fails_its_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupt_inside_a_reply_kills_the_worker_and_fails_its_jobs(
+    executor: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Halfway through a frame, the pipe can no longer be read in step: a worker left
     # running would answer each later job with the reply of the one before it.
-    from dpmethods.processes.executor import WorkerExecutor
-    from dpmethods.processes.pool import start_method
-
-    executor = WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
-    try:
-        assert executor.submit(int).result(timeout=60) == 0
-        jobs = [executor.submit(bytes, b"a"), executor.submit(bytes, b"b")]
-        assert executor._conn.poll(60)  # the first reply is there to read
-        monkeypatch.setattr(executor._conn, "recv_bytes", _Interrupted(executor._conn.recv_bytes))
-        with pytest.raises(KeyboardInterrupt):
-            jobs[0].result(timeout=60)
-        for job in jobs:
-            with pytest.raises(concurrent.futures.BrokenExecutor, match="interrupted while reading"):
-                job.result(timeout=0)
-        executor.process.join(30)
-        assert executor.process.exitcode == -signal.SIGKILL
-        with pytest.raises(concurrent.futures.BrokenExecutor):
-            executor.submit(int)
-    finally:
-        executor.shutdown()
+    assert executor.submit(int).result(timeout=60) == 0
+    jobs = [executor.submit(bytes, b"a"), executor.submit(bytes, b"b")]
+    assert executor._conn.poll(60)  # the first reply is there to read
+    monkeypatch.setattr(executor._conn, "recv_bytes", _Interrupted(executor._conn.recv_bytes))
+    with pytest.raises(KeyboardInterrupt):
+        jobs[0].result(timeout=60)
+    for job in jobs:
+        with pytest.raises(concurrent.futures.BrokenExecutor, match="interrupted while reading"):
+            job.result(timeout=0)
+    executor.process.join(30)
+    assert executor.process.exitcode == -signal.SIGKILL
+    with pytest.raises(concurrent.futures.BrokenExecutor):
+        executor.submit(int)
 
 
-def test_an_interrupt_after_a_whole_reply_fails_that_job_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dpmethods.processes import executor as executor_module
-    from dpmethods.processes.pool import start_method
-
-    executor = executor_module.WorkerExecutor(start_method(), int, (), "dpmethods-test-worker")
-    try:
-        assert executor.submit(int).result(timeout=60) == 0
-        lost, kept = executor.submit(bytes, b"a"), executor.submit(bytes, b"b")
-        monkeypatch.setattr(executor_module.pickle, "loads", _Interrupted(executor_module.pickle.loads))
-        with pytest.raises(KeyboardInterrupt):
-            lost.result(timeout=60)
-        assert isinstance(lost.exception(timeout=0), RuntimeError)
-        assert kept.result(timeout=60) == b"b"  # still in step: each job gets its own reply
-        assert executor.submit(bytes, b"c").result(timeout=60) == b"c"
-    finally:
-        executor.shutdown()
+def test_an_interrupt_after_a_whole_reply_fails_that_job_only(executor: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert executor.submit(int).result(timeout=60) == 0
+    lost, kept = executor.submit(bytes, b"a"), executor.submit(bytes, b"b")
+    monkeypatch.setattr(executor_module.pickle, "loads", _Interrupted(executor_module.pickle.loads))
+    with pytest.raises(KeyboardInterrupt):
+        lost.result(timeout=60)
+    assert isinstance(lost.exception(timeout=0), RuntimeError)
+    assert kept.result(timeout=60) == b"b"  # still in step: each job gets its own reply
+    assert executor.submit(bytes, b"c").result(timeout=60) == b"c"
 
 
 def _matches(out: torch.Tensor, ref: torch.Tensor) -> bool:
