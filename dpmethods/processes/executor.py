@@ -192,11 +192,13 @@ class _Reply(cf.Future):  # type: ignore[type-arg]
         self._executor = executor  # kept alive while its Future can be waited on
 
     def result(self, timeout: float | None = None) -> Any:
-        wait_replies(self.done, timeout)
+        if not self.done():
+            wait_replies(self.done, timeout)
         return super().result(timeout=0)
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        wait_replies(self.done, timeout)
+        if not self.done():
+            wait_replies(self.done, timeout)
         return super().exception(timeout=0)
 
 
@@ -360,14 +362,12 @@ def _ready(executors: list[WorkerExecutor], timeout: float | None) -> list[tuple
             for fd, conn_ready in ((e._conn.fileno(), True), (e.process.sentinel, False)):
                 owner[fd] = (e, conn_ready)
                 poller.register(fd, select.POLLIN)
-        events = poller.poll(None if timeout is None else math.ceil(timeout * 1000))
-        ready = [owner[fd] for fd, _ in events]
-        conns = {e for e, conn_ready in ready if conn_ready}
-        return [(e, c) for e, c in ready if c or e not in conns]
-    waits = {e._conn: (e, True) for e in executors} | {e.process.sentinel: (e, False) for e in executors}
-    got = [waits[w] for w in mp_connection.wait(list(waits), timeout)]  # pragma: no cover - Windows
-    conns = {e for e, c in got if c}  # pragma: no cover - Windows
-    return [(e, c) for e, c in got if c or e not in conns]  # pragma: no cover - Windows
+        ready = [owner[fd] for fd, _ in poller.poll(None if timeout is None else math.ceil(timeout * 1000))]
+    else:  # pragma: no cover - Windows
+        waits = {e._conn: (e, True) for e in executors} | {e.process.sentinel: (e, False) for e in executors}
+        ready = [waits[w] for w in mp_connection.wait(list(waits), timeout)]
+    conns = {e for e, conn_ready in ready if conn_ready}
+    return [(e, c) for e, c in ready if c or e not in conns]  # a pipe with data first: read it
 
 
 _INBOX = _Inbox()

@@ -125,7 +125,6 @@ class ThreadBackend:
         self.replicas, self.devices, self.method = replicas, devices, method
         self.output_device, self.oom = output_device, oom
         self.width = len(replicas)  # slots
-        self.cuda = any(d is not None and d.type == "cuda" for d in devices)  # batches pinned, copied ahead
         # A batch held ahead starts as soon as the one before it ends, without waiting
         # for the caller's thread (on CUDA its copy overlaps the compute too); one held
         # behind a long batch moves to a replica that falls idle (Scheduler). With a
