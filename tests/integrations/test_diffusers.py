@@ -10,7 +10,7 @@ import torch
 
 from dpmethods import DataParallel, parallel_methods
 from dpmethods.testing import assert_close_to_reference
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.models import batch_sizes_seen, shares, tiny_vae
 
 # The diffusers autoencoders: about 15 3x3 convs of up to 16 channels (144 terms each)
@@ -75,3 +75,23 @@ def test_diffusers_tiny_and_vq_autoencoders_with_no_configuration(batch: int, de
             assert_close_to_reference(dp.decode(latents).sample, vae.decode(latents).sample, terms=AUTOENCODER_TERMS)
         assert set(parallel_methods(vae)) >= {"encode", "decode"}
 
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_diffusers_calls_and_maps_on_threads_and_processes(workers: str) -> None:
+    torch.manual_seed(0)
+    vae = tiny_vae()
+    x = torch.randn(7, 3, 16, 16)
+    dp = DataParallel(vae, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            want = vae.encode(x).latent_dist
+            got = dp.encode(x).latent_dist  # 4 + 3 rows, one distribution again
+            assert type(got) is type(want)
+            assert_close_to_reference(got.mode(), want.mode(), terms=AUTOENCODER_TERMS)
+            assert_close_to_reference(got.std, want.std, terms=AUTOENCODER_TERMS)
+            z = want.mode()
+            decoded = [out.sample for out in dp.map("decode", [z[:4], z[4:]])]
+            assert_close_to_reference(torch.cat(decoded), vae.decode(z).sample, terms=AUTOENCODER_TERMS)
+    finally:
+        dp.close()

@@ -7,7 +7,7 @@ import torch
 
 from dpmethods import DataParallel
 from dpmethods.testing import assert_close_to_reference
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.terms import transformer_terms
 
 
@@ -27,3 +27,24 @@ def test_open_clip_encode_image_and_text_without_configuration(n: int, devices: 
         terms = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
         assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=terms)
         assert_close_to_reference(dp.encode_text(texts), model.encode_text(texts), terms=terms)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_open_clip_calls_and_maps_on_threads_and_processes(workers: str) -> None:
+    open_clip = pytest.importorskip("open_clip")
+    torch.manual_seed(0)
+    model = open_clip.CLIP(
+        embed_dim=16,
+        vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
+        text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=99, width=32, heads=2, layers=1),
+    ).eval()
+    images, texts = torch.randn(7, 3, 16, 16), torch.randint(1, 99, (7, 12))
+    terms = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=terms)
+            got = list(dp.map("encode_text", [texts[:4], texts[4:]]))
+            assert_close_to_reference(torch.cat(got), model.encode_text(texts), terms=terms)
+    finally:
+        dp.close()

@@ -11,7 +11,7 @@ import torch
 from dpmethods import DataParallel
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.terms import transformer_terms
 
 
@@ -102,3 +102,28 @@ def test_peft_generate_splits_adapter_names_with_no_configuration(batch: int, de
         base = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(got, ref)
     assert not torch.equal(ref, base)  # the adapters change the tokens: the split matters
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_peft_adapter_names_per_row_on_threads_and_processes(workers: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(**lora))
+    model.eval()
+    ids = torch.randint(1, 64, (7, 5))
+    names = [("one", "two", "__base__")[i % 3] for i in range(7)]  # one adapter per row
+    kwargs = dict(max_new_tokens=4, do_sample=False)
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            ref = model.generate(input_ids=ids, adapter_names=names, **kwargs)
+            assert not torch.equal(ref, model.generate(input_ids=ids, **kwargs))  # the adapters matter
+            assert torch.equal(dp.generate(input_ids=ids, adapter_names=names, **kwargs), ref)  # 4 + 3 rows
+            batches = [{"input_ids": ids[:4], "adapter_names": names[:4]}, {"input_ids": ids[4:], "adapter_names": names[4:]}]
+            assert torch.equal(torch.cat(list(dp.map("generate", batches, **kwargs))), ref)
+    finally:
+        dp.close()

@@ -7,7 +7,7 @@ import torch
 
 from dpmethods import DataParallel, parallel_methods
 from dpmethods.testing import assert_close_to_reference
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.models import batch_sizes_seen, shares
 from tests.helpers.terms import transformer_terms
 
@@ -32,3 +32,23 @@ def test_timm_forward_features_and_head_without_configuration(n: int, devices: i
         # The 3x8x8 patch embedding, 2 blocks of width 192 over 17 tokens; the head: 192.
         assert_close_to_reference(got, want, terms=192 + transformer_terms(width=192, ff=768, seq=17, layers=2))
         assert_close_to_reference(dp.forward_head(want), model.forward_head(want), terms=192 + 1)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_timm_calls_and_maps_on_threads_and_processes(workers: str) -> None:
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2, num_classes=5,
+    ).eval()
+    x = torch.randn(7, 3, 32, 32)
+    terms = 192 + transformer_terms(width=192, ff=768, seq=17, layers=2)
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            want = model.forward_features(x)
+            assert_close_to_reference(dp.forward_features(x), want, terms=terms)  # 4 + 3 rows
+            got = list(dp.map("forward_head", [want[:4], want[4:]]))
+            assert_close_to_reference(torch.cat(got), model.forward_head(want), terms=192 + 1)
+    finally:
+        dp.close()

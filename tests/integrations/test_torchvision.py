@@ -14,7 +14,7 @@ from torch import nn
 
 from dpmethods import DataParallel, chunk_sizes
 from dpmethods.testing import assert_close_to_reference
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.terms import FASTER_RCNN_TERMS, RETINANET_TERMS
 
 detection = pytest.importorskip("torchvision.models.detection")
@@ -156,3 +156,23 @@ def test_torchvision_detection_training_with_targets(batch: int, devices: int) -
     grad = torch.autograd.grad(sum(got.values()), model.roi_heads.box_predictor.cls_score.weight)[0]
     assert_close_to_reference(grad, ref_grad, terms=2 * FASTER_RCNN_TERMS + batch * 30)
 
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_detection_calls_and_maps_on_threads_and_processes(workers: str) -> None:
+    torch.manual_seed(0)
+    model = _faster_rcnn().eval()
+    images = _images(5)
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            ref = model(images)
+            called = dp(images)  # 3 + 2 images
+            mapped = [d for out in dp.map("forward", [(images[:3],), (images[3:],)]) for d in out]
+        for got in (called, mapped):
+            assert isinstance(got, list) and len(got) == len(ref)
+            for g, r in zip(got, ref):
+                assert g.keys() == r.keys()
+                assert_close_to_reference(g, r, terms=FASTER_RCNN_TERMS)  # labels exactly
+    finally:
+        dp.close()
