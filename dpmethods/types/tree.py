@@ -330,7 +330,7 @@ def move(obj: Any, device: Any, non_blocking: bool = False) -> Any:
     if device is None:
         return obj
     if isinstance(obj, Tensor):
-        return obj.to(device, non_blocking=non_blocking)
+        return obj if obj.device == device else obj.to(device, non_blocking=non_blocking)
     spec, leaves = flatten(obj)
     if not any(isinstance(t, Tensor) and t.device != device for t in leaves):
         return obj

@@ -561,3 +561,26 @@ def test_sampling_on_distinct_gpus_is_seeded_from_the_caller() -> None:
         alone = list(one.map("noisy", batches))
     for a, b in zip(alone, other[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_cpu_batch_and_its_output_are_handed_on_without_a_call_into_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each call into torch lets go of the GIL; a replica thread that let go of it to
+    # "move" an output already where it goes would wait for the other threads once more
+    # per batch. A thread map of small batches is bound by those waits.
+    model = nn.Linear(3, 2).eval()
+    batches = [torch.randn(n, 3) for n in (2, 3, 1, 4)]
+    want = [model(b) for b in batches]
+    moves: list[torch.device] = []
+    to = torch.Tensor.to
+
+    def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        moves.append(self.device)
+        return to(self, *args, **kwargs)
+
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2)
+    monkeypatch.setattr(torch.Tensor, "to", counted)
+    with torch.no_grad():
+        got = list(dp.map("forward", batches))
+    assert moves == []
+    for g, w in zip(got, want):
+        close(g, w, terms=3)
