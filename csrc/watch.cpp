@@ -50,15 +50,13 @@ PyObject* tensor_states(PyObject* /*self*/, PyObject* seq) {
   if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
     Py_RETURN_NONE;
   }
-  THPObjectPtr items(PySequence_Tuple(seq));
-  if (!items) {
-    throw python_error();
-  }
-  const Py_ssize_t n = PyTuple_GET_SIZE(items.get());
+  // The list itself (no copy): nothing below calls back into Python, so it cannot change.
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(n) * 10);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = PyTuple_GET_ITEM(items.get(), i);
+    PyObject* obj = items[i];
     if (!THPVariable_Check(obj)) {
       Py_RETURN_NONE;
     }
@@ -111,15 +109,12 @@ PyObject* identities(PyObject* /*self*/, PyObject* seq) {
   if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
     Py_RETURN_NONE;
   }
-  static PyObject* dict_name = PyUnicode_InternFromString("__dict__");
-  if (dict_name == nullptr) {
-    return nullptr;
-  }
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
   PyObject** items = PySequence_Fast_ITEMS(seq);
   std::vector<uintptr_t> out(static_cast<size_t>(2 * n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* d = PyObject_GetAttr(items[i], dict_name);
+    // The instance's own dict, without looking up the __dict__ attribute on its class.
+    PyObject* d = PyObject_GenericGetDict(items[i], nullptr);
     if (d == nullptr) {
       return nullptr;
     }
