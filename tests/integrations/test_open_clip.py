@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -10,41 +12,40 @@ from dpmethods.testing import assert_close_to_reference
 from tests.helpers import SPLITS, WORKERS
 from tests.helpers.terms import transformer_terms
 
+# The 3x8x8 patch embedding (vision), one block over up to 12 tokens, the projection.
+TERMS = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
 
-@pytest.mark.parametrize("n,devices", SPLITS)
-def test_open_clip_encode_image_and_text_without_configuration(n: int, devices: int) -> None:
+
+def _clip() -> Any:
+    """A random open_clip CLIP (one block per tower, width 32, 16 x 16 images), in eval mode."""
     open_clip = pytest.importorskip("open_clip")
     torch.manual_seed(0)
-    model = open_clip.CLIP(
+    return open_clip.CLIP(
         embed_dim=16,
         vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
         text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=99, width=32, heads=2, layers=1),
     ).eval()
+
+
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_open_clip_encode_image_and_text_without_configuration(n: int, devices: int) -> None:
+    model = _clip()
     images, texts = torch.randn(n, 3, 16, 16), torch.randint(1, 99, (n, 12))
     dp = DataParallel(model, device_ids=["cpu"] * devices)
     with torch.no_grad():
-        # The 3x8x8 patch embedding (vision), one block over up to 12 tokens, the projection.
-        terms = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
-        assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=terms)
-        assert_close_to_reference(dp.encode_text(texts), model.encode_text(texts), terms=terms)
+        assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=TERMS)
+        assert_close_to_reference(dp.encode_text(texts), model.encode_text(texts), terms=TERMS)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
 def test_open_clip_calls_and_maps_on_threads_and_processes(workers: str) -> None:
-    open_clip = pytest.importorskip("open_clip")
-    torch.manual_seed(0)
-    model = open_clip.CLIP(
-        embed_dim=16,
-        vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
-        text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=99, width=32, heads=2, layers=1),
-    ).eval()
+    model = _clip()
     images, texts = torch.randn(7, 3, 16, 16), torch.randint(1, 99, (7, 12))
-    terms = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
     dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
     try:
         with torch.no_grad():
-            assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=terms)
+            assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=TERMS)
             got = list(dp.map("encode_text", [texts[:4], texts[4:]]))
-            assert_close_to_reference(torch.cat(got), model.encode_text(texts), terms=terms)
+            assert_close_to_reference(torch.cat(got), model.encode_text(texts), terms=TERMS)
     finally:
         dp.close()

@@ -4,6 +4,7 @@ against one device: adapter_names split per row, and generate with no configurat
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -26,6 +27,19 @@ TERMS = transformer_terms(width=32, ff=128 + 4, seq=5, layers=2)
 
 # The tiny GPT-2 every test here adapts (the token ids differ per test).
 _PEFT_GPT2 = dict(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+
+
+def _two_adapters() -> Any:
+    """The tiny GPT-2 (no eos: every row runs all its steps) with two LoRA adapters,
+    "one" and "two", in eval mode."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
+    model.add_adapter("two", peft.LoraConfig(**lora))
+    return model.eval()
 
 
 @pytest.mark.parametrize("batch,devices", SPLITS)
@@ -83,14 +97,7 @@ def test_peft_generate_is_parallel_with_no_configuration(batch: int, devices: in
 
 @pytest.mark.parametrize("batch,devices", SPLITS)
 def test_peft_generate_splits_adapter_names_with_no_configuration(batch: int, devices: int) -> None:
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
-    torch.manual_seed(0)
-    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
-    model.add_adapter("two", peft.LoraConfig(**lora))
-    model.eval()
+    model = _two_adapters()
     ids = torch.randint(1, 64, (batch, 5))
     names = [("one", "two", "__base__")[i % 3] for i in range(batch)]  # one adapter per row
     kwargs = dict(input_ids=ids, adapter_names=names, max_new_tokens=4, do_sample=False)
@@ -106,14 +113,7 @@ def test_peft_generate_splits_adapter_names_with_no_configuration(batch: int, de
 
 @pytest.mark.parametrize("workers", WORKERS)
 def test_peft_adapter_names_per_row_on_threads_and_processes(workers: str) -> None:
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    config = transformers.GPT2Config(**_PEFT_GPT2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    lora = dict(r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)
-    torch.manual_seed(0)
-    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(**lora), adapter_name="one")
-    model.add_adapter("two", peft.LoraConfig(**lora))
-    model.eval()
+    model = _two_adapters()
     ids = torch.randint(1, 64, (7, 5))
     names = [("one", "two", "__base__")[i % 3] for i in range(7)]  # one adapter per row
     kwargs = dict(max_new_tokens=4, do_sample=False)
