@@ -76,7 +76,6 @@ def test_diffusers_tiny_and_vq_autoencoders_with_no_configuration(batch: int, de
         assert set(parallel_methods(vae)) >= {"encode", "decode"}
 
 
-
 @pytest.mark.parametrize("workers", WORKERS)
 def test_diffusers_calls_and_maps_on_threads_and_processes(workers: str) -> None:
     torch.manual_seed(0)

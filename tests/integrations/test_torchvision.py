@@ -157,7 +157,6 @@ def test_torchvision_detection_training_with_targets(batch: int, devices: int) -
     assert_close_to_reference(grad, ref_grad, terms=2 * FASTER_RCNN_TERMS + batch * 30)
 
 
-
 @pytest.mark.parametrize("workers", WORKERS)
 def test_detection_calls_and_maps_on_threads_and_processes(workers: str) -> None:
     torch.manual_seed(0)
