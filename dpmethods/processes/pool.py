@@ -296,12 +296,13 @@ def received(obj: Any, device: torch.device | None) -> Any:
     if type(obj) is Tensor and not obj.is_cuda and (device is None or obj.device == device):
         return obj  # one tensor, where it goes already
     spec, leaves = _tree.flatten(obj)
-    if not any(isinstance(t, Tensor) for t in leaves):
-        return obj
+    if not any(isinstance(t, Tensor) and (t.is_cuda or (device is not None and t.device != device))
+               for t in leaves):
+        return obj  # nothing to move or to copy: the output as it was unpickled
     out = []
     for t in leaves:
         if isinstance(t, Tensor):
-            moved = t.to(device) if device is not None else t
+            moved = t.to(device) if device is not None and t.device != device else t
             # A CUDA tensor from a worker holds the worker's memory (CUDA IPC): copy it.
             t = moved.clone() if moved is t and t.is_cuda else moved
         out.append(t)

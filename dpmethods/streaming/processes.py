@@ -42,6 +42,7 @@ class ProcessBackend:
     """
 
     room = _ROOM  # batches of this map on one worker
+    cancels = False  # a job is written to the worker's pipe at once: it runs, wherever it waits
 
     def __init__(self, pool: ProcessPool, module: nn.Module, method: str, output_device: Any, *,
                  oom: MethodOptions | None) -> None:

@@ -77,6 +77,7 @@ class Backend(Protocol):
 
     width: int  # slots
     room: int  # batches of this map submitted to one slot and not taken, at most
+    cancels: bool  # whether a batch submitted and not started yet can be cancelled
 
     def start(self) -> float:
         """Start the slots; the seconds spent starting workers."""
@@ -178,13 +179,13 @@ class Scheduler:
             self.inflight[future] = (batch, slot)
             busy[slot] += 1
             future.add_done_callback(self.finished.put)
-        if self.slots and room > 1 and not self.pending and not busy[min(self.slots, key=busy.__getitem__)]:
+        if (self.backend.cancels and self.slots and room > 1 and not self.pending
+                and not busy[min(self.slots, key=busy.__getitem__)]):
             self._steal()
 
     def _steal(self) -> None:
         """A slot is idle while another holds a batch it has not started (behind a long
-        one, it would wait for it): the last such batch is cancelled there and sent again
-        (a process's job, sent at once, cannot be cancelled, and stays)."""
+        one, it would wait for it): the last such batch is cancelled there and sent again."""
         for future, (batch, slot) in reversed(self.inflight.items()):
             if self.busy[slot] > 1 and future.cancel():  # its done callback puts it in finished: skipped
                 del self.inflight[future]

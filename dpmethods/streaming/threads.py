@@ -130,6 +130,7 @@ class ThreadBackend:
         # behind a long batch moves to a replica that falls idle (Scheduler). With a
         # timeout none are held, so a hung replica holds no batch but its own.
         self.room = prefetch if timeout is None else 1
+        self.cancels = True  # a batch queued behind another is cancelled there, and moves
         self.timeout = timeout
         self.state = ThreadState.capture()  # the caller's modes at map()
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on

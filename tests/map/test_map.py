@@ -563,13 +563,17 @@ def test_sampling_on_distinct_gpus_is_seeded_from_the_caller() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_a_cpu_batch_and_its_output_are_handed_on_without_a_call_into_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_cpu_batch_and_its_output_are_handed_on_without_a_call_into_torch(
+    net: Net, workers: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Each call into torch lets go of the GIL; a replica thread that let go of it to
     # "move" an output already where it goes would wait for the other threads once more
-    # per batch. A thread map of small batches is bound by those waits.
-    model = nn.Linear(3, 2).eval()
-    batches = [torch.randn(n, 3) for n in (2, 3, 1, 4)]
-    want = [model(b) for b in batches]
+    # per batch. A thread map of small batches is bound by those waits; a process map's
+    # caller reads every reply, and would rebuild each output it did not move.
+    batches = _batches(5)
+    with torch.no_grad():
+        want = [(net(b), net.encode(b)) for b in batches]
     moves: list[torch.device] = []
     to = torch.Tensor.to
 
@@ -577,10 +581,18 @@ def test_a_cpu_batch_and_its_output_are_handed_on_without_a_call_into_torch(monk
         moves.append(self.device)
         return to(self, *args, **kwargs)
 
-    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2)
-    monkeypatch.setattr(torch.Tensor, "to", counted)
-    with torch.no_grad():
-        got = list(dp.map("forward", batches))
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            list(dp.map("encode", batches[:1]))  # the workers started and hold the model
+            monkeypatch.setattr(torch.Tensor, "to", counted)
+            tensors = list(dp.map("forward", batches))
+            trees = list(dp.map("encode", batches))  # dicts
+    finally:
+        monkeypatch.undo()
+        dp.close()
     assert moves == []
-    for g, w in zip(got, want):
-        close(g, w, terms=3)
+    for tensor, tree, (want_tensor, want_tree) in zip(tensors, trees, want):
+        close(tensor, want_tensor, terms=5)
+        assert tree["n"] == want_tree["n"]
+        close(tree["y"], want_tree["y"], terms=5)
