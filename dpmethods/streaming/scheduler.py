@@ -158,6 +158,7 @@ class Scheduler:
         self.dropped: set[int] = set()  # slots that hung (threads): they take no more batches
         self.bar: Any = None  # the progress bar, made once the slots started
         self.poll = _POLL_S if timeout is None else min(_POLL_S, timeout / 10)
+        self.looked = time.monotonic()  # when the deadlines were last looked at
 
     def start(self) -> float:
         return self.backend.start()
@@ -198,13 +199,9 @@ class Scheduler:
         """The next finished batch and its output (under ``errors="yield"``, its
         exception), or its error raised."""
         while True:
-            future = self.backend.next_finished(self.finished, self.poll)
-            if future is None:
-                late = self._look()
-                if late is None:
-                    continue
-                batch, out = late
-            else:
+            late = self._overdue()
+            future = None if late is not None else self.backend.next_finished(self.finished, self.poll)
+            if future is not None:
                 entry = self.inflight.pop(future, None)
                 if entry is None:  # a dropped slot's, or a dead worker's batch sent again
                     continue
@@ -213,6 +210,11 @@ class Scheduler:
                 out = self._output(slot, future, batch)
                 if out is _AGAIN:
                     continue
+            else:
+                late = late or self._look()
+                if late is None:
+                    continue
+                batch, out = late
             if isinstance(out, BaseException) and not (self.keep_errors and isinstance(out, Exception)):
                 raise out
             self._submit_pending()
@@ -228,6 +230,14 @@ class Scheduler:
             return batch_error(exc, batch.index, self.backend.describe(slot))
         except BaseException as exc:  # its note names the batch and where it ran
             return exc
+
+    def _overdue(self) -> tuple[Batch, BaseException] | None:
+        """With a timeout, the deadlines looked at once a poll interval even while other
+        batches keep finishing (a hung slot would otherwise hold its batch until they all
+        had): a batch past the timeout, as :meth:`_look`."""
+        if self.timeout is None or time.monotonic() - self.looked < self.poll:
+            return None
+        return self._past_deadline(self.timeout)
 
     def _look(self) -> tuple[Batch, BaseException] | None:
         """No batch finished for a while: a batch past the timeout (threads: its error);
@@ -250,6 +260,7 @@ class Scheduler:
         batch starts when its slot starts it (after the jobs queued before it there, a
         stopped map's or a call's included)."""
         now, seen = time.monotonic(), set()
+        self.looked = now
         for future, (batch, slot) in list(self.inflight.items()):
             if slot in seen or future.done():
                 continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +103,10 @@ class Faulty(nn.Module):
         return self.lin(x)
 
     @dpmethods.parallel_method
-    def encode(self, x: torch.Tensor, tag: int = -1, fault: str | None = None, at: int = -1) -> Any:
+    def encode(self, x: torch.Tensor, tag: int = -1, fault: str | None = None, at: int = -1,
+               pause: float = 0.0) -> Any:
         self._enter(x.shape[0], tag, fault, at)
+        time.sleep(pause)  # a batch that takes a while (the others finish in turn as one hangs)
         return {"y": self.lin(x), "norm": x.norm(dim=1)}
 
     @dpmethods.parallel_method(split=("names",), gather="extend")

@@ -158,6 +158,32 @@ def test_a_hung_batch_under_errors_yield_is_a_timeout_error_in_its_place_on_both
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_a_hung_batch_times_out_while_the_other_batches_keep_finishing(tmp_path: Path, workers: str) -> None:
+    # The other slot finishes a batch every few milliseconds, so the caller never waits a
+    # whole poll interval for news: the deadlines must still be looked at, or the hung
+    # slot keeps its batch until every other batch of the stream has run.
+    model = Faulty(tmp_path)
+    dp = _dp(model, workers)
+    length, pulled = 2000, [0]  # 2,000 batches of 5 ms on the slot left: 10 s, against a timeout of 1 s
+
+    def stream() -> Iterator[dict[str, Any]]:
+        for b in _batches(n=length):
+            pulled[0] += 1
+            yield b
+
+    with torch.no_grad():
+        it = dp.map("encode", stream(), fault="hang", at=2, pause=0.005, timeout=1.0, retries=0,
+                    errors="yield", ordered=False)
+        for index, out in it:  # noqa: B007 (index is checked after the loop)
+            if isinstance(out, Exception):
+                break
+        it.close()
+    dp.close()
+    assert index == 2 and isinstance(out, TimeoutError), out
+    assert pulled[0] < length  # told while the stream still ran
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None:
     # A stopped map's batch still runs on the one worker: the next map's batches wait
     # behind it, and their timeout counts from when the worker starts them.
