@@ -127,6 +127,16 @@ def _io_reduce(obj: Any) -> Any:
     return reduce_tensor(_in_shared_memory(obj))
 
 
+def _refuse_generator(g: torch.Generator) -> Any:
+    """A ``torch.Generator`` in a batch, a call's arguments or an output: refused. A
+    copy would cross, so every worker would draw the same numbers from its own copy and
+    the caller's generator would not advance."""
+    raise TypeError(
+        f"a torch.Generator (on {g.device}) cannot be shared with worker processes: each would "
+        "draw the same numbers from its own copy, and the caller's would not advance"
+    )
+
+
 class OutputRequiresGrad(RuntimeError):
     """An output holds a tensor that requires grad: its graph cannot cross processes."""
 
@@ -186,7 +196,7 @@ def _io_pickler(output: bool) -> type[_IOPickler]:
     sources = (len(copyreg.dispatch_table), len(extra))
     if _IOPickler._sources != sources:
         _IOPickler.dispatch_table = {**copyreg.dispatch_table, **extra, Tensor: _reduce_plain,
-                                     nn.Parameter: _reduce_plain}
+                                     nn.Parameter: _reduce_plain, torch.Generator: _refuse_generator}
         _IOPickler._sources = sources
     return _OutputPickler if output else _IOPickler
 

@@ -107,6 +107,10 @@ class Net(nn.Module):
     def unsendable(self, x: torch.Tensor) -> Any:
         return (r for r in self.lin(x))  # a generator: it can't be pickled back
 
+    @dpmethods.parallel_method
+    def drawn(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.lin(x) + torch.rand(len(x), 3, generator=generator)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(self.lin(x))
 

@@ -340,6 +340,25 @@ def test_arguments_that_cannot_be_sent_name_what_and_a_fix_that_is_right(
     assert all("output['n'] (int) differs across replicas" in str(w.message) for w in seen)
 
 
+@pytest.mark.parametrize("how", ["call", "map"])
+def test_a_generator_argument_is_refused_before_any_work(dp: Any, how: str) -> None:
+    # Pickled, each worker would get a copy: every share and every batch would draw the
+    # same numbers, and the caller's generator would never advance.
+    g = torch.Generator().manual_seed(5)
+    state = g.get_state()
+    x = torch.randn(7, 4)
+    what = r"DataParallel\.drawn\(workers='processes'\): its arguments" if how == "call" else \
+        r"DataParallel\.map\(workers='processes'\): batch 0"
+    with torch.no_grad(), pytest.raises(TypeError, match=rf"^{what} cannot be sent to a worker process: "
+                                        r"TypeError: a torch.Generator \(on cpu\) cannot be shared with "
+                                        r"worker processes: each would draw the same numbers"):
+        if how == "call":
+            dp.drawn(x, generator=g)
+        else:
+            list(dp.map("drawn", [x, x], generator=g))
+    assert torch.equal(g.get_state(), state)
+
+
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
     x = torch.randn(4, 4)
     with torch.no_grad():
