@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +45,10 @@ class ReplicaError(RuntimeError):
 
 @dataclass(frozen=True)
 class ThreadState:
-    """The caller's grad mode, inference mode and autocast state, to apply in the thread
-    (or worker process) that runs a replica for it.
+    """The caller's grad mode, inference mode, autocast state and default dtype, to apply
+    in the thread (or worker process) that runs a replica for it. The default dtype is
+    the whole process's: a replica thread has the caller's already, a worker process
+    takes it for each job.
 
     Example:
         >>> import torch
@@ -60,9 +62,10 @@ class ThreadState:
     grad: bool
     inference: bool
     autocast: tuple[tuple[str, torch.dtype], ...]
+    dtype: torch.dtype = torch.float32  # torch.get_default_dtype()
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # with each batch to a worker process
-        return ThreadState, (self.grad, self.inference, self.autocast)
+        return ThreadState, (self.grad, self.inference, self.autocast, self.dtype)
 
     @classmethod
     def capture(cls) -> ThreadState:
@@ -72,25 +75,39 @@ class ThreadState:
             for kind in ("cuda", "cpu")
             if torch.is_autocast_enabled(kind)
         )
-        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast)
+        return cls(torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, torch.get_default_dtype())
 
     def applied(self) -> contextlib.AbstractContextManager[Any]:
         """This state in the current thread (a no-op where it holds already)."""
+        same_dtype = self.dtype == torch.get_default_dtype()
         if (
             not self.autocast
+            and same_dtype
             and self.inference == torch.is_inference_mode_enabled()
             and self.grad == torch.is_grad_enabled()
         ):
             return _NOTHING  # the caller's own thread, or a kept thread from the last call
-        if not self.autocast and not self.inference:
+        if not self.autocast and not self.inference and same_dtype:
             return torch.set_grad_enabled(self.grad)  # the common case, without a stack
         stack = contextlib.ExitStack()
+        if not same_dtype:  # a worker process whose caller set another default dtype
+            stack.enter_context(_default_dtype(self.dtype))
         if self.inference:
             stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(self.grad))
         for kind, dtype in self.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype))
         return stack
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _serve(tasks: queue.SimpleQueue[Any]) -> None:

@@ -36,6 +36,7 @@ from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
 from dpmethods.processes.state import Watch
 from dpmethods.testing import assert_close_to_reference
+from tests.helpers import WORKERS
 from tests.helpers.models import random_sentences, tiny_sentence_transformer
 from tests.helpers.processes import (
     BeyondStorage,
@@ -357,6 +358,25 @@ def test_a_generator_argument_is_refused_before_any_work(dp: Any, how: str) -> N
         else:
             list(dp.map("drawn", [x, x], generator=g))
     assert torch.equal(g.get_state(), state)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_the_callers_default_dtype_holds_in_calls_and_maps(dp: Any, net: Net, workers: str) -> None:
+    # torch.set_default_dtype is the caller process's: a worker process takes it per job.
+    runner = dp if workers == "processes" else dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
+    x = torch.randn(7, 4)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            want = net.drawn(x).dtype
+            call, mapped = runner.drawn(x), list(runner.map("drawn", [x, x[:3]]))
+    finally:
+        torch.set_default_dtype(before)
+    assert want == torch.float64
+    assert call.dtype == want and [m.dtype for m in mapped] == [want] * 2
+    with torch.no_grad():
+        assert runner.drawn(x).dtype == torch.float32  # and back with the caller's
 
 
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
