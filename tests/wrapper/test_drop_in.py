@@ -201,6 +201,18 @@ def test_every_replica_sees_every_item_of_an_iterator_argument(make: Any) -> Non
     close(got, want, terms=WEIGHTED_TERMS)
 
 
+def test_an_iterator_argument_to_worker_processes_is_refused_saying_why() -> None:
+    # The replicas share one lazy pass over it in the caller: no worker process can read it.
+    dp = DataParallel(Weighted(), CPU3, workers="processes")
+    try:
+        with pytest.raises(TypeError, match=r"^DataParallel\.f\(workers='processes'\): its arguments cannot be "
+                           r"sent to a worker process: TypeError: an iterator argument is read lazily, once, in "
+                           r"the caller's process.*pass its items as a list or tuple; use workers='threads'$"):
+            dp.f(torch.randn(9, 4), iter([2.0, 3.0]))
+    finally:
+        dp.close()
+
+
 def test_an_endless_iterator_is_read_lazily() -> None:
     import itertools
 

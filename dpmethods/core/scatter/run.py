@@ -107,6 +107,12 @@ class _ReplicaIterator:
     def __iter__(self) -> _ReplicaIterator:
         return self
 
+    def __reduce__(self) -> Any:  # workers="processes" would pickle it with each share
+        raise TypeError(
+            "an iterator argument is read lazily, once, in the caller's process, and shared by the "
+            "replicas: it cannot be sent to worker processes; pass its items as a list or tuple"
+        )
+
     def __next__(self) -> Any:
         with self._lock:
             return next(self._it)
