@@ -57,8 +57,18 @@ def call_shares(
             except Unsendable as exc:
                 check_sendable(oom, f"DataParallel.{name}(workers='processes', on_oom='split')", name)
                 raise exc.error(f"DataParallel.{name}(workers='processes')", "its arguments") from exc.__cause__
-        return [received(w.reply(f, f"DataParallel.{name}: raised in share {w.index}",
-                                 f"share {w.index} of DataParallel.{name}"), None) for w, f in futures]
+        # Every share is read, as threads wait for every replica: each gives its warnings,
+        # and the first share's error is raised once all have answered.
+        outputs, error = [], None
+        for w, f in futures:
+            try:
+                outputs.append(received(w.reply(f, f"DataParallel.{name}: raised in share {w.index}",
+                                                f"share {w.index} of DataParallel.{name}"), None))
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return outputs
     finally:
         for _, f in futures:
             if not f.done():

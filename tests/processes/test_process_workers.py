@@ -379,6 +379,19 @@ def test_the_callers_default_dtype_holds_in_calls_and_maps(dp: Any, net: Net, wo
         assert runner.drawn(x).dtype == torch.float32  # and back with the caller's
 
 
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_call_whose_share_fails_gives_every_shares_warnings(dp: Any, net: Net, workers: str) -> None:
+    # As one device would warn before it failed: every share ran and warned, one raised.
+    runner = dp if workers == "processes" else dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
+    x = torch.randn(7, 4)
+    x[0, 0] = float("nan")  # in the first share (4 rows), read first
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="warned: a NaN share"):
+            runner.warned(x)
+    assert sorted(str(w.message) for w in seen) == ["a share of 3 rows", "a share of 4 rows"]
+
+
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
     x = torch.randn(4, 4)
     with torch.no_grad():
