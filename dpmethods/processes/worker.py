@@ -146,13 +146,13 @@ def _build(msg: Load) -> nn.Module:
     rebuilt(model)
     if _device.type == "cuda" or kind == "factory":
         model.to(_device)
-    # Workers map the same shared parameters; a module in training mode updates its
-    # buffers in place (BatchNorm's running stats), so each worker gets its own copies.
-    for m in model.modules():
-        if m.training:
-            for name, b in m._buffers.items():
-                if b is not None:
-                    m._buffers[name] = b.clone()
+    # Workers map the same shared parameters and buffers. A method may update buffers in
+    # place (BatchNorm's running stats in training mode, a static cache, a scratch
+    # buffer), so each worker gets its own buffer copies, as a device of its own has.
+    for m in model.modules() if kind == "model" else ():  # a factory's model is the worker's own
+        for name, b in m._buffers.items():
+            if b is not None and not b.is_cuda:  # a CUDA worker's were copied to its device
+                m._buffers[name] = b.clone()
     return model
 
 

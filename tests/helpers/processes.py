@@ -123,6 +123,19 @@ class Net(nn.Module):
         return torch.tanh(self.lin(x))
 
 
+class Ticker(nn.Module):
+    """A buffer a method updates in place, as a static cache or a scratch buffer is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(1))
+
+    @dpmethods.parallel_method
+    def tick(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.count.expand(len(x)).clone()
+
+
 def build_net() -> Net:
     """A factory: the same weights as ``torch.manual_seed(0); Net()``."""
     torch.manual_seed(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import gc
 import multiprocessing
 import os
@@ -48,6 +49,7 @@ from tests.helpers.processes import (
     InBatchLoss,
     MarkedLater,
     Net,
+    Ticker,
     Unloadable,
     Watched,
     build_gc_probe,
@@ -390,6 +392,20 @@ def test_a_call_whose_share_fails_gives_every_shares_warnings(dp: Any, net: Net,
         with pytest.raises(ValueError, match="warned: a NaN share"):
             runner.warned(x)
     assert sorted(str(w.message) for w in seen) == ["a share of 3 rows", "a share of 4 rows"]
+
+
+def test_a_buffer_a_method_updates_in_place_is_each_workers_own_in_eval_mode() -> None:
+    # As on devices of their own: each worker counts its own calls, where one shared
+    # buffer would count every worker's.
+    model = Ticker().eval()
+    dp = dpmethods.DataParallel(copy.deepcopy(model), device_ids=["cpu"] * 2, workers="processes")
+    x = torch.zeros(6)
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert dp.tick(x).tolist() == model.tick(x).tolist()
+    finally:
+        dp.close()
 
 
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
