@@ -13,12 +13,13 @@ Data flow::
     for room: a busy worker never blocks submit)   |    raised (any BaseException:
                                                    |    SystemExit too), and sends the
   a thread that waits (Future.result(),        <---+--- reply and when it finished;
-    exception(), wait_replies()) reads the         |    then the next frame
-    replies of every live executor while it waits: |
-    each resolves the oldest pending Future of     |
+    exception(), wait_replies()) reads the         |    then the next frame (after a
+    replies of every live executor while it waits: |    BaseException that is not an
+    each resolves the oldest pending Future of     |    Exception: it leaves instead)
     its executor (its done callbacks run there);   |
-    end of file or the process gone: every         |
-    pending Future fails with BrokenExecutor       |
+    end of file or the process gone, or a reply    |
+    that says the worker leaves (WorkerLeft):      |
+    every pending Future fails with BrokenExecutor |
 
 Replies are read by the threads that wait for them, one at a time: the first to wait
 reads for every executor, the others wait for it to read theirs (and one of them reads
@@ -30,7 +31,11 @@ any thread; waiting on these Futures through ``concurrent.futures.wait`` or
 
 A job is sent at once and cannot be cancelled: its Future is running from ``submit``.
 ``shutdown()`` sends a stop frame: the worker runs the jobs sent before it, then
-leaves through the normal exit path.
+leaves through the normal exit path. A job that raised a ``BaseException`` that is not
+an ``Exception`` (a ``SystemExit`` from SIGTERM) tells the worker to go: it replies,
+then leaves the same way; that job's Future fails with :class:`WorkerLeft` (the job's
+exception its ``raised``), never with the exception itself, which would end the caller
+as if it were the caller's own, and the executor is broken at once.
 
 Not ``concurrent.futures.ProcessPoolExecutor``: its management thread and its queue's
 feeder thread take several thread switches per job in the caller, where a write on
@@ -55,12 +60,22 @@ from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["WorkerExecutor", "wait_replies"]
+__all__ = ["WorkerExecutor", "WorkerLeft", "wait_replies"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 _STOP = b"stop"  # a frame no pickled job can be (a pickle starts with its protocol opcode)
 _LIVE: weakref.WeakSet[WorkerExecutor] = weakref.WeakSet()  # stopped at interpreter exit
+
+
+class WorkerLeft(cf.BrokenExecutor):
+    """A job's failure when it ended its worker: it raised ``raised``, a
+    ``BaseException`` that is not an ``Exception`` (a ``SystemExit`` from SIGTERM), and
+    the worker left after replying."""
+
+    def __init__(self, message: str, raised: BaseException) -> None:
+        super().__init__(message)
+        self.raised = raised
 
 
 class WorkerExecutor(cf.Executor):
@@ -85,6 +100,7 @@ class WorkerExecutor(cf.Executor):
         self._finished_at = 0.0  # when the worker finished its last job read (time.monotonic())
         self._broken = False
         self._shutdown = False
+        self.left: BaseException | None = None  # what a job raised that ended the worker (WorkerLeft)
         ours, theirs = context.Pipe(duplex=True)
         self.process = context.Process(target=_serve, args=(theirs, initializer, initargs), name=name)
         self.process.start()
@@ -131,6 +147,11 @@ class WorkerExecutor(cf.Executor):
             return None
         return max(first.sent, self._finished_at) if first is future else None
 
+    @property
+    def broken(self) -> bool:
+        """Whether the worker is gone, or leaving: no job can be sent to it any more."""
+        return self._broken
+
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Tell the worker to leave after the jobs sent; ``wait``: join it."""
         with self._send_lock:
@@ -167,8 +188,13 @@ class WorkerExecutor(cf.Executor):
         self._finished_at = min(finished_at, time.monotonic())
         if ok:
             future.set_result(value)
-        else:
+        elif isinstance(value, Exception):
             future.set_exception(value)
+        else:  # the worker leaves after this reply (see _serve): nothing more will come
+            self.left = value
+            why = f"its job raised {type(value).__name__}, and it left"
+            future.set_exception(WorkerLeft(f"{self.process.name} is gone: {why}", value))
+            self._break(why)
 
     def _break(self, why: str) -> None:
         with self._send_lock:
@@ -401,9 +427,11 @@ def _serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...
     """The worker process: set up, then read each job, run it and send its reply, until
     told to stop (or the caller is gone).
 
-    A job's exception, any ``BaseException`` (a SystemExit from SIGTERM during a job
-    among them), is its reply; the worker takes its next job. A SIGTERM while it waits
-    for a job ends the wait with SystemExit: the normal exit path.
+    A job's exception is its reply, and the worker takes its next job. A
+    ``BaseException`` that is not an ``Exception`` (a SystemExit from SIGTERM during a
+    job) is its reply too, and then the worker leaves through the normal exit path: it
+    was told to go, and the caller's Future fails with :class:`WorkerLeft`. A SIGTERM
+    while it waits for a job ends the wait with SystemExit: the same exit path.
     """
     initializer(*initargs)
     while True:
@@ -413,18 +441,22 @@ def _serve(conn: Any, initializer: Callable[..., None], initargs: tuple[Any, ...
             return
         if frame == _STOP:
             return
+        leave = False
         try:
             fn, args, kwargs = pickle.loads(frame)
             del frame
             reply = pickle.dumps((True, fn(*args, **kwargs), time.monotonic()), pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:
             reply = _error_reply(exc)
+            leave = not isinstance(exc, Exception)
         conn.send_bytes(reply)
+        if leave:
+            return
 
 
 def _error_reply(exc: BaseException) -> bytes:
     try:
         return pickle.dumps((False, exc, time.monotonic()), pickle.HIGHEST_PROTOCOL)
-    except Exception:
-        error = RuntimeError(f"{type(exc).__name__}: {exc}")
+    except Exception:  # the same kind, so the caller knows a worker that leaves
+        error = (RuntimeError if isinstance(exc, Exception) else BaseException)(f"{type(exc).__name__}: {exc}")
         return pickle.dumps((False, error, time.monotonic()), pickle.HIGHEST_PROTOCOL)

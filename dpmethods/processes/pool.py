@@ -18,9 +18,12 @@ its way back.
 
 A worker that dies (killed, a segfault, out of memory) breaks its executor: every job
 it held fails, with an error naming the worker, its device and its exit code, and the
-next map or call starts a fresh one. ``close()``, garbage collection of the pool and
-interpreter exit shut the executors down: the workers exit through the normal path
-(terminated after a few seconds if a job still runs).
+next map or call starts a fresh one. A worker sent SIGTERM while it runs a job (``kill
+<pid>``) replies and leaves (:class:`~dpmethods.processes.executor.WorkerLeft`): the
+same error, saying so, where the job's SystemExit would otherwise end the caller.
+``close()``, garbage collection of the pool and interpreter exit shut the executors
+down: the workers exit through the normal path (terminated after a few seconds if a
+job still runs).
 """
 
 from __future__ import annotations
@@ -78,8 +81,9 @@ _START_HINT = (
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process died (killed, a segfault, out of memory) while the caller waited;
-    ``what`` says which worker and how, as the message does after its prefix."""
+    """A worker process died (killed, a segfault, out of memory) or was stopped (SIGTERM)
+    while the caller waited; ``what`` says which worker and how, as the message does
+    after its prefix."""
 
     def __init__(self, message: str, what: str = "") -> None:
         super().__init__(message)
@@ -190,8 +194,9 @@ class Worker:
         return f"worker {self.index} (pid {pid}, device {self.device})"
 
     def usable(self) -> bool:
-        process = self.process
-        return self.executor is not None and process is not None and _exit_code(process) is None
+        process, executor = self.process, self.executor
+        # Broken: gone, or leaving (its process may not have exited yet).
+        return executor is not None and not executor.broken and process is not None and _exit_code(process) is None
 
     def kill(self) -> None:
         """Kill the worker's process (SIGKILL); its jobs then fail."""
@@ -236,6 +241,12 @@ class Worker:
         if self.process is None:
             return WorkerDiedError("DataParallel(workers='processes'): the worker processes were "
                                    "closed (dp.close()) while a map or call was using them")
+        left = self.executor.left if self.executor is not None else None
+        if left is not None:  # a job ended it: it replied, and left (WorkerLeft)
+            how = ("was stopped by SIGTERM (SystemExit)" if isinstance(left, process_worker.Terminated)
+                   else f"left after its job raised {type(left).__name__}")
+            what = f"{self.describe()} {how}"
+            return WorkerDiedError(f"DataParallel(workers='processes'): {what}", what)
         code = _reaped(self.process, 5)
         if code == UNGUARDED_MAIN_EXIT:
             return WorkerDiedError(
@@ -257,10 +268,10 @@ class Worker:
     def reply(self, future: cf.Future[bytes], raised: str, running: str) -> Any:
         """The output of a finished job (its :class:`~dpmethods.processes.messages.Done`),
         its warnings given here; a failure raised with ``raised`` (the job's exception)
-        or ``running`` (the worker died) in its note."""
+        or ``running`` (the worker died, or was stopped: never its SystemExit) in its note."""
         try:
             data = future.result()
-        except (cf.BrokenExecutor, cf.CancelledError):
+        except (cf.BrokenExecutor, cf.CancelledError):  # WorkerLeft too
             raise add_note(self.died(), f"dpmethods: while running {running}; the next map or "
                            "call starts a fresh worker") from None
         msg = loads(data)
@@ -484,7 +495,8 @@ class ProcessPool:
                 w.key = key
             except WorkerDiedError as exc:
                 exc.__notes__ = []  # its exit code says it all
-                if w in fresh and _UNGUARDED not in str(exc):
+                stopped = w.executor is not None and w.executor.left is not None  # SIGTERM: not its start
+                if w in fresh and _UNGUARDED not in str(exc) and not stopped:
                     add_note(exc, _START_HINT)
                 failure = failure or exc
             except Exception as exc:

@@ -18,6 +18,11 @@ An output holding a tensor that requires grad, inside any object, is an error (a
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
 Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
 shutdown and on SIGTERM alike, so what their methods made (named semaphores) is freed.
+A SIGTERM during a job (``kill <pid>`` of a stuck worker) ends the job with
+:class:`Terminated`: the worker replies with it and leaves, and the caller sees a worker
+that died (:meth:`dpmethods.processes.pool.Worker.died`), never a SystemExit of its own.
+A ``SystemExit`` or ``KeyboardInterrupt`` the method raises itself is the job's failure,
+raised in the caller as a replica thread's would be; the worker takes its next job.
 A worker whose caller is gone (killed: no shutdown will ever come) leaves too
 (:func:`_watch_parent`).
 """
@@ -51,26 +56,36 @@ from dpmethods.types.tree import move
 from dpmethods.vocab import warn_once as warn_once
 from dpmethods.vocab.loading import load_pending
 
-__all__ = ["init", "load", "run"]
+__all__ = ["Terminated", "init", "load", "run"]
 
 _model: nn.Module | None = None
 _device = torch.device("cpu")
 _MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
 _FITS: dict[tuple[str, Any], Fit] = {}  # on_oom='split': the memory records, while the model lives
 _loads = 0  # models built in this process
-_in_job = False  # a load or a batch is running (SIGTERM then ends the job, not the process)
-_leaving = False  # SIGTERM reached the worker between jobs: it is on its way out
+_in_job = False  # a load or a batch is running (SIGTERM then ends the job, and the worker replies before it leaves)
+_leaving = False  # SIGTERM reached the worker between jobs, or ended a job: it is on its way out
+_terminated = False  # SIGTERM reached the worker during the job that runs
 _ORPHAN_POLL_S = 1.0  # how often a worker checks that its caller still lives
 _ORPHAN_GRACE_S = 5.0  # how long an orphaned worker's normal exit may take before it is cut short
 
 
+class Terminated(SystemExit):
+    """SIGTERM reached the worker: a ``SystemExit(0)``, the normal exit path. Raised in a
+    job, it ends the job, and the worker leaves once it replied with it
+    (:func:`dpmethods.processes.executor._serve`); the caller's error names it
+    (:meth:`dpmethods.processes.pool.Worker.died`)."""
+
+
 def _on_sigterm(signum: int, frame: Any) -> None:
-    global _leaving
+    global _leaving, _terminated
     if _leaving:
         return  # let the exit it began finish its finalizers
-    # In a job, SystemExit ends the job: the executor catches it and takes its next request.
+    # In a job, it ends the job (each SIGTERM again, should the method catch it); the
+    # worker then replies and leaves (_recorded).
+    _terminated = _in_job
     _leaving = not _in_job
-    raise SystemExit(0)  # the normal exit path: finalizers run
+    raise Terminated(0)  # the normal exit path: finalizers run
 
 
 def _parent_gone(sentinel: Any, ppid: int) -> bool:
@@ -195,7 +210,8 @@ def _failure(exc: BaseException, warned: tuple[Warned, ...]) -> bytes:
 
 
 def _job(data: bytes, body: Any) -> bytes:
-    global _in_job
+    global _in_job, _terminated
+    _terminated = False
     _in_job = True
     try:
         return _recorded(data, body)
@@ -204,6 +220,7 @@ def _job(data: bytes, body: Any) -> bytes:
 
 
 def _recorded(data: bytes, body: Any) -> bytes:
+    global _leaving
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # the caller's filters decide (pool.Worker.reply)
         try:
@@ -218,7 +235,14 @@ def _recorded(data: bytes, body: Any) -> bytes:
                 ) from exc
             del data
             return body(msg, seen)
-        except Exception as exc:
+        except BaseException as exc:
+            if _terminated:  # SIGTERM ended the job, however the method let it out
+                _leaving = True  # further SIGTERMs ignored: the worker replies, then leaves
+                if isinstance(exc, Terminated):
+                    raise
+                raise Terminated(0) from exc
+            # The method's own SystemExit or KeyboardInterrupt too: raised in the caller
+            # (as on threads), and this worker takes its next job.
             return _failure(exc, _warned(seen))
 
 

@@ -45,9 +45,14 @@ def first_time(workdir: str, fault: str) -> bool:
 
 
 def strike(fault: str) -> None:
-    """A "kill..." fault kills this process (SIGKILL); a "hang" waits until :func:`release_hung`."""
+    """A "kill..." fault kills this process (SIGKILL); a "term" fault sends it SIGTERM, as
+    ``kill <pid>`` does (worker processes only: the test's own process would end); a
+    "hang" waits until :func:`release_hung`."""
     if fault.startswith("kill"):
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "term":
+        os.kill(os.getpid(), signal.SIGTERM)  # a worker's handler raises in this job
+        time.sleep(60)  # not reached in a worker process
     _HANG.wait()
 
 
@@ -86,7 +91,7 @@ def out_of_memory_above(workdir: str, limit: int, module: nn.Module, args: Any, 
 class Faulty(nn.Module):
     """Methods that record their rows, run out of memory above ``limit`` rows, and on the
     batch whose ``tag`` is ``at`` strike ``fault`` the first time ("kill": SIGKILL of its
-    own process; "hang": wait forever), or every time ("kill-always")."""
+    own process; "term": SIGTERM of it; "hang": wait forever), or every time ("kill-always")."""
 
     def __init__(self, workdir: str | Path, limit: int | None = None) -> None:
         super().__init__()

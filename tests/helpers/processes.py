@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 import types
 import warnings
@@ -101,6 +102,13 @@ class Net(nn.Module):
     @dpmethods.parallel_method
     def exits(self, x: torch.Tensor) -> torch.Tensor:
         raise SystemExit(3)  # a BaseException: it ends the job, not the worker
+
+    @dpmethods.parallel_method
+    def terminated(self, x: torch.Tensor) -> torch.Tensor:
+        """SIGTERM to its own worker process, as ``kill <pid>`` of a stuck worker."""
+        os.kill(os.getpid(), signal.SIGTERM)  # the worker's handler raises in this job
+        time.sleep(60)  # not reached
+        return self.lin(x)
 
     @dpmethods.parallel_method
     def unfetched(self, x: torch.Tensor) -> torch.Tensor:
@@ -473,6 +481,18 @@ class Completer(nn.Module):
     @dpmethods.parallel_method(gather="generate")
     def complete(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any) -> Any:
         return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+
+def gone(pid: int, seconds: float = 30.0) -> bool:
+    """Whether process ``pid`` is gone (exited and reaped) within ``seconds``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def wait_for(path: str, seconds: float) -> bool:

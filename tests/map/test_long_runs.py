@@ -12,11 +12,12 @@ import pytest
 import torch
 
 import dpmethods
+from dpmethods.processes.pool import WorkerDiedError
 from dpmethods.testing import assert_close_to_reference
 from tests.helpers import WORKERS
 from tests.helpers.long_runs import Faulty, arm_hang, out_of_memory_above, release_hung, rows_run
 from tests.helpers.models import tiny_gpt2
-from tests.helpers.processes import build_net
+from tests.helpers.processes import build_net, gone
 from tests.helpers.terms import mlp_terms
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,6 +89,44 @@ def test_a_batch_that_kills_every_worker_fails_after_its_retries(tmp_path: Path)
     with torch.no_grad():  # the map after it has fresh workers
         assert len(list(dp.map("encode", _batches()))) == N
     dp.close()
+
+
+def test_a_worker_sent_sigterm_is_replaced_and_its_batch_runs_again(tmp_path: Path) -> None:
+    # kill <pid> of a worker: its batch's SystemExit once ended the caller mid-map.
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    batches = _batches()
+    with torch.no_grad():
+        outs = list(dp.map("encode", batches, fault="term", at=3))
+    dp.close()
+    assert (tmp_path / "term").exists()  # the fault struck
+    assert_close_to_reference(outs, _reference(model, "encode", batches), terms=mlp_terms(6))
+
+
+@pytest.mark.parametrize("errors", ["raise", "yield"])
+def test_with_no_retries_a_worker_sent_sigterm_is_named_and_the_caller_goes_on(tmp_path: Path, errors: str) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    batches = _batches()
+    with torch.no_grad():
+        if errors == "raise":
+            with pytest.raises(WorkerDiedError) as info:
+                list(dp.map("encode", batches, fault="term", at=3, retries=0))
+            error: BaseException = info.value
+        else:
+            outs = list(dp.map("encode", batches, fault="term", at=3, retries=0, errors="yield"))
+            error = outs.pop(3)
+            assert_close_to_reference(outs, [r for i, r in enumerate(_reference(model, "encode", batches)) if i != 3],
+                                      terms=mlp_terms(6))
+        again = list(dp.map("encode", batches))  # the caller goes on, on a fresh worker
+    dp.close()
+    assert isinstance(error, WorkerDiedError)
+    found = re.search(r"DataParallel.map: batch 3 failed 1 time\(s\) \(retries=0\): worker \d \(pid (\d+), "
+                      r"device cpu\) was stopped by SIGTERM \(SystemExit\) while running it; a fresh worker "
+                      r"replaced it", str(error))
+    assert found, error
+    assert_close_to_reference(again, _reference(model, "encode", batches), terms=mlp_terms(6))
+    assert gone(int(found.group(1)))  # told to terminate, it left
 
 
 # --- timeouts ----------------------------------------------------------------------

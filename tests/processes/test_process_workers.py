@@ -56,6 +56,7 @@ from tests.helpers.processes import (
     build_net,
     build_net_doubled,
     count_calls,
+    gone,
     tiny_gpt2,
     wait_for,
 )
@@ -464,6 +465,23 @@ def test_a_job_raising_system_exit_leaves_the_worker_usable(dp: Any, net: Net, h
                 list(dp.map("exits", [x, x]))
         _same(dp(x), net(x))
     assert _pids(dp) == before  # the same workers took their next job
+
+
+def test_a_worker_sent_sigterm_in_a_call_is_a_died_error_not_the_callers_exit(dp: Any, net: Net) -> None:
+    # kill <pid> of a worker in a call: its job's SystemExit once ended the caller (status 0).
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        before = _pids(dp)
+        with pytest.raises(pool_module.WorkerDiedError) as info:
+            dp.terminated(x)  # each worker sends itself SIGTERM in its share
+        assert str(info.value) == (f"DataParallel(workers='processes'): worker 0 (pid {before[0]}, device cpu) "
+                                   f"was stopped by SIGTERM (SystemExit)")
+        assert info.value.__notes__ == ["dpmethods: while running share 0 of DataParallel.terminated; the next "
+                                        "map or call starts a fresh worker"]
+        _same(dp(x), net(x))  # the next call starts fresh workers
+        after = _pids(dp)
+    assert set(after).isdisjoint(before)
+    assert all(gone(pid) for pid in before)  # told to terminate, they left
 
 
 def test_a_killed_worker_fails_exactly_its_pending_jobs(net: Net) -> None:
