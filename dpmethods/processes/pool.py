@@ -439,7 +439,8 @@ class ProcessPool:
             self._looked = None
             watch = Watch(module)  # first: a change made while the module is read shows next time
             marked = marks(module)  # the worker marks them too: its replicas warn as threads do
-            state: Any = (fingerprint(module), state_digest(module)) if self.factory is None else "factory"
+            kept: list[Any] = []  # the tensors the digest saw, by id
+            state: Any = (fingerprint(module), state_digest(module, kept)) if self.factory is None else "factory"
             key = (state, tuple(marked.items()))
             stale = [w for w in self.workers if w in fresh or (w.key != key and w.executor is not None)]
             if not stale:
@@ -459,10 +460,10 @@ class ProcessPool:
             futures = [(w, w.submit(process_worker.load, m)) for w, m in zip(stale, messages)]
             messages.clear()
             self._wait_loaded(futures, key, fresh)
-            # The fingerprint holds identities: keep what it saw alive, so no new object
-            # can take an old one's id (and its place in the fingerprint) unnoticed.
+            # The fingerprint and the digest hold identities: keep what they saw alive, so no
+            # new object can take an old one's id (and its place in them) unnoticed.
             self._seen = [v for m in module.modules() for d in (m.__dict__, m._parameters, m._buffers)
-                          for v in d.values()]
+                          for v in d.values()] + kept
             self._looked = (watch, key, marked)
             if not fresh:
                 return 0.0

@@ -154,17 +154,45 @@ def _stub(*_: Any) -> None:
     """What a tensor pickles to in :func:`state_digest` (never called)."""
 
 
+def _tensor_state(t: Tensor) -> tuple[Any, ...]:
+    """What shows that ``t`` changed or was replaced, without its data: its identity,
+    version counter, ``requires_grad``, dtype, device, shape, and where it has a
+    storage its data pointer, strides and offset (``.data =``). Raises ``RuntimeError``
+    for an inference tensor, which has no version counter."""
+    state = (id(t), t._version, t.requires_grad, t.dtype, t.device, t.shape)
+    try:
+        return (*state, t.data_ptr(), t.stride(), t.storage_offset())
+    except (RuntimeError, NotImplementedError):  # no strided storage (sparse, nested)
+        return state
+
+
+def _storage_state(s: Any) -> tuple[Any, ...]:
+    try:
+        return (id(s), s.data_ptr(), s.nbytes())
+    except (RuntimeError, NotImplementedError):
+        return (id(s),)
+
+
 class _StatePickler(pickle.Pickler):
-    """Attribute objects: tensors as stubs holding their grad flag and version."""
+    """Attribute objects, with each tensor and storage a stub: its identity and what
+    shows a change to it (:func:`_tensor_state`), never its data. An inference tensor
+    raises (its in-place changes cannot be seen). Each stubbed object goes into
+    ``kept`` where one is given: the caller keeps them alive while it compares digests,
+    so no new tensor can take an old one's id unnoticed."""
+
+    def __init__(self, file: Any, kept: list[Any] | None) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._kept = kept
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
-            try:
-                return (_stub, (obj.requires_grad, obj._version))
-            except RuntimeError:  # an inference tensor has no version counter
-                return (_stub, (obj.requires_grad,))
+            if self._kept is not None:
+                self._kept.append(obj)
+            return (_stub, _tensor_state(obj))
         if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
-            return (_stub, ())
+            if self._kept is not None:
+                self._kept.append(obj)
+            return (_stub, _storage_state(obj))
         if isinstance(obj, nn.Module):
             return (_stub, ())  # a module held as an attribute: its own walk covers it
         return NotImplemented
@@ -192,22 +220,27 @@ def _attribute_objects(m: nn.Module, into: dict[int, Any], skip: set[str]) -> No
             into.setdefault(id(value), value)
 
 
-def _pickled(values: list[Any]) -> bytes:
-    """``values`` pickled with their tensors stubbed (raises what pickling raises)."""
+def _pickled(values: list[Any], kept: list[Any] | None = None) -> bytes:
+    """``values`` pickled with their tensors stubbed, each stubbed tensor put in ``kept``
+    (raises what pickling raises)."""
     buf = io.BytesIO()
-    _StatePickler(buf, pickle.HIGHEST_PROTOCOL).dump(values)
+    _StatePickler(buf, kept).dump(values)
     return buf.getvalue()
 
 
-def state_digest(module: nn.Module) -> Any:
+def state_digest(module: nn.Module, kept: list[Any] | None = None) -> Any:
     """A digest of what :func:`~dpmethods.core.replicate.fingerprint` sees only by
     identity: attribute objects edited in place (a config, a generation config, a
-    dict of options) and the ``requires_grad`` flags.
+    dict of options, a tensor in a dict replaced or updated) and the ``requires_grad``
+    flags.
 
     Each distinct mutable attribute object of every submodule is pickled once, with
-    tensors stubbed (no tensor data): a config shared by every layer costs one pickle.
-    A module whose attributes cannot be pickled gets a digest equal to no other
-    (sending it then names what fails).
+    each tensor a stub of its identity, version counter and layout (no tensor data): a
+    config shared by every layer costs one pickle. The digest holds tensors' ids: keep
+    the tensors it saw, which it appends to ``kept``, alive while you compare it with a
+    later one. A module whose attributes cannot be pickled, or that holds an inference
+    tensor in one (it has no version counter), gets a digest equal to no other (sending
+    it then names what fails).
 
     Example:
         >>> m = torch.nn.Linear(2, 2)
@@ -223,7 +256,7 @@ def state_digest(module: nn.Module) -> Any:
         _attribute_objects(m, values, attributes)
         flags.extend(p is not None and p.requires_grad for p in m._parameters.values())
     try:
-        pickled = _pickled([flags, *values.values()])
+        pickled = _pickled([flags, *values.values()], kept)
     except Exception:
         return object()
     return hashlib.blake2b(pickled, digest_size=16).digest()
@@ -335,12 +368,13 @@ class Watch:
         self._empty: list[dict[Any, Any]] = []
         self._tensors: list[Tensor] = []
         self._objects: list[Any] = []
+        self._kept: list[Any] = []  # the tensors the pickled objects held: their ids stay theirs
         self._seen: tuple[Any, ...] | None = None
         if versions_change():
             try:
                 steps = optimizer_steps()
                 versions = self._walk(module)
-                self._seen = (steps, versions, *self._metadata())
+                self._seen = (steps, versions, *self._metadata(self._kept))
             except Exception:  # a tensor without a version counter, a module half built
                 self._seen = None
         self.classes = frozenset(map(type, self._modules))
@@ -380,7 +414,7 @@ class Watch:
         assert _dict_version is not None
         return None if any(self._empty) else list(map(_dict_version, self._dicts))
 
-    def _metadata(self) -> tuple[Any, ...]:
+    def _metadata(self, kept: list[Any] | None = None) -> tuple[Any, ...]:
         ts = self._tensors
         states: Any = self._tensor_states(ts) if self._tensor_states is not None else None
         if states is None:
@@ -389,7 +423,7 @@ class Watch:
         ids: Any = self._identities(mods) if self._identities is not None else None
         if ids is None:  # a __dict__ replaced: the old one is kept here, so never equal
             ids = (list(map(type, mods)), list(map(id, map(vars, mods))))
-        return ids, states, _pickled(self._objects)
+        return ids, states, _pickled(self._objects, kept)
 
     def unchanged(self) -> bool:
         """Whether nothing the look saw changed since (False when it cannot tell)."""

@@ -715,6 +715,17 @@ UNSHOWN: dict[str, Callable[[Watched], object]] = {
 }
 
 
+def _table_replaced(m: Watched) -> None:
+    m.tables["offset"] = m.tables["offset"] + 1  # a new tensor at version 0, as the old one was
+
+
+# Changes to what a module holds beside its parameters, buffers and children: each can
+# be made again, and changes the output again, and each reaches the workers of both kinds.
+HELD: dict[str, Callable[[Watched], object]] = {
+    "tensor_replaced_in_a_dict": _table_replaced,
+}
+
+
 # Where the running torch gives no dict versions, every look walks the module.
 _WATCHING = pytest.mark.skipif(not state.versions_change(), reason="this torch gives no dict versions")
 
@@ -746,7 +757,7 @@ def readers(request: pytest.FixtureRequest) -> Iterator[str]:
 
 @_WATCHING
 @pytest.mark.parametrize("crowd", [False, True], ids=["alone", "among_600_modules"])
-@pytest.mark.parametrize("name", [*CHANGES, *UNSHOWN])
+@pytest.mark.parametrize("name", [*CHANGES, *UNSHOWN, *HELD])
 def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str) -> None:
     model = Crowd() if crowd else Watched()
     watch = Watch(model)
@@ -754,7 +765,7 @@ def test_the_watch_sees_each_kind_of_change(name: str, crowd: bool, readers: str
     with torch.no_grad():
         watched(torch.randn(2, 4))
     assert watch.unchanged()  # running the module changes nothing
-    made = {**CHANGES, **UNSHOWN}[name](watched)
+    made = {**CHANGES, **UNSHOWN, **HELD}[name](watched)
     try:
         assert not watch.unchanged()
     finally:
@@ -810,8 +821,8 @@ def holder() -> Iterator[tuple[Holder, Any]]:
     dp.close()
 
 
-# Watched: Linear(4, 4), a scale and three shifts, then Linear(4, 3).
-_WATCHED_TERMS = 5 + 4 + 5
+# Watched: Linear(4, 4), a scale and four shifts, then Linear(4, 3).
+_WATCHED_TERMS = 5 + 5 + 5
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -846,6 +857,59 @@ def test_a_change_between_batches_of_a_map_is_seen(holder: tuple[Holder, Any], n
     for out, ref in zip(outs, before[:sent_before] + after[sent_before:], strict=True):
         assert_close_to_reference(out, ref, terms=_WATCHED_TERMS)
     assert_close_to_reference(called, after[0], terms=_WATCHED_TERMS)
+
+
+def _on(holder: tuple[Holder, Any], workers: str) -> tuple[Holder, Any]:
+    """The holder's model on ``workers``: its pool of processes, or a thread wrapper."""
+    h, dp = holder
+    return (h, dp) if workers == "processes" else (h, dpmethods.DataParallel(h, device_ids=["cpu"] * 2))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("name", list(HELD))
+def test_what_a_module_holds_beside_its_tensors_and_children_is_seen(
+    holder: tuple[Holder, Any], workers: str, name: str
+) -> None:
+    h, dp = _on(holder, workers)
+    torch.manual_seed(1)
+    h.model = Watched().eval()
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(3, 4, generator=g) for _ in range(6)]
+    outs = []
+    with torch.no_grad():
+        dp(xs[0])  # the workers hold the model
+        HELD[name](h.model)
+        called, want = dp(xs[0]), h(xs[0])
+        for k, out in enumerate(dp.map("forward", xs, prefetch=1)):
+            if k == 0:  # again, between two batches: the last batch is sent after it
+                before = h(xs[-1])
+                HELD[name](h.model)
+                after = h(xs[-1])
+            outs.append(out)
+    assert not _close(before, after)  # the change shows
+    assert_close_to_reference(called, want, terms=_WATCHED_TERMS)
+    assert_close_to_reference(outs[-1], after, terms=_WATCHED_TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_inference_tensor_in_an_attribute_edited_in_place_is_seen(holder: tuple[Holder, Any], workers: str) -> None:
+    # It has no version counter: its model is sent again at every look.
+    h, dp = _on(holder, workers)
+    h.model = Watched().eval()
+    with torch.inference_mode():
+        h.model.tables["offset"] = torch.zeros(4)
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    outs = []
+    with torch.inference_mode():
+        dp(xs[0])
+        h.model.tables["offset"].add_(1)
+        called, want = dp(xs[0]), h(xs[0])
+        for k, out in enumerate(dp.map("forward", xs, prefetch=1)):
+            if k == 0:
+                h.model.tables["offset"].add_(1)
+            outs.append(out)
+    assert_close_to_reference(called, want, terms=_WATCHED_TERMS)
+    assert_close_to_reference(outs[-1], h(xs[-1]), terms=_WATCHED_TERMS)
 
 
 def test_a_parameter_replaced_then_edited_in_place_is_seen(holder: tuple[Holder, Any]) -> None:
