@@ -176,12 +176,16 @@ def _storage_state(s: Any) -> tuple[Any, ...]:
 class _StatePickler(pickle.Pickler):
     """Attribute objects, with each tensor and storage a stub: its identity and what
     shows a change to it (:func:`_tensor_state`), never its data. An inference tensor
-    raises (its in-place changes cannot be seen). Each stubbed object goes into
-    ``kept`` where one is given: the caller keeps them alive while it compares digests,
-    so no new tensor can take an old one's id unnoticed."""
+    raises (its in-place changes cannot be seen). A module of the walk (``walked``, by
+    id: the walk covers it) is a stub of its identity; any other module (one held in a
+    list, or set with ``object.__setattr__``) is pickled whole, as it is sent, its
+    tensors stubbed. Each stubbed object goes into ``kept`` where one is given: the
+    caller keeps them alive while it compares digests, so no new object can take an old
+    one's id unnoticed."""
 
-    def __init__(self, file: Any, kept: list[Any] | None) -> None:
+    def __init__(self, file: Any, walked: frozenset[int], kept: list[Any] | None) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        self._walked = walked
         self._kept = kept
 
     def reducer_override(self, obj: Any) -> Any:
@@ -194,7 +198,11 @@ class _StatePickler(pickle.Pickler):
                 self._kept.append(obj)
             return (_stub, _storage_state(obj))
         if isinstance(obj, nn.Module):
-            return (_stub, ())  # a module held as an attribute: its own walk covers it
+            if id(obj) in self._walked:
+                if self._kept is not None:
+                    self._kept.append(obj)
+                return (_stub, (id(obj),))
+            return without_per_call_hooks(obj)  # NotImplemented: as pickle reduces it
         return NotImplemented
 
 
@@ -220,25 +228,27 @@ def _attribute_objects(m: nn.Module, into: dict[int, Any], skip: set[str]) -> No
             into.setdefault(id(value), value)
 
 
-def _pickled(values: list[Any], kept: list[Any] | None = None) -> bytes:
-    """``values`` pickled with their tensors stubbed, each stubbed tensor put in ``kept``
-    (raises what pickling raises)."""
+def _pickled(values: list[Any], walked: frozenset[int], kept: list[Any] | None = None) -> bytes:
+    """``values`` pickled with their tensors and the modules in ``walked`` (by id)
+    stubbed, each stubbed object put in ``kept`` (raises what pickling raises)."""
     buf = io.BytesIO()
-    _StatePickler(buf, kept).dump(values)
+    _StatePickler(buf, walked, kept).dump(values)
     return buf.getvalue()
 
 
 def state_digest(module: nn.Module, kept: list[Any] | None = None) -> Any:
     """A digest of what :func:`~dpmethods.core.replicate.fingerprint` sees only by
     identity: attribute objects edited in place (a config, a generation config, a
-    dict of options, a tensor in a dict replaced or updated) and the ``requires_grad``
+    dict of options, a tensor in a dict replaced or updated, a module held outside the
+    submodules, in a list or set with ``object.__setattr__``) and the ``requires_grad``
     flags.
 
     Each distinct mutable attribute object of every submodule is pickled once, with
     each tensor a stub of its identity, version counter and layout (no tensor data): a
-    config shared by every layer costs one pickle. The digest holds tensors' ids: keep
-    the tensors it saw, which it appends to ``kept``, alive while you compare it with a
-    later one. A module whose attributes cannot be pickled, or that holds an inference
+    config shared by every layer costs one pickle; a module in one that is not a
+    submodule is pickled whole (as it is sent), its tensors stubbed too. The digest
+    holds ids: keep the tensors and submodules it saw, which it appends to ``kept``,
+    alive while you compare it with a later one. A module whose attributes cannot be pickled, or that holds an inference
     tensor in one (it has no version counter), gets a digest equal to no other (sending
     it then names what fails).
 
@@ -252,11 +262,12 @@ def state_digest(module: nn.Module, kept: list[Any] | None = None) -> Any:
     values: dict[int, Any] = {}
     flags: list[bool] = []
     attributes = {a for r in _RULES for a in r.attributes}
-    for m in module.modules():
+    modules = list(module.modules())
+    for m in modules:
         _attribute_objects(m, values, attributes)
         flags.extend(p is not None and p.requires_grad for p in m._parameters.values())
     try:
-        pickled = _pickled([flags, *values.values()], kept)
+        pickled = _pickled([flags, *values.values()], frozenset(map(id, modules)), kept)
     except Exception:
         return object()
     return hashlib.blake2b(pickled, digest_size=16).digest()
@@ -368,6 +379,7 @@ class Watch:
         self._empty: list[dict[Any, Any]] = []
         self._tensors: list[Tensor] = []
         self._objects: list[Any] = []
+        self._walked: frozenset[int] = frozenset()
         self._kept: list[Any] = []  # the tensors the pickled objects held: their ids stay theirs
         self._seen: tuple[Any, ...] | None = None
         if versions_change():
@@ -406,6 +418,7 @@ class Watch:
                 self._tensors.extend(t for t in group.values() if t is not None)
             _attribute_objects(m, objects, skip)
         self._objects = list(objects.values())
+        self._walked = frozenset(map(id, self._modules))
         return b"".join(parts) if fast is not None else parts
 
     def _versions(self) -> Any:
@@ -423,7 +436,7 @@ class Watch:
         ids: Any = self._identities(mods) if self._identities is not None else None
         if ids is None:  # a __dict__ replaced: the old one is kept here, so never equal
             ids = (list(map(type, mods)), list(map(id, map(vars, mods))))
-        return ids, states, _pickled(self._objects, kept)
+        return ids, states, _pickled(self._objects, self._walked, kept)
 
     def unchanged(self) -> bool:
         """Whether nothing the look saw changed since (False when it cannot tell)."""

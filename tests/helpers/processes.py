@@ -176,8 +176,9 @@ def count_calls(module: nn.Module, args: Any, output: Any) -> Any:
 
 class Watched(nn.Module):
     """A square layer (``.t()`` keeps its shape), an attribute, an options dict, a
-    config object, a buffer, a dict of tensors and a head: each is a way to change the
-    module between batches."""
+    config object, a buffer, a dict of tensors, two layers that are not its children
+    (one in a list, one set with ``object.__setattr__``) and a head: each is a way to
+    change the module between batches."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -188,10 +189,12 @@ class Watched(nn.Module):
         self.config = types.SimpleNamespace(shift=0.0)
         self.register_buffer("shift", torch.zeros(4))
         self.tables = {"offset": torch.zeros(4)}  # a tensor that is no buffer
+        self.helpers = [nn.Linear(4, 4)]
+        object.__setattr__(self, "unlisted", nn.Linear(4, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x) * self.scale + self.shift + self.options["shift"] + self.config.shift
-        y = y + self.tables["offset"]
+        y = self.unlisted(self.helpers[0](y + self.tables["offset"]))
         return self.head(y.tanh() if self.training else y)
 
 

@@ -723,6 +723,10 @@ def _table_replaced(m: Watched) -> None:
 # be made again, and changes the output again, and each reaches the workers of both kinds.
 HELD: dict[str, Callable[[Watched], object]] = {
     "tensor_replaced_in_a_dict": _table_replaced,
+    "module_in_a_list_edited_in_place": _no_grad(lambda m: m.helpers[0].weight.mul_(-2)),
+    "module_in_a_list_given_a_new_parameter": lambda m: setattr(
+        m.helpers[0], "bias", nn.Parameter(m.helpers[0].bias.detach() + 1)),
+    "module_set_with_object_setattr_edited_in_place": _no_grad(lambda m: m.unlisted.bias.add_(1)),
 }
 
 
@@ -821,8 +825,8 @@ def holder() -> Iterator[tuple[Holder, Any]]:
     dp.close()
 
 
-# Watched: Linear(4, 4), a scale and four shifts, then Linear(4, 3).
-_WATCHED_TERMS = 5 + 5 + 5
+# Watched: Linear(4, 4), a scale and four shifts, two Linear(4, 4), then Linear(4, 3).
+_WATCHED_TERMS = 5 + 5 + 5 + 5 + 5
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
