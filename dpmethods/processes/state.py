@@ -208,8 +208,9 @@ class _StatePickler(pickle.Pickler):
 
 # Values that cannot change in place: the fingerprint's identities cover them.
 _IMMUTABLE = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
-# nn.Module's own attributes: parameters, buffers, children and call hooks are in the
-# fingerprint; the other hook dicts (state-dict hooks) do not change what a call does.
+# nn.Module's own attributes: parameters, buffers, children and which call hooks there
+# are are in the fingerprint (each hook object is pickled: _attribute_objects); the other
+# hook dicts (state-dict hooks) do not change what a call does.
 _COVERED = frozenset(vars(nn.Module()))
 
 
@@ -222,10 +223,17 @@ def _frozen(value: Any) -> bool:
 
 
 def _attribute_objects(m: nn.Module, into: dict[int, Any], skip: set[str]) -> None:
-    """Add each of ``m``'s attribute objects that can change in place to ``into`` (by id)."""
-    for name, value in m.__dict__.items():
+    """Add each of ``m``'s attribute objects that can change in place to ``into`` (by id),
+    and each call hook that is sent (a hook object's settings, a partial's arguments)."""
+    d = m.__dict__
+    for name, value in d.items():
         if name not in _COVERED and name not in skip and not _frozen(value):
             into.setdefault(id(value), value)
+    for name in HOOK_DICTS:
+        hooks = d.get(name)
+        for hook in hooks.values() if hooks else ():
+            if not _frozen(hook) and not per_call(hook):  # a per-call hook is never sent
+                into.setdefault(id(hook), hook)
 
 
 def _pickled(values: list[Any], walked: frozenset[int], kept: list[Any] | None = None) -> bytes:
@@ -240,17 +248,18 @@ def state_digest(module: nn.Module, kept: list[Any] | None = None) -> Any:
     """A digest of what :func:`~dpmethods.core.replicate.fingerprint` sees only by
     identity: attribute objects edited in place (a config, a generation config, a
     dict of options, a tensor in a dict replaced or updated, a module held outside the
-    submodules, in a list or set with ``object.__setattr__``) and the ``requires_grad``
-    flags.
+    submodules, in a list or set with ``object.__setattr__``), the call hooks sent (a
+    hook object's settings) and the ``requires_grad`` flags.
 
-    Each distinct mutable attribute object of every submodule is pickled once, with
-    each tensor a stub of its identity, version counter and layout (no tensor data): a
-    config shared by every layer costs one pickle; a module in one that is not a
-    submodule is pickled whole (as it is sent), its tensors stubbed too. The digest
-    holds ids: keep the tensors and submodules it saw, which it appends to ``kept``,
-    alive while you compare it with a later one. A module whose attributes cannot be pickled, or that holds an inference
-    tensor in one (it has no version counter), gets a digest equal to no other (sending
-    it then names what fails).
+    Each distinct mutable attribute object and call hook of every submodule is pickled
+    once (a function by its name), with each tensor a stub of its identity, version
+    counter and layout (no tensor data): a config shared by every layer costs one
+    pickle; a module in one that is not a submodule is pickled whole (as it is sent),
+    its tensors stubbed too. The digest holds ids: keep the tensors and submodules it
+    saw, which it appends to ``kept``, alive while you compare it with a later one. A
+    module whose attributes cannot be pickled, or that holds an inference tensor in one
+    (it has no version counter), gets a digest equal to no other (sending it then names
+    what fails).
 
     Example:
         >>> m = torch.nn.Linear(2, 2)

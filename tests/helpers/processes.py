@@ -174,11 +174,21 @@ def count_calls(module: nn.Module, args: Any, output: Any) -> Any:
     return output * 2
 
 
+class Shifted:
+    """A forward hook object with a setting (as activation steering has): adds ``shift``."""
+
+    def __init__(self) -> None:
+        self.shift = 0.0
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + self.shift
+
+
 class Watched(nn.Module):
     """A square layer (``.t()`` keeps its shape), an attribute, an options dict, a
     config object, a buffer, a dict of tensors, two layers that are not its children
-    (one in a list, one set with ``object.__setattr__``) and a head: each is a way to
-    change the module between batches."""
+    (one in a list, one set with ``object.__setattr__``), a hook object and a head: each
+    is a way to change the module between batches."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -191,6 +201,7 @@ class Watched(nn.Module):
         self.tables = {"offset": torch.zeros(4)}  # a tensor that is no buffer
         self.helpers = [nn.Linear(4, 4)]
         object.__setattr__(self, "unlisted", nn.Linear(4, 4))
+        self.lin.register_forward_hook(Shifted())  # held by the hook dict only
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.lin(x) * self.scale + self.shift + self.options["shift"] + self.config.shift

@@ -49,6 +49,7 @@ from tests.helpers.processes import (
     InBatchLoss,
     MarkedLater,
     Net,
+    Shifted,
     Ticker,
     Unloadable,
     Watched,
@@ -719,6 +720,11 @@ def _table_replaced(m: Watched) -> None:
     m.tables["offset"] = m.tables["offset"] + 1  # a new tensor at version 0, as the old one was
 
 
+def _hook_setting(m: Watched) -> None:
+    [hook] = [h for h in m.lin._forward_hooks.values() if isinstance(h, Shifted)]
+    hook.shift += 1.0
+
+
 # Changes to what a module holds beside its parameters, buffers and children: each can
 # be made again, and changes the output again, and each reaches the workers of both kinds.
 HELD: dict[str, Callable[[Watched], object]] = {
@@ -727,6 +733,7 @@ HELD: dict[str, Callable[[Watched], object]] = {
     "module_in_a_list_given_a_new_parameter": lambda m: setattr(
         m.helpers[0], "bias", nn.Parameter(m.helpers[0].bias.detach() + 1)),
     "module_set_with_object_setattr_edited_in_place": _no_grad(lambda m: m.unlisted.bias.add_(1)),
+    "hook_object_setting": _hook_setting,
 }
 
 
@@ -825,8 +832,9 @@ def holder() -> Iterator[tuple[Holder, Any]]:
     dp.close()
 
 
-# Watched: Linear(4, 4), a scale and four shifts, two Linear(4, 4), then Linear(4, 3).
-_WATCHED_TERMS = 5 + 5 + 5 + 5 + 5
+# Watched: Linear(4, 4), its hook's shift, a scale and four shifts, two Linear(4, 4),
+# then Linear(4, 3).
+_WATCHED_TERMS = 5 + 6 + 5 + 5 + 5
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
