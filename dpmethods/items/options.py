@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sized
 from dataclasses import dataclass
 from typing import Any
 
 from dpmethods.streaming.source import Indexed
+from dpmethods.types.digests import digest
 
-__all__ = ["AUTO", "WINDOW_BATCHES", "ItemOptions", "item_options"]
+__all__ = ["AUTO", "WINDOW_BATCHES", "ItemOptions", "callable_name", "item_options"]
 
 AUTO = "auto"  # window: 64 batches' worth of items
 WINDOW_BATCHES = 64
@@ -45,6 +47,48 @@ class ItemOptions:
         if self.window == AUTO and self.batch_size is None and self.max_tokens is not None:
             return WINDOW_BATCHES * self.max_tokens
         return None
+
+    def identity(self) -> dict[str, Any]:
+        """What of these options shapes each item's output, as a resumable map records it
+        (:class:`~dpmethods.streaming.record.Identity`): ``trim``, the ``collate`` by name
+        (None: the default), and with both, the ``length`` by name (None: the default),
+        which then tells each item's own positions where the batch has no
+        ``attention_mask``. The batch cut (``batch_size``, ``max_tokens``, ``window``)
+        may change from one run to the next.
+
+        Example:
+            >>> ItemOptions(batch_size=8, trim=True).identity()
+            {'trim': True, 'collate': None}
+            >>> ItemOptions(batch_size=8, collate=sorted, trim=True, length=len).identity()
+            {'trim': True, 'collate': 'builtins.sorted', 'length': 'builtins.len'}
+        """
+        identity: dict[str, Any] = {"trim": self.trim, "collate": callable_name(self.collate)}
+        if self.trim and self.collate is not None:
+            identity["length"] = callable_name(self.length)
+        return identity
+
+
+def callable_name(fn: Callable[..., Any] | None) -> str | None:
+    """A name of ``fn`` that is the same on every run: its module and qualified name (a
+    callable object's class; a ``functools.partial``'s function and a digest of its
+    arguments); None for None.
+
+    Example:
+        >>> import functools, operator
+        >>> callable_name(operator.add), callable_name(None)
+        ('_operator.add', None)
+        >>> a, b = functools.partial(sorted, reverse=True), functools.partial(sorted, reverse=False)
+        >>> callable_name(a).startswith("functools.partial(builtins.sorted, "), callable_name(a) == callable_name(b)
+        (True, False)
+    """
+    if fn is None:
+        return None
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({callable_name(fn.func)}, {digest((fn.args, fn.keywords)):08x})"
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if not isinstance(qualname, str):  # a callable object (a tokenizer): its class
+        module, qualname = type(fn).__module__, type(fn).__qualname__
+    return f"{module}.{qualname}"
 
 
 def _positive(name: str, value: Any, what: str) -> None:

@@ -12,7 +12,9 @@ in order at most about a window of outputs waits for an earlier item.
 With ``checkpoint=`` the record counts items (the checkpoint stage,
 :class:`~dpmethods.streaming.resume.Checkpoint`, gives the items not taken yet, and the
 iterator records the taken ones), so a rerun skips the items done, however its batches
-are cut.
+are cut. The record also holds what shapes each item's output
+(:meth:`~dpmethods.items.ItemOptions.identity`: ``trim``, ``collate``), so a rerun with
+other ones, which would mix outputs of two kinds, is refused.
 """
 
 from __future__ import annotations
@@ -218,7 +220,8 @@ def map_items(
     checkpoint = None
     pairs: Iterable[tuple[int, Any]]
     if options.checkpoint is not None:  # the record counts items; sharded per rank
-        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, target.module, options.shard)
+        checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, target.module, options.shard,
+                                   items.identity())
         pairs, total = checkpoint.pending, None
     else:
         pairs, total = indexed(batches, options.shard)

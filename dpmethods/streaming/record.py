@@ -1,8 +1,10 @@
 """The record of a resumable map (``DataParallel.map(..., checkpoint=path)``): a JSON file.
 
 A :class:`Record` knows which map it records (the method, a digest of each keyword
-argument, the model's identity, the input's length, a 32-bit digest of every batch read,
-by index) and which batches' outputs the consumer has taken. It is replaced atomically
+argument, the model's identity, the input's length, in item mode what shapes each item's
+output, a 32-bit digest of every batch read, by index) and which batches' outputs the
+consumer has taken. A record without ``"items"`` (as an earlier dpmethods wrote them) is
+a map of batches. It is replaced atomically
 (written to a temporary file, then renamed). Opening it refuses another map, naming the
 file and what differs; :meth:`Record.check_batch` and :meth:`Record.check_end` refuse
 another input as it is read. A refused run leaves the file as it found it. While a map
@@ -42,7 +44,9 @@ _WRITE_SHARE = 0.01  # a record whose write takes longer is written less often
 class Identity:
     """What makes a map the same map: its method, a digest of each keyword argument, the
     model's identity (``None``: not checked), the input's ``len()`` (``None``: it has
-    none) and the shard ``(rank, world_size)`` this process runs, if any.
+    none), the shard ``(rank, world_size)`` this process runs, if any, and in item mode
+    what shapes each item's output (``None``: a map of batches; see
+    :meth:`dpmethods.items.ItemOptions.identity`).
 
     Example:
         >>> import torch
@@ -58,17 +62,21 @@ class Identity:
     model: dict[str, str] | None = None
     length: int | None = None
     shard: tuple[int, int] | None = None
+    items: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, method: str, batches: Iterable[Any], kwargs: Mapping[str, Any] | None = None,
-           model: Any = None, shard: tuple[int, int] | None = None) -> Identity:
-        """The identity of a map of ``method`` over ``batches``."""
+           model: Any = None, shard: tuple[int, int] | None = None,
+           items: Mapping[str, Any] | None = None) -> Identity:
+        """The identity of a map of ``method`` over ``batches`` (``items``: in item mode,
+        what shapes each item's output)."""
         try:
             length: int | None = len(batches)  # type: ignore[arg-type]
         except TypeError:
             length = None
         arguments = {k: f"{digest(v):08x}" for k, v in (kwargs or {}).items()}
-        return cls(method, arguments, None if model is None else module_identity(model), length, shard)
+        return cls(method, arguments, None if model is None else module_identity(model), length, shard,
+                   None if items is None else dict(items))
 
 
 class Record:
@@ -193,7 +201,7 @@ class Record:
             digests.byteswap()
         identity = self.identity
         record = {"version": _VERSION, "method": identity.method, "arguments": identity.arguments,
-                  "model": identity.model, "len": self.length, "count": self.count,
+                  "model": identity.model, "items": identity.items, "len": self.length, "count": self.count,
                   "batches": base64.b64encode(digests.tobytes()).decode(),
                   "done": _ranges(self.done), "finished": self.finished}
         start = time.monotonic()
@@ -262,11 +270,39 @@ def _differences(record: dict[str, Any], identity: Identity) -> list[str]:
         found.append("its model's parameters and buffers have other names, shapes or dtypes")
     elif theirs.keys() & ours.keys() >= {"values"} and theirs["values"] != ours["values"]:
         found.append("its model has other weights (a sample of its parameters' values differs)")
+    found += _item_differences(record.get("items"), identity.items, "items" in record)
     n, length, count = identity.length, record["len"], record["count"]
     known = length if length is not None else count
     if n is not None and known is not None and n != known:
         found.append(f"its input had {known} batches, this input has {n}")
     return found
+
+
+def _item_differences(theirs: dict[str, Any] | None, ours: dict[str, Any] | None, recorded: bool) -> list[str]:
+    """What differs in what shapes each item's output (None: a map of batches)."""
+    if theirs is None and ours is None:
+        return []
+    if theirs is None:
+        earlier = "" if recorded else (" (or it is a record of an earlier dpmethods, which did not record "
+                                       "a map of items as one)")
+        return [f"its map read batches{earlier}, this map reads items (batch_size= or max_tokens=)"]
+    if ours is None:
+        return ["its map read items (batch_size= or max_tokens=), this map reads batches"]
+    found = []
+    if bool(theirs.get("trim")) != bool(ours.get("trim")):
+        found.append("its items were trimmed (trim=True), this map's are not" if theirs.get("trim")
+                     else "its items were not trimmed, this map's are (trim=True)")
+    if theirs.get("collate") != ours.get("collate"):
+        found.append(f"its items were collated by {_named(theirs.get('collate'), 'collate')}, this "
+                     f"map's by {_named(ours.get('collate'), 'collate')}")
+    elif theirs.get("length") != ours.get("length") and "length" in theirs and "length" in ours:
+        found.append(f"its trimmed items' own positions came from {_named(theirs['length'], 'length')}, "
+                     f"this map's from {_named(ours['length'], 'length')}")
+    return found
+
+
+def _named(name: str | None, what: str) -> str:
+    return f"the default {what}" if name is None else f"{what}={name}"
 
 
 _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
@@ -281,6 +317,10 @@ _FIELDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
                  isinstance(p, list) and len(p) == 2 and all(type(i) is int for i in p) and 0 <= p[0] < p[1]
                  for p in v)),
     "finished": ("a bool", lambda v: isinstance(v, bool)),
+}
+_OPTIONAL: dict[str, tuple[str, Callable[[Any], bool]]] = {  # absent in an earlier dpmethods' records
+    "items": ("null or an object of bools, strs and nulls", lambda v: v is None or (isinstance(v, dict) and all(
+        x is None or isinstance(x, (bool, str)) for x in v.values()))),
 }
 
 
@@ -300,8 +340,10 @@ def _parse(text: str, path: Path) -> dict[str, Any]:
             + (" (a record of an earlier dpmethods, which did not record which map it was; "
                "delete it to start over)" if record.get("version") == 1 else "")
         )
-    for name, (expected, ok) in _FIELDS.items():
+    for name, (expected, ok) in {**_FIELDS, **_OPTIONAL}.items():
         if name not in record:
+            if name in _OPTIONAL:
+                continue
             raise ValueError(f"{where}: expected a field \"{name}\" ({expected}), but it has none")
         if not ok(record[name]):
             value = record[name]

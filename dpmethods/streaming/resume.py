@@ -128,11 +128,12 @@ class Checkpoint:
 
     @staticmethod
     def of(path: str | os.PathLike[str], method: str, batches: Iterable[Any], kwargs: Mapping[str, Any],
-           model: Any, shard: bool) -> Checkpoint:
+           model: Any, shard: bool, items: Mapping[str, Any] | None = None) -> Checkpoint:
         """The stage of the map of ``method`` of ``model`` over ``batches`` (``shard``:
-        this rank's batches only, with a record per rank)."""
+        this rank's batches only, with a record per rank; ``items``: in item mode, what
+        shapes each item's output, :meth:`dpmethods.items.ItemOptions.identity`)."""
         rank = rank_and_world() if shard else None
-        return Checkpoint(path, Identity.of(method, batches, dict(kwargs), model, rank), batches)
+        return Checkpoint(path, Identity.of(method, batches, dict(kwargs), model, rank, items), batches)
 
     def open(self) -> None:
         """Open the record: another map's, or one in use, is refused."""

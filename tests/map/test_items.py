@@ -333,6 +333,30 @@ def test_a_checkpointed_rerun_skips_the_items_taken_however_its_batches_are_cut(
                               [r["pooled"] for r in ref[5:]], terms=TERMS)
 
 
+@pytest.mark.parametrize("workers", ["threads"])  # refused before any batch runs, whatever the workers
+def test_a_checkpointed_rerun_with_another_trim_or_collate_or_of_batches_is_refused(dp: Any, workers: str,
+                                                                                    tmp_path: Path) -> None:
+    items = token_items(N)
+    path = tmp_path / "run.json"
+    refusals = [  # each would mix the outputs taken with others of another shape
+        (dict(batch_size=4), r"its items were trimmed \(trim=True\), this map's are not"),
+        (dict(batch_size=4, trim=True, collate=_pad),
+         r"its items were collated by the default collate, this map's by collate=tests\.map\.test_items\._pad"),
+        ({}, r"its map read items \(batch_size= or max_tokens=\), this map reads batches"),
+    ]
+    with torch.no_grad():
+        with dp.map("encode", items, batch_size=4, trim=True, checkpoint=path) as first:
+            taken = [next(first) for _ in range(6)]
+        record, ran = path.read_bytes(), len(batches_run(dp.module.workdir))
+        for options, message in refusals:
+            with pytest.raises(ValueError, match=rf"'{path}' records another map: {message}\. It is not"):
+                list(dp.map("encode", items, checkpoint=path, **options))
+            assert path.read_bytes() == record and len(batches_run(dp.module.workdir)) == ran
+        rest = list(dp.map("encode", items, max_tokens=30, trim=True, checkpoint=path))  # the same map
+    assert [o["hidden"].shape[0] for o in taken[:5] + rest] == [len(i["input_ids"]) for i in items]
+    assert_close_to_reference(taken[:5] + rest, _alone(dp.module, items), terms=TERMS)
+
+
 _GLOO = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
     reason="torch.distributed with gloo is not available in this build",

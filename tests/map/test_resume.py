@@ -360,6 +360,31 @@ def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(dp: Any, se
     assert_close_to_reference(taken[:9] + rest, ref, terms=mlp_terms(5))
 
 
+@pytest.mark.timeout(120)
+def test_a_record_of_batches_refuses_a_map_of_items_and_an_earlier_record_reads_as_batches(setup: Any) -> None:
+    model, batches, ckpt, log = setup
+    dp = _dp(model, "threads")
+    with torch.no_grad():
+        taken, record = _stopped(dp, batches, ckpt, log, 5)
+        for earlier in (False, True):
+            if earlier:  # as an earlier dpmethods wrote it: without "items"
+                fields = json.loads(record)
+                del fields["items"]
+                record = json.dumps(fields).encode()
+                ckpt.write_bytes(record)
+            note = r" \(or it is a record of an earlier dpmethods, [^)]*\)" if earlier else ""
+            with pytest.raises(ValueError, match=rf"'{ckpt}' records another map: its map read batches{note}, "
+                               r"this map reads items \(batch_size= or max_tokens=\)\. It is not"):
+                list(dp.map("encode", batches, batch_size=2, checkpoint=ckpt))
+            _untouched(log, ckpt, record)
+        rest = list(dp.map("encode", batches, checkpoint=ckpt))  # an earlier record of batches resumes
+        ran = _ran(log)
+        ref = [model.encode(b) for b in batches]
+    assert ran == list(range(4, N))
+    assert_close_to_reference(taken[:4] + rest, ref, terms=mlp_terms(5))
+    dp.close()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("lookahead", [None, 4])
@@ -566,6 +591,7 @@ def test_a_checkpoint_in_a_missing_folder_is_refused_when_the_map_starts(setup: 
     ({"done": 5}, r"expected \"done\" to be a list of \[start, end\] index pairs with 0 <= start < end, got int 5"),
     ({"done": [[3, 1]]}, r"expected \"done\" to be a list of \[start, end\] index pairs"),
     ({"finished": "yes"}, r"expected \"finished\" to be a bool, got str \"yes\""),
+    ({"items": {"trim": 1}}, r"expected \"items\" to be null or an object of bools, strs and nulls, got dict"),
     ({"version": 1}, r"of this version: expected \"version\": 2, got 1 \(a record of an earlier dpmethods"),
     ({"batches": None}, r"expected a field \"batches\" \(a base64 str of 4-byte digests\), but it has none"),
     ({"batches": "AAAA"}, r"expected \"batches\" to be a base64 str of 4-byte digests$"),
