@@ -23,7 +23,7 @@ import collections
 import dataclasses
 import functools
 import inspect
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
@@ -44,17 +44,26 @@ from dpmethods.vocab.options import MethodOptions
 __all__ = ["ItemIterator", "map_items"]
 
 
+_PROBES = 3  # trim: probes sent in the map's stream at most (a probe that raises re-arms it)
+
+
 class _Sent(NamedTuple):
-    """What the cut of one batch's output needs: its items, padding and prompt."""
+    """What the cut of one batch's output needs: its items, padding and prompt; with
+    trim, its shortest padded item ``(item, index, length)``, which a probe runs alone
+    (a probe's own ``_Sent`` has no items and names its item's index as ``probe``)."""
 
     indices: list[int]
     padding: Padding | None
     prompt: Tensor | None
+    shortest: tuple[Any, int, int] | None = None
+    probe: int | None = None
 
 
 class _Source:
     """The batches of the items, collated and checked, as ``(batch index, batch)`` pairs;
-    ``sent`` keeps what each one's output is cut by, ``read`` the items' indices in input order."""
+    ``sent`` keeps what each one's output is cut by, ``read`` the items' indices in input order.
+    With trim, while ``probes`` is 1 the next batch that pads an item is followed by a
+    probe; a probe that raised re-arms it (:meth:`rearm`), ``_PROBES`` probes in all."""
 
     def __init__(self, pairs: Iterable[tuple[int, Any]], items: ItemOptions, method: str, kwargs: dict[str, Any]) -> None:
         self.pairs, self.items, self.method, self.kwargs = pairs, items, method, kwargs
@@ -63,6 +72,8 @@ class _Source:
         self.options = MethodOptions()
         self.signature: inspect.Signature | None = None
         self.name = method
+        self.probes = 1 if items.trim else 0
+        self.probes_left = _PROBES - 1 if items.trim else 0  # re-arms left after a probe raised
 
     def bind(self, module: nn.Module, options: MethodOptions) -> None:
         """The method's options and signature, once the map has checked its name."""
@@ -75,20 +86,36 @@ class _Source:
             self.signature = None
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        k, probe = 0, self.items.trim  # with trim, a probe follows the first padded batch
+        k = 0
         for batch in read_batches(self.pairs, self.items, self.read):
             collated, padding = self._collate(batch.items, batch.indices, batch.lengths)
-            self.sent[k] = _Sent(batch.indices, padding, _prompt(collated, len(batch.items)) if self.method == "generate" else None)
-            yield k, collated
-            k += 1
-            if probe and padding is not None and any(e - s < padding.longest for s, e in padding.spans):
-                probe = False  # its shortest item alone: measured, never yielded (dpmethods.items.trim)
+            shortest = None
+            if self.items.trim and padding is not None and any(e - s < padding.longest for s, e in padding.spans):
                 spans = padding.spans
                 j = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
-                collated, padding = self._collate([batch.items[j]], [batch.indices[j]], [batch.lengths[j]])
-                self.sent[k] = _Sent([], padding, None)
+                shortest = (batch.items[j], batch.indices[j], batch.lengths[j])
+            prompt = _prompt(collated, len(batch.items)) if self.method == "generate" else None
+            self.sent[k] = _Sent(batch.indices, padding, prompt, shortest)
+            yield k, collated
+            k += 1
+            if self.probes and shortest is not None:
+                self.probes -= 1  # its shortest item alone: measured, never yielded (dpmethods.items.trim)
+                self.sent[k], collated = self.alone(shortest)
                 yield k, collated
                 k += 1
+
+    def rearm(self) -> None:
+        """A probe raised: the next batch that pads an item is followed by another, while
+        the stream has probes left."""
+        if self.probes_left:
+            self.probes_left -= 1
+            self.probes = 1
+
+    def alone(self, shortest: tuple[Any, int, int]) -> tuple[_Sent, Any]:
+        """The probe of a batch's shortest padded item: its ``_Sent`` and the item collated alone."""
+        item, index, length = shortest
+        collated, padding = self._collate([item], [index], [length])
+        return _Sent([], padding, None, probe=index), collated
 
     def _collate(self, items: list[Any], indices: list[int], lengths: list[int]) -> tuple[Any, Padding | None]:
         padding: Padding | None
@@ -115,8 +142,10 @@ class ItemIterator(MapIterator):
     :class:`~dpmethods.streaming.iterator.MapIterator`)."""
 
     def __init__(self, outputs: Iterator[Any], source: _Source, *, ordered: bool, errors: str, bar: Any,
-                 checkpoint: Checkpoint | None) -> None:
+                 checkpoint: Checkpoint | None, run_alone: Callable[[Any], Any] | None = None) -> None:
         self._outputs, self._source, self._errors = outputs, source, errors
+        self._run_alone = run_alone  # trim: runs one batch by itself, once the map has ended
+        self._probe_failed: tuple[BaseException, int] | None = None  # the last probe's error, its item
         self._done: dict[int, Any] = {}  # ordered: outputs waiting for an earlier item
         self._ready: collections.deque[tuple[int, Any]] = collections.deque()  # unordered
         self._pending: collections.deque[tuple[Any, _Sent]] = collections.deque()  # trim: dims untold
@@ -144,22 +173,69 @@ class ItemIterator(MapIterator):
             try:
                 k, out = next(self._outputs)
             except StopIteration:
-                if self._pending:  # trim: a dim never told from a fixed size
-                    out, sent = self._pending[0]
-                    raise add_note(ValueError(
-                        f"map: trim: {self._dims.untold(out, sent.padding)} had the padded length in "  # type: ignore[union-attr]
-                        "every batch, so it cannot be told from a fixed size; map with trim=False"
-                    ), f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
-                raise
+                if not self._pending:
+                    raise
+                self._end()  # trim: dims untold when the map ended
+                continue
             sent = self._source.sent.pop(k)
-            failed = isinstance(out, BaseException)
-            if self._dims is not None and not failed and sent.padding is not None:
-                self._dims.observe(out, sent.padding.longest)
-            if not sent.indices:  # the probe of trim
+            if not self._observe(out, sent):  # the probe of trim
                 continue
             self._pending.append((out, sent))
-            while self._pending and self._told(*self._pending[0]):
-                self._place(*self._pending.popleft())
+            self._place_told()
+
+    def _observe(self, out: Any, sent: _Sent) -> bool:
+        """Take ``out``'s evidence of the padded dims; False for a probe (measured only)."""
+        failed = isinstance(out, BaseException)
+        if self._dims is not None and not failed and sent.padding is not None:
+            self._dims.observe(out, sent.padding.longest)
+        if sent.probe is not None:
+            if failed:  # no evidence: another probe, while the stream has them
+                self._probe_failed = (out, sent.probe)
+                self._source.rearm()
+            else:
+                self._probe_failed = None
+            return False
+        return True
+
+    def _place_told(self) -> None:
+        while self._pending and self._told(*self._pending[0]):
+            self._place(*self._pending.popleft())
+
+    def _end(self) -> None:
+        """The map ended with batches whose padded dims are untold. If the last probe
+        raised, the shortest item of the first untold batch whose shortest was not that
+        probe's runs alone; if that raises too, each untold batch's items get an error
+        saying so (raised with errors="raise"). Otherwise the dim had the padded length
+        in every batch: the map is refused."""
+        if self._probe_failed is not None and self._run_alone is not None:
+            probed = self._probe_failed[1]
+            shortest = next((sent.shortest for out, sent in self._pending if sent.shortest is not None
+                             and sent.shortest[1] != probed and not self._told(out, sent)), None)
+            if shortest is not None:
+                sent, collated = self._source.alone(shortest)
+                self._observe(self._run_alone(collated), sent)
+                self._place_told()
+                if not self._pending:
+                    return
+        out, sent = self._pending[0]
+        untold = self._dims.untold(out, sent.padding)  # type: ignore[union-attr]
+        if self._probe_failed is None:  # the probe measured it: a dim of one size in every batch
+            raise add_note(ValueError(
+                f"map: trim: {untold} had the padded length in every batch, so it cannot be told "
+                "from a fixed size; map with trim=False"
+            ), f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
+        cause, index = self._probe_failed
+        while self._pending:
+            out, sent = self._pending.popleft()
+            if not self._told(out, sent):
+                error = RuntimeError(
+                    f"map: trim: {self._dims.untold(out, sent.padding)} cannot be told from a fixed "  # type: ignore[union-attr]
+                    f"size, since the probe that measures it (item {index} alone) raised (the cause "
+                    "above); map with trim=False"
+                )
+                error.__cause__ = cause
+                out = error
+            self._place(out, sent)
 
     def _told(self, out: Any, sent: _Sent) -> bool:
         return self._dims is None or isinstance(out, BaseException) or self._dims.told(out, sent.padding)
@@ -230,5 +306,13 @@ def map_items(
                                      checkpoint=None)
     outputs = map_batches(target, method, Indexed(source), kwargs, each_batch)
     source.bind(target.module, target.options(method))
+    alone = functools.partial(_run_alone, target, method, kwargs, dataclasses.replace(each_batch, ordered=True))
     return ItemIterator(outputs, source, ordered=options.ordered, errors=options.errors,
-                        bar=progress_bar(options.progress, total, "item"), checkpoint=checkpoint)
+                        bar=progress_bar(options.progress, total, "item"), checkpoint=checkpoint,
+                        run_alone=alone if items.trim else None)
+
+
+def _run_alone(target: MapTarget, method: str, kwargs: dict[str, Any], options: MapOptions, batch: Any) -> Any:
+    """The output of ``batch`` run by itself, as a map of one batch (its error, if it raised)."""
+    with map_batches(target, method, [batch], kwargs, options) as outputs:
+        return next(outputs)

@@ -6,7 +6,12 @@ had the padded length in batches of two different padded lengths at least, and f
 once one batch shows another size. So that the evidence comes early, the first batch
 that pads an item is followed by a probe: its shortest item alone, whose output is
 only measured. A batch's outputs wait until every dim of the padded length in them is
-told; a map that ends with one untold is refused, naming the output.
+told; a map that ends with one untold is refused, naming the output. A probe that raises
+(the item fails alone, as in its batch) tells nothing: the next batch that pads an item
+is followed by another (three in all), and a map that ends with batches untold after a
+failed probe runs the first one's shortest item alone; if that raises too, each of their
+items gets an error saying that the trim could not be measured, caused by the probe's
+(:class:`dpmethods.items.run.ItemIterator`).
 """
 
 from __future__ import annotations

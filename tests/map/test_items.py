@@ -279,6 +279,65 @@ def test_errors_yield_puts_the_batch_error_in_place_of_each_of_its_items(dp: Any
     assert_close_to_reference([outs[i]["pooled"] for i in fine], [ref[i]["pooled"] for i in fine], terms=TERMS)
 
 
+def _lengths_items(lengths: list[int], failing: int | None = None) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    items = [{"input_ids": torch.randint(4, 40, (n,), generator=g)} for n in lengths]
+    if failing is not None:
+        items[failing]["input_ids"][0] = FAIL
+    return items
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_trim_with_errors_yield_when_the_probe_fails_as_its_batch_did(dp: Any, workers: str) -> None:
+    # Item 3, the first padded batch's shortest, fails: its batch, and the probe (it alone).
+    items = _lengths_items([6, 6, 6, 3, 6, 6, 6, 4], failing=3)
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, window=4, trim=True, errors="yield"))
+    assert all(isinstance(o, ValueError) and "a poisoned item" in str(o) for o in outs[:4])
+    assert [o["hidden"].shape[0] for o in outs[4:]] == [6, 6, 6, 4]  # trimmed, as each alone
+    assert_close_to_reference(outs[4:], _alone(dp.module, items[4:]), terms=TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_probe_that_fails_is_followed_by_another_while_the_map_reads(dp: Any, workers: str) -> None:
+    items = _lengths_items([6, 6, 6, 3] + [6, 6, 6, 4] * 10, failing=3)  # 11 windows of 4
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, window=4, trim=True, errors="yield"))
+    runs = batches_run(dp.module.workdir)
+    assert [r for r in runs if r[0] == 1] == [(1, 3), (1, 4)]  # the failed probe, then one more
+    assert runs.index((1, 4)) < len(runs) - 1  # sent after a later batch, not after the map
+    assert all(isinstance(o, ValueError) for o in outs[:4])
+    assert_close_to_reference(outs[4:], _alone(dp.module, items[4:]), terms=TERMS)
+
+
+class _Lonely(Tokens):
+    """Tokens whose encode refuses a batch of one row: every probe of trim raises."""
+
+    @dpmethods.parallel_method
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        if input_ids.shape[0] == 1:
+            raise ValueError("_Lonely: no batch of one row")
+        return self._features(input_ids, attention_mask)
+
+
+def test_trim_whose_every_probe_fails_gives_each_untold_item_an_error_caused_by_the_probes(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    dp = dpmethods.DataParallel(_Lonely(tmp_path).eval(), device_ids=["cpu"] * 2)
+    items = _lengths_items([6, 6, 6, 3, 6, 6, 6, 4])
+    message = r"map: trim: output\['hidden'\]'s dim 1 cannot be told from a fixed size, since the probe that measures " \
+              r"it \(item 7 alone\) raised"
+    with torch.no_grad():
+        outs = list(dp.map("encode", items, batch_size=4, window=4, trim=True, errors="yield"))
+        with pytest.raises(RuntimeError, match=message) as info:
+            list(dp.map("encode", items, batch_size=4, window=4, trim=True))
+    dp.close()
+    assert all(isinstance(o, RuntimeError) and re.match(message, str(o)) for o in outs)
+    assert outs[0] is outs[1] and outs[4] is outs[5] and outs[0] is not outs[4]  # one per batch
+    assert "dpmethods: DataParallel.map: the batch held items [4, 5, 6, 7]" in outs[4].__notes__
+    for error in (outs[0], info.value):
+        assert isinstance(error.__cause__, ValueError) and "no batch of one row" in str(error.__cause__)
+
+
 @pytest.mark.parametrize("workers", WORKERS)
 def test_on_oom_split_halves_a_batch_by_rows(dp: Any, workers: str) -> None:
     items = token_items(N)
