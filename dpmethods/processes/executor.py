@@ -243,7 +243,9 @@ class _Outbox:
         self._left: collections.deque[Any] = collections.deque()  # for the sender thread, in order
         self._ready = threading.Condition(threading.Lock())
         self._sender: threading.Thread | None = None
-        self._failed: OSError | None = None  # set once closed: a send raises it
+        # Set once closed: each send raises a copy. Raised itself, it would keep a
+        # traceback, and through its frames this outbox: a reference cycle.
+        self._failed: OSError | None = None
         self._closing = False
 
     def send(self, frame: bytes) -> None:
@@ -251,7 +253,7 @@ class _Outbox:
         n = len(frame)
         with self._ready:
             if self._failed is not None:
-                raise self._failed
+                raise OSError(*self._failed.args)
             data: Any = frame  # as it is where Connection.send_bytes writes it (Windows)
             if self._socket is not None:
                 header = struct.pack("!i", n) if n <= 0x7FFFFFFF else struct.pack("!iQ", -1, n)
@@ -299,7 +301,7 @@ class _Outbox:
                     self._conn.send_bytes(data)
             except OSError as exc:  # the worker is gone: the reader fails its Futures
                 with self._ready:
-                    self._failed = exc
+                    self._failed = OSError(*exc.args)  # without exc's traceback (see __init__)
                     self._left.clear()
                     self._close()
                 return

@@ -524,6 +524,26 @@ def executor() -> Iterator[Any]:
         started.shutdown()
 
 
+def test_a_dead_workers_executor_is_freed_without_a_reference_cycle() -> None:
+    # Its error is kept to fail later sends; raised again, it would hold a traceback,
+    # and through it the frame that raised it and the executor's outbox: a cycle only
+    # the garbage collector frees, on whatever thread it next runs.
+    started = executor_module.WorkerExecutor(pool_module.start_method(), int, (), "dpmethods-test-worker")
+    os.kill(started.process.pid, signal.SIGKILL)
+    with pytest.raises(concurrent.futures.BrokenExecutor):
+        started.submit(int, 1).result(timeout=30)
+    with pytest.raises(concurrent.futures.BrokenExecutor):
+        started.submit(int, 1)  # a send after the break: the kept error
+    gc.collect()
+    gc.disable()
+    try:
+        del started  # its finalizer sends the stop frame, which fails as well
+        found = gc.collect()
+    finally:
+        gc.enable()
+    assert found == 0
+
+
 def test_frames_bigger_than_the_pipe_to_a_busy_worker_neither_block_the_caller_nor_reorder(
     executor: Any, tmp_path: Path,
 ) -> None:
