@@ -67,7 +67,10 @@ def call_shares(
             except Exception as exc:
                 error = error or exc
         if error is not None:
-            raise error
+            try:
+                raise error
+            finally:
+                error = None  # this frame, in the error's traceback, holds no error: no cycle
         return outputs
     finally:
         for _, f in futures:
