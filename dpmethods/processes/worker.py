@@ -34,6 +34,7 @@ import contextlib
 import gc
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -194,9 +195,20 @@ def _warned(seen: list[warnings.WarningMessage]) -> tuple[Warned, ...]:
     here (the caller keeps that record)."""
     once = warn_once.take_given()
     return tuple(
-        Warned(str(w.message), w.category, w.filename, w.lineno, _module_of(w.filename), str(w.message) in once)
+        Warned(*_sendable(str(w.message), w.category), w.filename, w.lineno, _module_of(w.filename),
+               str(w.message) in once)
         for w in seen
     )
+
+
+def _sendable(text: str, category: type[Warning]) -> tuple[str, type[Warning]]:
+    """The warning as the caller can be given it: its own category where the caller can
+    import it (one defined inside a function cannot be), else a UserWarning naming it."""
+    try:
+        pickle.dumps(category)
+    except Exception:
+        return f"{category.__module__}.{category.__qualname__}: {text}", UserWarning
+    return text, category
 
 
 def _failure(exc: BaseException, warned: tuple[Warned, ...]) -> bytes:

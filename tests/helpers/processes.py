@@ -45,6 +45,16 @@ class Net(nn.Module):
         return self.lin(x)
 
     @dpmethods.parallel_method
+    def warns_locally(self, x: torch.Tensor) -> torch.Tensor:
+        """Warns with a category defined in the call: no other process can import it."""
+
+        class LocalWarning(UserWarning):
+            pass
+
+        warnings.warn("heads up", LocalWarning, stacklevel=1)
+        return self.lin(x)
+
+    @dpmethods.parallel_method
     def output(self, x: torch.Tensor) -> Any:
         from transformers.modeling_outputs import BaseModelOutput
 

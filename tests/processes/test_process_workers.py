@@ -410,6 +410,19 @@ def test_a_buffer_a_method_updates_in_place_is_each_workers_own_in_eval_mode() -
         dp.close()
 
 
+@pytest.mark.parametrize("how", ["call", "map"])
+def test_a_warning_whose_category_no_worker_can_send_is_given_by_name(dp: Any, net: Net, how: str) -> None:
+    # Its category was defined inside the method: the output still comes back, and the
+    # warning is given as a UserWarning that names the category.
+    x = torch.randn(7, 4)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        out = dp.warns_locally(x) if how == "call" else torch.cat(list(dp.map("warns_locally", [x[:4], x[4:]])))
+    _same(out, net.lin(x))
+    texts = {(w.category, str(w.message)) for w in seen}
+    assert texts == {(UserWarning, "tests.helpers.processes.Net.warns_locally.<locals>.LocalWarning: heads up")}
+
+
 def test_an_output_that_cannot_be_sent_back_names_the_method(dp: Any, net: Net) -> None:
     x = torch.randn(4, 4)
     with torch.no_grad():
