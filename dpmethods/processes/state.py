@@ -222,11 +222,26 @@ def _frozen(value: Any) -> bool:
     return type(value) in (tuple, frozenset) and all(map(_frozen, value))
 
 
+def _sent_attributes(m: nn.Module) -> dict[str, Any]:
+    """``m``'s attributes as it is pickled: its ``__dict__``, or what a ``__getstate__``
+    of its class gives (one that leaves out a lock or a client: those never cross)."""
+    if type(m).__getstate__ is _MODULE_GETSTATE:
+        return m.__dict__
+    try:
+        state = m.__getstate__()
+    except Exception:  # sending it names what fails
+        return m.__dict__
+    return state if isinstance(state, dict) else m.__dict__
+
+
+_MODULE_GETSTATE = nn.Module.__getstate__
+
+
 def _attribute_objects(m: nn.Module, into: dict[int, Any], skip: set[str]) -> None:
     """Add each of ``m``'s attribute objects that can change in place to ``into`` (by id),
     and each call hook that is sent (a hook object's settings, a partial's arguments)."""
     d = m.__dict__
-    for name, value in d.items():
+    for name, value in _sent_attributes(m).items():
         if name not in _COVERED and name not in skip and not _frozen(value):
             into.setdefault(id(value), value)
     for name in HOOK_DICTS:

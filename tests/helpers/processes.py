@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import threading
 import time
 import types
 import warnings
@@ -236,6 +237,29 @@ class Holder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)  # type: ignore[no-any-return]
+
+
+class Locked(nn.Module):
+    """Holds a lock that its ``__getstate__`` leaves out (as a client or a cache would
+    be): it never crosses, and each process makes its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.guard = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        del state["guard"]
+        return state  # type: ignore[no-any-return]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.guard = threading.Lock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.guard:
+            return self.lin(x)  # type: ignore[no-any-return]
 
 
 class MarkedLater(nn.Module):

@@ -47,6 +47,7 @@ from tests.helpers.processes import (
     GcProbe,
     Holder,
     InBatchLoss,
+    Locked,
     MarkedLater,
     Net,
     Shifted,
@@ -1012,6 +1013,28 @@ def test_an_unchanged_module_is_looked_at_once_per_change(holder: tuple[Holder, 
         dp(xs[0])
         list(dp.map("forward", xs))
     assert len(looks) == 2
+
+
+def test_an_attribute_its_getstate_leaves_out_is_not_taken_for_a_change(
+    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The lock never crosses: what is sent, and so what is compared, is what
+    # __getstate__ gives. Read from __dict__, it failed to pickle every time, and the
+    # module was sent again before every batch and call.
+    h, dp = holder
+    h.model = Locked().eval()
+    looks = []
+    fingerprint = pool_module.fingerprint
+    monkeypatch.setattr(pool_module, "fingerprint", lambda m: looks.append(1) or fingerprint(m))
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    with torch.no_grad():
+        outs = list(dp.map("forward", xs))
+        dp(xs[0])
+        list(dp.map("forward", xs))
+        want = [h.model(x) for x in xs]
+    assert len(looks) == 1
+    for o, w in zip(outs, want):
+        _same(o, w)
 
 
 def test_the_module_is_not_moved_into_shared_memory(dp: Any, net: Net) -> None:
