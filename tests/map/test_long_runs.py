@@ -49,37 +49,49 @@ def _reference(model: Faulty, method: str, batches: list[dict[str, Any]]) -> lis
 # --- retries: a worker process that dies ------------------------------------------
 
 
-def test_a_killed_worker_is_replaced_and_its_batch_runs_again(tmp_path: Path) -> None:
+# How each fault ends a worker: SIGKILL kills it; SIGTERM (kill <pid>) makes it leave
+# after replying (its batch's SystemExit once ended the caller mid-map).
+_ENDED = {"kill": r"died with exit code -9 \(SIGKILL\)", "term": r"was stopped by SIGTERM \(SystemExit\)"}
+
+
+@pytest.mark.parametrize("fault", list(_ENDED))
+def test_an_ended_worker_is_replaced_and_its_batch_runs_again(tmp_path: Path, fault: str) -> None:
     model = Faulty(tmp_path)
     dp = _dp(model, "processes")
     batches = _batches()
     with torch.no_grad():
-        outs = list(dp.map("encode", batches, fault="kill", at=3))
+        outs = list(dp.map("encode", batches, fault=fault, at=3))
     dp.close()
-    assert (tmp_path / "kill").exists()  # the fault struck
+    assert (tmp_path / fault).exists()  # the fault struck
     assert_close_to_reference(outs, _reference(model, "encode", batches), terms=mlp_terms(6))
 
 
+@pytest.mark.parametrize("fault", list(_ENDED))
 @pytest.mark.parametrize("errors", ["raise", "yield"])
-def test_with_no_retries_the_error_names_the_batch_the_worker_and_the_signal(tmp_path: Path, errors: str) -> None:
+def test_with_no_retries_the_error_names_the_batch_the_worker_and_how_it_ended(
+    tmp_path: Path, errors: str, fault: str
+) -> None:
     model = Faulty(tmp_path)
     dp = _dp(model, "processes")
     batches = _batches()
     with torch.no_grad():
         if errors == "raise":
-            with pytest.raises(RuntimeError) as info:
-                list(dp.map("encode", batches, fault="kill", at=3, retries=0))
+            with pytest.raises(WorkerDiedError) as info:
+                list(dp.map("encode", batches, fault=fault, at=3, retries=0))
             error: BaseException = info.value
         else:
-            outs = list(dp.map("encode", batches, fault="kill", at=3, retries=0, errors="yield"))
-            error = outs[3]
-            fine = [i for i in range(N) if i != 3]
-            assert_close_to_reference([outs[i] for i in fine], [_reference(model, "encode", batches)[i] for i in fine],
+            outs = list(dp.map("encode", batches, fault=fault, at=3, retries=0, errors="yield"))
+            error = outs.pop(3)
+            assert_close_to_reference(outs, [r for i, r in enumerate(_reference(model, "encode", batches)) if i != 3],
                                       terms=mlp_terms(6))
+        again = list(dp.map("encode", batches))  # the caller goes on, on a fresh worker
     dp.close()
-    assert isinstance(error, RuntimeError)
-    assert re.search(r"DataParallel.map: batch 3 failed 1 time\(s\) \(retries=0\): worker \d \(pid \d+, "
-                     r"device cpu\) died with exit code -9 \(SIGKILL\) while running it", str(error)), error
+    assert isinstance(error, WorkerDiedError)
+    found = re.search(r"DataParallel.map: batch 3 failed 1 time\(s\) \(retries=0\): worker \d \(pid (\d+), "
+                      rf"device cpu\) {_ENDED[fault]} while running it; a fresh worker replaced it", str(error))
+    assert found, error
+    assert_close_to_reference(again, _reference(model, "encode", batches), terms=mlp_terms(6))
+    assert gone(int(found.group(1)))
 
 
 def test_a_batch_that_kills_every_worker_fails_after_its_retries(tmp_path: Path) -> None:
@@ -89,44 +101,6 @@ def test_a_batch_that_kills_every_worker_fails_after_its_retries(tmp_path: Path)
     with torch.no_grad():  # the map after it has fresh workers
         assert len(list(dp.map("encode", _batches()))) == N
     dp.close()
-
-
-def test_a_worker_sent_sigterm_is_replaced_and_its_batch_runs_again(tmp_path: Path) -> None:
-    # kill <pid> of a worker: its batch's SystemExit once ended the caller mid-map.
-    model = Faulty(tmp_path)
-    dp = _dp(model, "processes")
-    batches = _batches()
-    with torch.no_grad():
-        outs = list(dp.map("encode", batches, fault="term", at=3))
-    dp.close()
-    assert (tmp_path / "term").exists()  # the fault struck
-    assert_close_to_reference(outs, _reference(model, "encode", batches), terms=mlp_terms(6))
-
-
-@pytest.mark.parametrize("errors", ["raise", "yield"])
-def test_with_no_retries_a_worker_sent_sigterm_is_named_and_the_caller_goes_on(tmp_path: Path, errors: str) -> None:
-    model = Faulty(tmp_path)
-    dp = _dp(model, "processes")
-    batches = _batches()
-    with torch.no_grad():
-        if errors == "raise":
-            with pytest.raises(WorkerDiedError) as info:
-                list(dp.map("encode", batches, fault="term", at=3, retries=0))
-            error: BaseException = info.value
-        else:
-            outs = list(dp.map("encode", batches, fault="term", at=3, retries=0, errors="yield"))
-            error = outs.pop(3)
-            assert_close_to_reference(outs, [r for i, r in enumerate(_reference(model, "encode", batches)) if i != 3],
-                                      terms=mlp_terms(6))
-        again = list(dp.map("encode", batches))  # the caller goes on, on a fresh worker
-    dp.close()
-    assert isinstance(error, WorkerDiedError)
-    found = re.search(r"DataParallel.map: batch 3 failed 1 time\(s\) \(retries=0\): worker \d \(pid (\d+), "
-                      r"device cpu\) was stopped by SIGTERM \(SystemExit\) while running it; a fresh worker "
-                      r"replaced it", str(error))
-    assert found, error
-    assert_close_to_reference(again, _reference(model, "encode", batches), terms=mlp_terms(6))
-    assert gone(int(found.group(1)))  # told to terminate, it left
 
 
 # --- timeouts ----------------------------------------------------------------------
