@@ -995,14 +995,19 @@ def test_a_class_marked_after_the_workers_hold_its_model_warns_there(holder: tup
             in str(w.message)], [str(w.message) for w in seen]
 
 
+@pytest.fixture
+def looks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per full look at a module (its fingerprint taken) by a pool."""
+    taken: list[int] = []
+    fingerprint = pool_module.fingerprint
+    monkeypatch.setattr(pool_module, "fingerprint", lambda m: taken.append(1) or fingerprint(m))
+    return taken
+
+
 @_WATCHING
-def test_an_unchanged_module_is_looked_at_once_per_change(holder: tuple[Holder, Any],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unchanged_module_is_looked_at_once_per_change(holder: tuple[Holder, Any], looks: list[int]) -> None:
     h, dp = holder
     h.model = Watched().eval()
-    looks = []
-    fingerprint = pool_module.fingerprint
-    monkeypatch.setattr(pool_module, "fingerprint", lambda m: looks.append(1) or fingerprint(m))
     xs = [torch.randn(3, 4) for _ in range(12)]
     with torch.no_grad():
         list(dp.map("forward", xs))  # the new model: one look
@@ -1016,16 +1021,13 @@ def test_an_unchanged_module_is_looked_at_once_per_change(holder: tuple[Holder, 
 
 
 def test_an_attribute_its_getstate_leaves_out_is_not_taken_for_a_change(
-    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch
+    holder: tuple[Holder, Any], looks: list[int]
 ) -> None:
     # The lock never crosses: what is sent, and so what is compared, is what
     # __getstate__ gives. Read from __dict__, it failed to pickle every time, and the
     # module was sent again before every batch and call.
     h, dp = holder
     h.model = Locked().eval()
-    looks = []
-    fingerprint = pool_module.fingerprint
-    monkeypatch.setattr(pool_module, "fingerprint", lambda m: looks.append(1) or fingerprint(m))
     xs = [torch.randn(3, 4) for _ in range(6)]
     with torch.no_grad():
         outs = list(dp.map("forward", xs))
