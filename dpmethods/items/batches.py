@@ -72,7 +72,7 @@ def read_batches(
         n = measure(options.length, item, index)
         window.append((n, index, item))
         read.append(index)
-        total += n
+        total += max(n, 1)  # an empty item takes a row (as in cut_window): zeros still close a window
         if (per_window is not None and len(window) >= per_window) or (tokens is not None and total >= tokens):
             yield from cut_window(window, options.batch_size, options.max_tokens)
             window, total = [], 0

@@ -43,7 +43,8 @@ class ItemOptions:
         return None
 
     def window_tokens(self) -> int | None:
-        """The sum of lengths that closes a window (``max_tokens`` alone), or None."""
+        """The sum of lengths that closes a window (``max_tokens`` alone; an empty item
+        counts 1, the row it takes), or None."""
         if self.window == AUTO and self.batch_size is None and self.max_tokens is not None:
             return WINDOW_BATCHES * self.max_tokens
         return None

@@ -298,7 +298,7 @@ def map_items(
     if options.checkpoint is not None:  # the record counts items; sharded per rank
         checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, target.module, options.shard,
                                    items.identity())
-        pairs, total = checkpoint.pending, None
+        pairs, total = checkpoint.pending, checkpoint.total
     else:
         pairs, total = indexed(batches, options.shard)
     source = _Source(pairs, items, method, kwargs)
@@ -308,7 +308,7 @@ def map_items(
     source.bind(target.module, target.options(method))
     alone = functools.partial(_run_alone, target, method, kwargs, dataclasses.replace(each_batch, ordered=True))
     return ItemIterator(outputs, source, ordered=options.ordered, errors=options.errors,
-                        bar=progress_bar(options.progress, total, "item"), checkpoint=checkpoint,
+                        bar=progress_bar(options.progress, total, "item", checkpoint), checkpoint=checkpoint,
                         run_alone=alone if items.trim else None)
 
 

@@ -20,6 +20,7 @@ Data flow::
     end of file or the process gone, or a reply    |
     that says the worker leaves (WorkerLeft):      |
     every pending Future fails with BrokenExecutor |
+    (the jobs that had not started: NotStarted)    |
 
 Replies are read by the threads that wait for them, one at a time: the first to wait
 reads for every executor, the others wait for it to read theirs (and one of them reads
@@ -60,7 +61,7 @@ from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["WorkerExecutor", "WorkerLeft", "wait_replies"]
+__all__ = ["NotStarted", "WorkerExecutor", "WorkerLeft", "wait_replies"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -76,6 +77,11 @@ class WorkerLeft(cf.BrokenExecutor):
     def __init__(self, message: str, raised: BaseException) -> None:
         super().__init__(message)
         self.raised = raised
+
+
+class NotStarted(cf.BrokenExecutor):
+    """A job's failure when its worker went before it started: it waited behind another
+    job, which was running (or which ended the worker)."""
 
 
 class WorkerExecutor(cf.Executor):
@@ -194,17 +200,20 @@ class WorkerExecutor(cf.Executor):
             self.left = value
             why = f"its job raised {type(value).__name__}, and it left"
             future.set_exception(WorkerLeft(f"{self.process.name} is gone: {why}", value))
-            self._break(why)
+            self._break(why, running=False)
 
-    def _break(self, why: str) -> None:
+    def _break(self, why: str, running: bool = True) -> None:
+        """The worker is gone: every pending job fails, the first as the one it was
+        running (``running``), the others as :class:`NotStarted`."""
         with self._send_lock:
             self._broken = True
             failed = list(self._pending)
             self._pending.clear()
         self._out.close()
         self._conn.close()
-        for future in failed:
-            future.set_exception(cf.BrokenExecutor(f"{self.process.name} is gone: {why}"))
+        for k, future in enumerate(failed):
+            kind = cf.BrokenExecutor if k == 0 and running else NotStarted
+            future.set_exception(kind(f"{self.process.name} is gone: {why}"))
         with _INBOX.changed:  # a thread waiting for a pending Future, told
             _INBOX.changed.notify_all()
 
@@ -215,7 +224,7 @@ class _Reply(cf.Future):  # type: ignore[type-arg]
     def __init__(self, executor: WorkerExecutor) -> None:
         super().__init__()
         self.sent = time.monotonic()  # when it was sent (see WorkerExecutor.started)
-        self._executor = executor  # kept alive while its Future can be waited on
+        self.executor = executor  # that runs its job (kept alive while it can be waited on)
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():

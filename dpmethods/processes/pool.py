@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
-from dpmethods.processes.executor import WorkerExecutor
+from dpmethods.processes.executor import NotStarted, WorkerExecutor
 from dpmethods.processes.messages import Done, Load, Request, Warned
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
 from dpmethods.processes.pickling import dumps, loads, model_payloads
@@ -85,9 +85,10 @@ class WorkerDiedError(RuntimeError):
     while the caller waited; ``what`` says which worker and how, as the message does
     after its prefix."""
 
-    def __init__(self, message: str, what: str = "") -> None:
+    def __init__(self, message: str, what: str = "", started: bool = True) -> None:
         super().__init__(message)
         self.what = what
+        self.started = started  # False: the job waited behind another when the worker went
 
 
 class Unsendable(TypeError):
@@ -188,9 +189,12 @@ class Worker:
         self.pid: int | None = None  # as the worker told it, answering its model
         self.key: Any = None  # what model it holds; None until it answered the load
 
-    def describe(self) -> str:
-        # Told by the worker once it answered its model; before, the started process's.
-        pid = self.pid if self.pid is not None or self.process is None else self.process.pid
+    def describe(self, executor: WorkerExecutor | None = None) -> str:
+        """This worker, or the one ``executor`` ran, which a fresh one may have replaced."""
+        if executor is not None and executor is not self.executor:
+            pid = executor.process.pid
+        else:  # told by the worker once it answered its model; before, the started process's
+            pid = self.pid if self.pid is not None or self.process is None else self.process.pid
         return f"worker {self.index} (pid {pid}, device {self.device})"
 
     def usable(self) -> bool:
@@ -235,22 +239,26 @@ class Worker:
         executor = self.executor
         return executor.started(future) if executor is not None else None
 
-    def died(self) -> WorkerDiedError:
-        """The error for this worker being gone, with its exit code."""
-        self.key = None
+    def died(self, executor: WorkerExecutor | None = None) -> WorkerDiedError:
+        """The error for this worker being gone, with its exit code; ``executor``: the one
+        that ran the failed job, where a map may have started a fresh one since."""
         if self.process is None:
+            self.key = None
             return WorkerDiedError("DataParallel(workers='processes'): the worker processes were "
                                    "closed (dp.close()) while a map or call was using them")
-        left = self.executor.left if self.executor is not None else None
+        if executor is None or executor is self.executor:
+            executor, self.key = self.executor, None
+        where = self.describe(executor)
+        left = executor.left if executor is not None else None
         if left is not None:  # a job ended it: it replied, and left (WorkerLeft)
             how = ("was stopped by SIGTERM (SystemExit)" if isinstance(left, process_worker.Terminated)
                    else f"left after its job raised {type(left).__name__}")
-            what = f"{self.describe()} {how}"
+            what = f"{where} {how}"
             return WorkerDiedError(f"DataParallel(workers='processes'): {what}", what)
-        code = _reaped(self.process, 5)
+        code = _reaped(executor.process if executor is not None else self.process, 5)
         if code == UNGUARDED_MAIN_EXIT:
             return WorkerDiedError(
-                f"DataParallel(workers='processes'): {self.describe()} stopped while starting: "
+                f"DataParallel(workers='processes'): {where} stopped while starting: "
                 f"each worker runs the script's main module again, and this script "
                 f"starts its work {_UNGUARDED}, so it reached DataParallel again there. Start "
                 f"the script's work under that guard (a program read from stdin cannot use "
@@ -262,7 +270,7 @@ class Worker:
                 why = f" ({signal.Signals(-code).name})"
             except ValueError:
                 pass
-        what = f"{self.describe()} died with exit code {code}{why}"
+        what = f"{where} died with exit code {code}{why}"
         return WorkerDiedError(f"DataParallel(workers='processes'): {what}", what)
 
     def reply(self, future: cf.Future[bytes], raised: str, running: str) -> Any:
@@ -271,9 +279,14 @@ class Worker:
         or ``running`` (the worker died, or was stopped: never its SystemExit) in its note."""
         try:
             data = future.result()
-        except (cf.BrokenExecutor, cf.CancelledError):  # WorkerLeft too
-            raise add_note(self.died(), f"dpmethods: while running {running}; the next map or "
-                           "call starts a fresh worker") from None
+        except (cf.BrokenExecutor, cf.CancelledError) as gone:  # WorkerLeft too
+            died = self.died(getattr(future, "executor", None))
+            if isinstance(gone, NotStarted):
+                died.started = False
+                where = f"before {running} started (it waited behind another job)"
+            else:
+                where = f"while running {running}"
+            raise add_note(died, f"dpmethods: {where}; the next map or call starts a fresh worker") from None
         msg = loads(data)
         try:
             give_warnings(msg.warned)

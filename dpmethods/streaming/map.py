@@ -86,8 +86,11 @@ class MapTarget:
         )
 
 
-def progress_bar(progress: bool | str, total: int | None, unit: str) -> Callable[[], Any] | None:
-    """What makes the map's tqdm bar (None: no bar), counting ``unit``s."""
+def progress_bar(
+    progress: bool | str, total: int | None, unit: str, checkpoint: Checkpoint | None = None
+) -> Callable[[], Any] | None:
+    """What makes the map's tqdm bar (None: no bar), counting ``unit``s; a resumed map's
+    starts at what its ``checkpoint`` counts as done, read when the bar is made."""
     if progress is False:
         return None
     try:
@@ -97,7 +100,8 @@ def progress_bar(progress: bool | str, total: int | None, unit: str) -> Callable
             "DataParallel.map: progress=True needs tqdm; install it with `pip install tqdm`"
         ) from None
     desc = progress if isinstance(progress, str) else None
-    return lambda: tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True)
+    return lambda: tqdm(total=total, initial=checkpoint.done if checkpoint is not None else 0, desc=desc,
+                        unit=unit, dynamic_ncols=True)
 
 
 def _backend(target: MapTarget, method: str, options: MapOptions, oom: MethodOptions | None) -> Backend:
@@ -155,12 +159,12 @@ def map_batches(
     source: Iterator[tuple[int, Any]]
     if options.checkpoint is not None:  # the record counts batches here; sharded per rank
         checkpoint = Checkpoint.of(options.checkpoint, method, batches, kwargs, target.module, options.shard)
-        source, total = checkpoint.pending, None
+        source, total = checkpoint.pending, checkpoint.total
     else:
         source, total = indexed(batches, options.shard)
     backend = _backend(target, method, options, oom)
     scheduler = Scheduler(backend, retries=options.retries, timeout=options.timeout,
                           keep_errors=options.errors == "yield")
     return BatchIterator(scheduler, source, kwargs, ordered=options.ordered, prefetch=options.prefetch,
-                         dim=target.options(method).dim, progress=progress_bar(options.progress, total, "batch"),
+                         dim=target.options(method).dim, progress=progress_bar(options.progress, total, "batch", checkpoint),
                          checkpoint=checkpoint)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dpmethods.streaming.record import Identity, Record
-from dpmethods.streaming.source import rank_and_world
+from dpmethods.streaming.source import count, rank_and_world
 from dpmethods.types.digests import digest
 
 __all__ = ["Checkpoint"]
@@ -121,9 +121,11 @@ class Checkpoint:
         []
     """
 
-    def __init__(self, path: str | os.PathLike[str], identity: Identity, batches: Iterable[Any]) -> None:
+    def __init__(self, path: str | os.PathLike[str], identity: Identity, batches: Iterable[Any],
+                 total: int | None = None) -> None:
         self.path, self.identity = _rank_path(path, identity.shard), identity
         self.pending = _Source(batches)  # the batches to run, as (index, batch)
+        self.total = total  # this rank's batches, done or not (None: the input has no len())
         self.record: Record | None = None  # opened once the map's arguments were checked
 
     @staticmethod
@@ -133,7 +135,8 @@ class Checkpoint:
         this rank's batches only, with a record per rank; ``items``: in item mode, what
         shapes each item's output, :meth:`dpmethods.items.ItemOptions.identity`)."""
         rank = rank_and_world() if shard else None
-        return Checkpoint(path, Identity.of(method, batches, dict(kwargs), model, rank, items), batches)
+        identity = Identity.of(method, batches, dict(kwargs), model, rank, items)
+        return Checkpoint(path, identity, batches, count(batches, shard))
 
     def open(self) -> None:
         """Open the record: another map's, or one in use, is refused."""
@@ -144,6 +147,12 @@ class Checkpoint:
         any batch runs); False when nothing is left to run."""
         self.pending.prime()
         return not self.pending.empty
+
+    @property
+    def done(self) -> int:
+        """How many batches the record counts as done (0 before it is opened): where a
+        resumed map's progress bar starts."""
+        return len(self.record.done) if self.record is not None else 0
 
     def taken(self, index: int) -> None:
         """The consumer took batch ``index``'s output."""

@@ -286,14 +286,17 @@ class Scheduler:
         self.busy[slot] = 0
 
     def _replace(self, slot: int, batch: Batch, exc: WorkerDiedError) -> BaseException | None:
-        """``slot``'s worker died running ``batch``: start a fresh one and send its
-        batches again; the batch's error once it used up its retries (None while it has some)."""
+        """``slot``'s worker died holding ``batch``, this map's first there: start a fresh
+        one and send its batches again; the batch's error once it used up its retries
+        (None while it has some). A batch that had not started (it waited behind another
+        map's batch or a call's share) is not charged a try."""
         timed_out = batch.seq in self.hung
         where = self.backend.describe(slot)
         how = (f"it ran longer than timeout={self.timeout} s on {where}, which was killed"
                if timed_out else f"{exc.what or exc} while running it")
         self.hung.discard(batch.seq)
-        tries = self.tries[batch.seq] = self.tries.get(batch.seq, 0) + 1
+        tries = self.tries.get(batch.seq, 0) + (exc.started or timed_out)
+        self.tries[batch.seq] = tries
         # Every batch the dead worker held failed with it: they go again, in their order.
         mine = [b for f, (b, s) in self.inflight.items() if s == slot]
         self.inflight = {f: v for f, v in self.inflight.items() if v[1] != slot}

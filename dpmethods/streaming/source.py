@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Indexed", "indexed", "rank_and_world"]
+__all__ = ["Indexed", "count", "indexed", "rank_and_world"]
 
 
 class Indexed:
@@ -60,8 +60,19 @@ def indexed(batches: Iterable[Any], shard: bool) -> tuple[Iterator[tuple[int, An
     """
     rank, world = rank_and_world() if shard else (0, 1)
     pairs = iter(batches) if isinstance(batches, Indexed) else enumerate(batches)
+    return itertools.islice(pairs, rank, None, world), count(batches, shard)
+
+
+def count(batches: Iterable[Any], shard: bool) -> int | None:
+    """How many of ``batches`` are this rank's (all of them without ``shard``); None if
+    the input has no ``len()``.
+
+    Example:
+        >>> count(range(5), shard=False), count(iter(range(5)), shard=False)
+        (5, None)
+    """
+    rank, world = rank_and_world() if shard else (0, 1)
     try:
-        total: int | None = len(range(rank, len(batches), world))  # type: ignore[arg-type]
+        return len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset
-        total = None
-    return itertools.islice(pairs, rank, None, world), total
+        return None

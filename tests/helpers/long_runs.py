@@ -91,7 +91,8 @@ def out_of_memory_above(workdir: str, limit: int, module: nn.Module, args: Any, 
 class Faulty(nn.Module):
     """Methods that record their rows, run out of memory above ``limit`` rows, and on the
     batch whose ``tag`` is ``at`` strike ``fault`` the first time ("kill": SIGKILL of its
-    own process; "term": SIGTERM of it; "hang": wait forever), or every time ("kill-always")."""
+    own process; "term": SIGTERM of it; "hang": wait forever), or every time ("kill-always"),
+    recording the pid that struck in ``workdir/struck``."""
 
     def __init__(self, workdir: str | Path, limit: int | None = None) -> None:
         super().__init__()
@@ -100,6 +101,7 @@ class Faulty(nn.Module):
 
     def _enter(self, rows: int, tag: int, fault: str | None, at: int) -> None:
         if fault is not None and tag == at and (fault == "kill-always" or first_time(self.workdir, fault)):
+            record(self.workdir, "struck", os.getpid())
             strike(fault)
         record_rows(self.workdir, rows, self.limit)
 

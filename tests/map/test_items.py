@@ -153,6 +153,26 @@ def test_a_stream_is_sorted_a_window_at_a_time_and_read_a_bounded_way_ahead(dp: 
                               terms=TERMS)
 
 
+def test_a_stream_of_empty_items_under_max_tokens_alone_is_cut_into_windows() -> None:
+    # An empty item takes a row: the window (64 x max_tokens) closes after 512 of them,
+    # not at the end of the input.
+    pulled = [0]
+
+    def stream() -> Iterator[torch.Tensor]:
+        for i in range(2000):
+            pulled[0] += 1
+            yield torch.full((3,), float(i))
+
+    model = torch.nn.Linear(3, 2)
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2)
+    with torch.no_grad(), dp.map("forward", stream(), max_tokens=8, length=lambda x: 0, collate=torch.stack) as it:
+        first = next(it)
+        assert pulled[0] <= 2 * 512  # at most the next window read ahead, not the stream
+        outs = [first, *it]
+        want = model(torch.stack([torch.full((3,), float(i)) for i in range(2000)]))
+    assert_close_to_reference(torch.stack(outs), want, terms=mlp_terms(3))
+
+
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_method_of_per_item_lists_gets_them_and_gives_one_output_per_item(dp: Any, workers: str) -> None:
     items = [(item["input_ids"], f"item {i}") for i, item in enumerate(token_items(N))]
@@ -256,6 +276,20 @@ def test_progress_counts_items(dp: Any, workers: str, capsys: pytest.CaptureFixt
         list(dp.map("encode", token_items(N), batch_size=4, progress="embedding"))
     err = capsys.readouterr().err
     assert f"{N}/{N}" in err and "item" in err and "embedding" in err
+
+
+def test_a_resumed_item_maps_progress_bar_counts_every_item_from_what_was_done(
+    dp: Any, workdir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    items, ckpt = token_items(N), workdir / "items.json"
+    with torch.no_grad():
+        for i, _ in enumerate(dp.map("encode", items, batch_size=4, checkpoint=ckpt)):
+            if i == 6:  # six taken
+                break
+        capsys.readouterr()
+        list(dp.map("encode", items, batch_size=4, checkpoint=ckpt, progress=True))
+    err = capsys.readouterr().err.replace(" ", "")
+    assert f"6/{N}[" in err and f"{N}/{N}[" in err and "item/s" in err, err
 
 
 @pytest.mark.parametrize("workers", WORKERS)

@@ -3,7 +3,11 @@ out-of-memory splitting, on threads and on worker processes, compared with one d
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +19,14 @@ import dpmethods
 from dpmethods.processes.pool import WorkerDiedError
 from dpmethods.testing import assert_close_to_reference
 from tests.helpers import WORKERS
-from tests.helpers.long_runs import Faulty, arm_hang, out_of_memory_above, release_hung, rows_run
+from tests.helpers.long_runs import (
+    Faulty,
+    arm_hang,
+    out_of_memory_above,
+    records,
+    release_hung,
+    rows_run,
+)
 from tests.helpers.models import tiny_gpt2
 from tests.helpers.processes import build_net, gone
 from tests.helpers.terms import mlp_terms
@@ -92,6 +103,33 @@ def test_with_no_retries_the_error_names_the_batch_the_worker_and_how_it_ended(
     assert found, error
     assert_close_to_reference(again, _reference(model, "encode", batches), terms=mlp_terms(6))
     assert gone(int(found.group(1)))
+
+
+def test_batches_waiting_behind_a_call_whose_worker_died_run_again_without_using_a_retry(tmp_path: Path) -> None:
+    model = Faulty(tmp_path)
+    dp = _dp(model, "processes")
+    batches = _batches()
+
+    def kill_once_the_map_ran_a_batch(pid: int) -> None:
+        # The map sends both workers a batch before it takes any: one now waits behind
+        # the hung share.
+        while ROWS not in [rows for rows, _ in rows_run(tmp_path)]:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    with torch.no_grad(), cf.ThreadPoolExecutor(2) as threads:
+        call = threads.submit(torch.no_grad()(dp.encode), torch.randn(4, 6), tag=0, fault="hang", at=0)  # one hangs
+        while not records(tmp_path, "struck"):
+            time.sleep(0.01)
+        [(hung,)] = records(tmp_path, "struck")
+        killer = threads.submit(kill_once_the_map_ran_a_batch, hung)
+        outs = list(dp.map("encode", batches, retries=0))
+        killer.result()
+        with pytest.raises(WorkerDiedError, match=rf"\(pid {hung}, device cpu\) died with exit code -9") as info:
+            call.result()
+    dp.close()
+    assert info.value.started  # the call's share was running
+    assert_close_to_reference(outs, _reference(model, "encode", batches), terms=mlp_terms(6))
 
 
 def test_a_batch_that_kills_every_worker_fails_after_its_retries(tmp_path: Path) -> None:

@@ -155,6 +155,20 @@ def test_a_stopped_map_resumes_without_recomputing_what_was_taken(
     assert list(dp.map("encode", batches, checkpoint=ckpt)) == []  # finished
 
 
+def test_a_resumed_maps_progress_bar_counts_the_whole_input_from_what_was_done(
+    dp: Any, setup: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, batches, ckpt, _ = setup
+    with torch.no_grad():
+        for i, _ in enumerate(dp.map("encode", batches, checkpoint=ckpt)):
+            if i == 4:  # four taken; the fifth was not asked past
+                break
+        capsys.readouterr()
+        list(dp.map("encode", batches, checkpoint=ckpt, progress="resumed"))
+    err = capsys.readouterr().err.replace(" ", "")
+    assert f"4/{N}" in err and f"{N}/{N}" in err, err
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", WORKERS)
 def test_unordered_maps_keep_the_original_indices(dp: Any, setup: Any, workers: str) -> None:
