@@ -178,9 +178,10 @@ class ItemIterator(MapIterator):
                 self._end()  # trim: dims untold when the map ended
                 continue
             sent = self._source.sent.pop(k)
-            if not self._observe(out, sent):  # the probe of trim
-                continue
-            self._pending.append((out, sent))
+            if self._observe(out, sent):  # else the probe of trim, measured only
+                self._pending.append((out, sent))
+            # A probe's evidence may tell the batches waiting, and it may be the map's last
+            # output (one batch; or one device, which runs it after its batch).
             self._place_told()
 
     def _observe(self, out: Any, sent: _Sent) -> bool:

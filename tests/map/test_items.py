@@ -344,6 +344,24 @@ def test_a_probe_that_fails_is_followed_by_another_while_the_map_reads(dp: Any, 
     assert_close_to_reference(outs[4:], _alone(dp.module, items[4:]), terms=TERMS)
 
 
+@pytest.mark.parametrize("workers", WORKERS)
+def test_trim_of_one_batch_whose_probe_is_the_last_output(workdir: Path, workers: str) -> None:
+    # One device runs the probe after its batch: the probe's output is the map's last, and
+    # its evidence tells the batch that waits for it.
+    model = build_tokens(str(workdir))
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"], workers=workers)
+    items = _lengths_items([6, 2, 4])
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("encode", items, batch_size=4, trim=True))
+            pairs = list(dp.map("encode", items, batch_size=4, trim=True, ordered=False))
+    finally:
+        dp.close()
+    assert [o["hidden"].shape[0] for o in outs] == [6, 2, 4]
+    assert_close_to_reference(outs, _alone(model, items), terms=TERMS)
+    assert_close_to_reference([o for _, o in sorted(pairs, key=lambda p: p[0])], _alone(model, items), terms=TERMS)
+
+
 class _Lonely(Tokens):
     """Tokens whose encode refuses a batch of one row: every probe of trim raises."""
 
