@@ -95,6 +95,15 @@ class _Source:
                 j = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
                 shortest = (batch.items[j], batch.indices[j], batch.lengths[j])
             prompt = _prompt(collated, len(batch.items)) if self.method == "generate" else None
+            if prompt is not None and padding is not None and padding.longest != prompt.shape[1]:
+                # Spans from length= in other units than the prompt's positions (characters,
+                # not tokens): cutting each output's padding by them would cut at random.
+                raise ValueError(
+                    f"map: length: the items {batch.indices} have lengths up to {padding.longest} "
+                    f"(length=), but their batch's prompt is {prompt.shape[1]} positions wide and "
+                    "has no attention_mask, so each prompt's own positions are unknown: return an "
+                    "attention_mask from collate=, or give length= in the prompt's positions (tokens)"
+                )
             self.sent[k] = _Sent(batch.indices, padding, prompt, shortest)
             yield k, collated
             k += 1

@@ -251,6 +251,37 @@ def test_generate_of_prompts_of_mixed_lengths_equals_each_prompt_alone(workers: 
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_generate_with_a_collate_without_attention_mask_needs_lengths_in_tokens(bert_tokenizer: Any,
+                                                                                workers: str) -> None:
+    pytest.importorskip("transformers")
+    tok, _ = bert_tokenizer
+    torch.manual_seed(0)
+    model = tiny_gpt2().eval()
+    texts = ["the cat", "a dog runs fast on the mat", "red", "big small red blue cat", "the a", "runs"]
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+
+    def collate(batch: list[str]) -> Any:  # left-padded ids, no mask: generate infers it from pad_token_id
+        return tok(batch, padding=True, padding_side="left", add_special_tokens=False, return_tensors="pt",
+                   return_attention_mask=False, return_token_type_ids=False)
+
+    def tokens(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        with torch.no_grad():
+            # Characters are not the prompt's positions: each row's padding is unknown.
+            with pytest.raises(ValueError, match=r"map: length: the items \[1, 3, 0\] have lengths up to 26 "
+                               r"\(length=\), but their batch's prompt is 7 positions wide"):
+                list(dp.map("generate", texts, batch_size=3, length=len, collate=collate, **kwargs))
+            outs = list(dp.map("generate", texts, batch_size=3, length=tokens, collate=collate, **kwargs))
+            ref = [model.generate(**collate([t]), **kwargs)[0] for t in texts]
+    finally:
+        dp.close()
+    assert [o.tolist() for o in outs] == [r.tolist() for r in ref]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 def test_sentence_transformers_encode_of_strings_with_the_default_collate(tmp_path: Path, workers: str) -> None:
     pytest.importorskip("sentence_transformers")
     model = tiny_sentence_transformer(tmp_path)
