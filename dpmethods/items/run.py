@@ -72,6 +72,7 @@ class _Source:
         self.options = MethodOptions()
         self.signature: inspect.Signature | None = None
         self.name = method
+        self.repeat = 1  # a tensor's rows per item in the batch's output
         self.probes = 1 if items.trim else 0
         self.probes_left = _PROBES - 1 if items.trim else 0  # re-arms left after a probe raised
 
@@ -80,6 +81,7 @@ class _Source:
         self.options = options
         fn = module.forward if self.method == "forward" else getattr(module, self.method)
         self.name = f"{type(module).__name__}.{self.method}"
+        self.repeat = _repeat(module, self.method, self.kwargs)
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):  # a builtin without one: nothing to check against
@@ -138,6 +140,18 @@ class _Source:
             padding = padding_of(collated, lengths, self.method == "generate", len(items))
         check_takes(self.signature, self.name, collated, self.kwargs, indices)
         return collated, padding
+
+
+def _repeat(module: nn.Module, method: str, kwargs: dict[str, Any]) -> int:
+    """A ``generate`` output's rows per prompt: its ``num_return_sequences``, from the
+    map's keyword arguments, else the generation config it runs with."""
+    if method != "generate":
+        return 1
+    k = kwargs.get("num_return_sequences")
+    if k is None:
+        config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
+        k = getattr(config, "num_return_sequences", None)
+    return k if isinstance(k, int) and not isinstance(k, bool) and k > 1 else 1
 
 
 def _prompt(batch: Any, rows: int) -> Tensor | None:
@@ -267,7 +281,8 @@ class ItemIterator(MapIterator):
             return [out] * len(sent.indices)
         try:
             return cut_output(out, len(sent.indices), self._source.options, sent.padding,
-                              padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt)
+                              padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt,
+                              repeat=self._source.repeat)
         except ValueError as exc:
             raise add_note(exc, f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
 

@@ -13,7 +13,8 @@ its batch dim as with ``"cat"``.
 
 Two cuts use the batch's padding (:class:`Padding`): a
 ``generate`` output that starts with the batch's left-padded prompt comes back without
-the padding, so equal prompts give equal tokens whatever their batch; and ``trim=True``
+the padding, so equal prompts give equal tokens whatever their batch (with
+``num_return_sequences=k`` each item keeps its k rows, ``repeat``); and ``trim=True``
 narrows each item's tensors to its own positions in the dims told to be padding
 (:mod:`dpmethods.items.trim`).
 """
@@ -83,8 +84,9 @@ class _Cutter:
     """One walk of a batch's flattened output, giving each node's value per item."""
 
     def __init__(self, leaves: list[Any], rows: int, padding: Padding | None,
-                 padded: Callable[[str, int], bool] | None, prompt: Tensor | None) -> None:
+                 padded: Callable[[str, int], bool] | None, prompt: Tensor | None, repeat: int = 1) -> None:
         self.leaves, self.rows, self.padding, self.padded, self.prompt = leaves, rows, padding, padded, prompt
+        self.repeat = repeat  # a tensor's rows per item (generate's num_return_sequences)
 
     def refuse(self, path: str, value: Any, why: str) -> ValueError:
         return ValueError(
@@ -130,25 +132,37 @@ class _Cutter:
         return not (all(c == _tree.LEAF for c in spec.children) and all(self.batched(t, dim) for t in leaves))
 
     def batched(self, value: Any, dim: int) -> bool:
-        return isinstance(value, Tensor) and -value.dim() <= dim < value.dim() and value.shape[dim] == self.rows
+        return (isinstance(value, Tensor) and -value.dim() <= dim < value.dim()
+                and value.shape[dim] == self.rows * self.repeat)
 
     def leaf(self, value: Any, path: str, dim: int) -> list[Any]:
         if value is None:
             return [None] * self.rows
         if self.batched(value, dim):
+            k = self.repeat
             if self.starts_with_prompt(value, dim):
-                return [value[i, s:] for i, (s, _) in enumerate(self.padding.spans)]  # type: ignore[union-attr]
-            rows = list(value.unbind(dim))
+                spans = self.padding.spans  # type: ignore[union-attr]
+                if k > 1:
+                    return [value[i * k:(i + 1) * k, s:] for i, (s, _) in enumerate(spans)]
+                return [value[i, s:] for i, (s, _) in enumerate(spans)]
+            batch_dim = dim % value.dim()
+            if k > 1:  # each item's k rows, as a group that keeps the batch dim
+                rows = [value.narrow(batch_dim, i * k, k) for i in range(self.rows)]
+                dims = [d for d in range(value.dim()) if d != batch_dim]
+            else:
+                rows = list(value.unbind(dim))
+                dims = [j + (j >= batch_dim) for j in range(value.dim() - 1)]
             if self.padded is None or self.padding is None:
                 return rows
-            batch_dim = dim % value.dim()
-            dims = [j for j in range(value.dim() - 1) if self.padded(path, j + (j >= batch_dim))]
-            return [self.trimmed(r, span, dims) for r, span in zip(rows, self.padding.spans)] if dims else rows
+            # dims[j] is the batch output's dim that is the item output's dim j.
+            cut = [j for j, d in enumerate(dims) if self.padded(path, d)]
+            return [self.trimmed(r, span, cut) for r, span in zip(rows, self.padding.spans)] if cut else rows
         np = sys.modules.get("numpy")  # never imported here: an output can only hold arrays if it is
         if np is not None and isinstance(value, np.ndarray) and -value.ndim <= dim < value.ndim and value.shape[dim] == self.rows:
             return list(np.moveaxis(value, dim, 0))
         if isinstance(value, Tensor) or (np is not None and isinstance(value, np.ndarray)):
-            why = "one value for the whole batch" if not value.ndim else f"without one row per item on dim {dim}"
+            each = "one row" if self.repeat == 1 else f"{self.repeat} rows (num_return_sequences)"
+            why = "one value for the whole batch" if not value.ndim else f"without {each} per item on dim {dim}"
             raise self.refuse(path, _got(value), why)
         raise self.refuse(path, _got(value), "one value for the whole batch")
 
@@ -157,6 +171,8 @@ class _Cutter:
         if prompt is None or self.padding is None or dim != 0 or value.dim() != 2 or value.is_floating_point():
             return False
         width = prompt.shape[1]
+        if self.repeat > 1:  # generate repeats each prompt for its sequences
+            prompt = prompt.repeat_interleave(self.repeat, dim=0)
         return value.shape[1] >= width and bool((value[:, :width] == prompt.to(value.device)).all())
 
     @staticmethod
@@ -169,7 +185,7 @@ class _Cutter:
 
 def cut_output(
     out: Any, rows: int, options: MethodOptions, padding: Padding | None = None, *,
-    padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None,
+    padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None, repeat: int = 1,
 ) -> list[Any]:
     """The output of a batch of ``rows`` items as one output per item.
 
@@ -182,6 +198,8 @@ def cut_output(
             positions there. None: nothing is trimmed.
         prompt: a ``generate`` batch's left-padded prompt ids (``[rows, longest]``): an
             output that starts with them comes back without each row's padding.
+        repeat: a tensor's rows per item (``generate``'s ``num_return_sequences``): each
+            item's output keeps its ``repeat`` rows, with the batch dim.
 
     Example:
         >>> import torch
@@ -200,5 +218,5 @@ def cut_output(
     dim: Any = options.dim if options.gather_dim is None else options.gather_dim
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
-    cutter = _Cutter(leaves, rows, padding, padded, prompt)
+    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

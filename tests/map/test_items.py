@@ -251,6 +251,31 @@ def test_generate_of_prompts_of_mixed_lengths_equals_each_prompt_alone(workers: 
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_generate_with_num_return_sequences_gives_each_prompt_its_sequences(workers: str) -> None:
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_gpt2().eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"input_ids": torch.randint(2, 48, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2, 9)]
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "num_beams": 2,
+              "num_return_sequences": 2, "return_dict_in_generate": True, "output_scores": True}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
+            ids = list(dp.map("generate", prompts, batch_size=3, **{**kwargs, "return_dict_in_generate": False}))
+            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
+                                  **kwargs) for p in prompts]
+    finally:
+        dp.close()
+    # Each prompt's 2 sequences (its rows of the batch's 6 or 2), without the batch's padding.
+    assert [o.sequences.tolist() for o in outs] == [r.sequences.tolist() for r in ref]
+    assert [o.tolist() for o in ids] == [r.sequences.tolist() for r in ref]
+    assert_close_to_reference([o.sequences_scores for o in outs], [r.sequences_scores for r in ref],
+                              terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 def test_generate_with_a_collate_without_attention_mask_needs_lengths_in_tokens(bert_tokenizer: Any,
                                                                                 workers: str) -> None:
     pytest.importorskip("transformers")
