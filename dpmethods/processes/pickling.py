@@ -189,16 +189,33 @@ class _OutputPickler(_IOPickler):
         return _io_reduce(obj)
 
 
-def _io_pickler(output: bool) -> type[_IOPickler]:
-    """The pickler for a batch or a message (``output``: for an output), the dispatch table
-    both read made again where a reduction was registered since the last message."""
+class _NoGradOutputPickler(_IOPickler):
+    """An output of a job run with grad off: a leaf that requires grad (a parameter
+    returned as it is, open_clip's ``logit_bias``) has no graph to lose, and goes as a
+    plain tensor, as a replica thread's detached replica returns it; a tensor with a
+    graph (made under grad, outside the job) is still refused."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Tensor) and obj.requires_grad:
+            if not obj.is_leaf:
+                raise OutputRequiresGrad(f"a tensor of shape {tuple(obj.shape)} requires grad")
+            return _io_reduce(obj.detach())
+        return _io_reduce(obj)
+
+
+def _io_pickler(output: bool, grad: bool = True) -> type[_IOPickler]:
+    """The pickler for a batch or a message (``output``: for an output, of a job run with
+    ``grad`` on or off), the dispatch table they read made again where a reduction was
+    registered since the last message."""
     extra = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     sources = (len(copyreg.dispatch_table), len(extra))
     if _IOPickler._sources != sources:
         _IOPickler.dispatch_table = {**copyreg.dispatch_table, **extra, Tensor: _reduce_plain,
                                      nn.Parameter: _reduce_plain, torch.Generator: _refuse_generator}
         _IOPickler._sources = sources
-    return _OutputPickler if output else _IOPickler
+    if not output:
+        return _IOPickler
+    return _OutputPickler if grad else _NoGradOutputPickler
 
 
 _ALIGN = 64  # each storage's place in the model's block: a multiple of any element size
@@ -271,13 +288,14 @@ class _ModelPickler(ForkingPickler):
                               type(obj) is nn.Parameter, grad))
 
 
-def dumps(obj: Any, *, output: bool = False) -> bytes:
+def dumps(obj: Any, *, output: bool = False, grad: bool = True) -> bytes:
     """``obj`` pickled for another process (see the module docstring).
 
-    An ``output`` that holds a tensor requiring grad raises :class:`OutputRequiresGrad`.
+    An ``output`` that holds a tensor requiring grad raises :class:`OutputRequiresGrad`,
+    but for a leaf (a parameter) of a job run with ``grad`` off: it goes detached.
     """
     buf = io.BytesIO()
-    _io_pickler(output)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    _io_pickler(output, grad)(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return buf.getvalue()
 
 

@@ -332,7 +332,7 @@ def run(data: bytes) -> bytes:
                 out = split_on_oom(_model, method, oom.options, fn, _device, fit, args, kwargs,
                                    names=getattr(_model, method), prepared=oom.prepared)
         try:
-            return dumps(Done(out, _warned(seen)), output=True)
+            return dumps(Done(out, _warned(seen)), output=True, grad=msg.state.grad)
         except OutputRequiresGrad as exc:
             raise RuntimeError(grad_error(method) + f" ({exc})") from None
         except Exception as exc:

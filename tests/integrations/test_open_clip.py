@@ -16,14 +16,16 @@ from tests.helpers.terms import transformer_terms
 TERMS = 192 + transformer_terms(width=32, ff=128, seq=12, layers=1) + 32
 
 
-def _clip() -> Any:
-    """A random open_clip CLIP (one block per tower, width 32, 16 x 16 images), in eval mode."""
+def _clip(**options: Any) -> Any:
+    """A random open_clip CLIP (one block per tower, width 32, 16 x 16 images), in eval mode;
+    ``options`` go to ``open_clip.CLIP`` (``init_logit_bias``: a SigLIP-style bias)."""
     open_clip = pytest.importorskip("open_clip")
     torch.manual_seed(0)
     return open_clip.CLIP(
         embed_dim=16,
         vision_cfg=open_clip.CLIPVisionCfg(layers=1, width=32, head_width=16, patch_size=8, image_size=16),
         text_cfg=open_clip.CLIPTextCfg(context_length=12, vocab_size=99, width=32, heads=2, layers=1),
+        **options,
     ).eval()
 
 
@@ -47,5 +49,28 @@ def test_open_clip_calls_and_maps_on_threads_and_processes(workers: str) -> None
             assert_close_to_reference(dp.encode_image(images), model.encode_image(images), terms=TERMS)
             got = list(dp.map("encode_text", [texts[:4], texts[4:]]))
             assert_close_to_reference(torch.cat(got), model.encode_text(texts), terms=TERMS)
+    finally:
+        dp.close()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_forward_returning_its_logit_bias_parameter_runs_on_threads_and_processes(workers: str) -> None:
+    # forward returns the logit_bias parameter itself, which requires grad even under
+    # no_grad; it has no graph, so a worker sends it as a plain tensor, as a replica
+    # thread returns it (a worker process refused it as an output that requires grad).
+    model = _clip(init_logit_bias=-10.0)
+    images, texts = torch.randn(7, 3, 16, 16), torch.randint(1, 99, (7, 12))
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            want = model(images, texts)
+            got = dp(images, texts)
+            (mapped,) = dp.map("forward", [(images, texts)])
+        for out in (got, mapped):
+            assert len(out) == 4
+            for g, w in zip(out[:2], want[:2]):
+                assert_close_to_reference(g, w, terms=TERMS)
+            assert torch.equal(out[2], want[2]) and torch.equal(out[3], want[3])
+            assert out[3].shape == () and not out[3].requires_grad
     finally:
         dp.close()
