@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -74,3 +75,25 @@ def test_forward_returning_its_logit_bias_parameter_runs_on_threads_and_processe
             assert out[3].shape == () and not out[3].requires_grad
     finally:
         dp.close()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("bias", [None, -10.0], ids=["no-bias", "bias"])
+def test_forward_output_dict_with_and_without_a_logit_bias_is_not_warned(bias: float | None, workers: str) -> None:
+    # output_dict=True gives "logit_bias" only with a bias; the built-in gather names it for
+    # both arities, so its absence is not a typo to warn about.
+    model = _clip(init_logit_bias=bias)
+    model.output_dict = True
+    images, texts = torch.randn(7, 3, 16, 16), torch.randint(1, 99, (7, 12))
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")
+            want, got = model(images, texts), dp(images, texts)
+    finally:
+        dp.close()
+    assert list(got) == list(want) == ["image_features", "text_features", "logit_scale"] + (["logit_bias"] if bias else [])
+    for key in ("image_features", "text_features"):
+        assert_close_to_reference(got[key], want[key], terms=TERMS)
+    for key in list(want)[2:]:
+        assert got[key].shape == () and torch.equal(got[key], want[key])

@@ -83,9 +83,12 @@ def _per_key(spec: _tree.Spec, by_key: Mapping[Any, Any], default: Any, what: st
     # Names that are not in a keyed output are likely typos; positions past the end of a
     # tuple, and names given for a tuple (or positions for a dict), are not: one mapping
     # may serve outputs of several arities and forms (open_clip's 3- and 4-tuples, dicts).
+    # A mapping that names positions too is such a mapping, and its names absent from a
+    # dict are the other arity's (open_clip's dict has "logit_bias" only with a bias).
     named = {k for k, _ in counts}
     unknown = sorted(k for k in by_key if isinstance(k, str) and k not in named)
-    if unknown and counts and isinstance(counts[0][0], str):
+    several_forms = any(isinstance(k, int) for k in by_key)
+    if unknown and not several_forms and counts and isinstance(counts[0][0], str):
         warnings.warn(
             f"gather: {keys} {unknown} are not in the output, whose keys are "
             f"{[k for k, _ in counts]}; those keys are ignored",
