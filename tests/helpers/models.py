@@ -38,6 +38,32 @@ def tiny_sentence_transformer(path: Path) -> Any:
     return st.SentenceTransformer(modules=[transformer, pooling], device="cpu").eval()
 
 
+def tiny_sparse_encoder(path: Path) -> Any:
+    """A SparseEncoder (2-layer BERT masked-LM head, SPLADE max pooling over its tiny
+    vocabulary) saved to and loaded from ``path``: ``encode`` returns sparse COO tensors."""
+    pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    try:
+        from sentence_transformers import SparseEncoder
+        from sentence_transformers.sparse_encoder.models import SpladePooling
+    except ImportError:
+        pytest.skip("this sentence-transformers has no SparseEncoder")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from sentence_transformers.sparse_encoder.models import MLMTransformer
+    return SparseEncoder(modules=[MLMTransformer(str(path)), SpladePooling("max")], device="cpu").eval()
+
+
 def random_sentences(n: int) -> list[str]:
     """``n`` sentences of 1 to 5 words from the tiny model's vocabulary, seeded by ``n``."""
     g = torch.Generator().manual_seed(n)

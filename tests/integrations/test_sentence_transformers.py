@@ -8,16 +8,18 @@ import warnings
 from typing import Any
 
 import pytest
+import torch
 
 from dpmethods import DataParallel, parallel_methods
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.models import (
     batch_sizes_seen,
     random_sentences,
     shares,
     tiny_sentence_transformer,
+    tiny_sparse_encoder,
 )
 from tests.helpers.terms import transformer_terms
 
@@ -114,3 +116,24 @@ def test_sentence_transformers_encode_outputs_and_precisions_with_no_configurati
     with pytest.warns(UserWarning, match=r"a batch of 1 items on \d devices: only 1 replicas run"):
         same(dp.encode(sentences[0]), sentence_model.encode(sentences[0]))
 
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_sparse_encoder_sparse_embeddings_are_joined(tmp_path: Any, workers: str) -> None:
+    # SparseEncoder.encode returns one sparse COO tensor per batch: the replicas' are
+    # concatenated by torch.cat (the coalesced gather takes strided tensors; it raised
+    # "nbytes is not defined for sparse tensors").
+    model = tiny_sparse_encoder(tmp_path)
+    sentences = random_sentences(7)
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers, methods={"encode": {"split": "inputs"}})
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's, unpickling a sparse tensor
+            got, want = dp.encode(sentences), model.encode(sentences)
+    finally:
+        dp.close()
+    assert got.layout == want.layout == torch.sparse_coo
+    assert got.shape == want.shape
+    # The MLM head's transform (width 32) before its decoder, then log(1 + relu) and a
+    # max over the tokens (no sum).
+    assert_close_to_reference(got.to_dense(), want.to_dense(), terms=SENTENCE_TERMS + 32 + 1)

@@ -49,7 +49,10 @@ def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
 
 
 def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
-    """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat."""
+    """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat;
+    leaves of another layout than strided (sparse COO) joined by torch.cat itself."""
+    if not all(t.layout is torch.strided for t in tensors):
+        return _with_sparse(tensors, n, dim, device)
     out = ops.gather_coalesced(tensors, n, dim, device)
     dims = list(map(Tensor.dim, out))  # (no max(default=): torch 2.11's compile can't trace it)
     if not dims or max(dims) < 4:  # the common case: one C-level pass
@@ -61,6 +64,21 @@ def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device)
             if fmt is not None:
                 out[i] = t.contiguous(memory_format=fmt)
     return out
+
+
+def _with_sparse(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
+    """The leaves of another layout (sparse) through torch.cat, which joins them, and the
+    strided ones in one coalesced call, as without them (the op takes strided pieces)."""
+    leaves = [tensors[i : i + n] for i in range(0, len(tensors), n)]
+    dense = [i for i, pieces in enumerate(leaves) if all(t.layout is torch.strided for t in pieces)]
+    out: list[Tensor | None] = [None] * len(leaves)
+    joined = coalesced([t for i in dense for t in leaves[i]], n, dim, device) if dense else []
+    for i, t in zip(dense, joined):
+        out[i] = t
+    for i, pieces in enumerate(leaves):
+        if out[i] is None:
+            out[i] = torch.cat([t.to(device) for t in pieces], dim)
+    return out  # type: ignore[return-value]
 
 
 def join_same(col: Sequence[Tensor], device: torch.device, path: str) -> Tensor:
