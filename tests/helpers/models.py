@@ -45,9 +45,9 @@ def tiny_sparse_encoder(path: Path) -> Any:
     transformers = pytest.importorskip("transformers")
     try:
         from sentence_transformers import SparseEncoder
-        from sentence_transformers.sparse_encoder.models import SpladePooling
+        from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
     except ImportError:
-        pytest.skip("this sentence-transformers has no SparseEncoder")
+        pytest.skip("this sentence-transformers has no SparseEncoder modules")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
@@ -58,9 +58,6 @@ def tiny_sparse_encoder(path: Path) -> Any:
     torch.manual_seed(0)
     transformers.BertForMaskedLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from sentence_transformers.sparse_encoder.models import MLMTransformer
     return SparseEncoder(modules=[MLMTransformer(str(path)), SpladePooling("max")], device="cpu").eval()
 
 
