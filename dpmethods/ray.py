@@ -280,7 +280,9 @@ class Predictor:
             keyword argument of its name, a dict maps argument names to column names.
             Default: every column not in ``keep``, each as the keyword of its name.
             Numeric columns become tensors on the first device; string and object
-            columns become Python lists (one entry per row).
+            columns become Python lists (one entry per row). Over several devices each
+            replica gets its rows of every column, lists included (unless the method's
+            ``broadcast=`` names the argument).
         keep: input columns copied unchanged into the output (an id column).
         output: the column name of a tensor (or list) output, and the stem of a tuple's
             columns ``{output}_0``, ``{output}_1``, ...; default: the method's name.
@@ -355,7 +357,8 @@ class Predictor:
         # On one device (DataParallel has put the model there) the method is called as
         # it is: DataParallel would return the same, after a scatter and gather of one
         # share that cost more than a small model's batch.
-        target = self._dp if len(self._dp.device_ids) > 1 else self._dp.module
+        self._parallel = len(self._dp.device_ids) > 1
+        target = self._dp if self._parallel else self._dp.module
         self._call = target if method == "forward" else getattr(target, method)
         self._name = output if output is not None else method
         self._kwargs = method_kwargs
@@ -377,6 +380,7 @@ class Predictor:
         with torch.inference_mode():
             if self._items is None:
                 kwargs = {a: _argument(v, self._device) for a, v in inputs.items()}
+                self._split_rows([a for a, v in kwargs.items() if isinstance(v, list)])
                 columns = _output_columns(self._call(**kwargs, **self._kwargs), self._name, n)
             else:  # each row an item: sorted, batched and run by the map, in their order again
                 cells = {a: _cells(v) for a, v in inputs.items()}
@@ -397,6 +401,22 @@ class Predictor:
             {k: list(v) if isinstance(v, np.ndarray) and v.ndim > 1 else v for k, v in result.items()},
             index=batch.index,
         )
+
+    def _split_rows(self, names: list[str]) -> None:
+        """Have the devices split the list arguments ``names`` by row, as they split tensors.
+
+        A column has one entry per row, but DataParallel gives a list argument whole to
+        every replica unless the method's ``split=`` names it: a replica would pair its
+        share of the tensor columns with the first rows of a string column. An argument
+        the method's own ``broadcast=`` names stays whole, as the method asks.
+        """
+        if not self._parallel:  # one device: the method runs as it is, on the whole batch
+            return
+        opts = self._dp._options(self._method)
+        new = tuple(n for n in names if n not in opts.split and n not in opts.broadcast)
+        if new:
+            # The wrapper reads a method's options per call; its own are kept, plus these.
+            self._dp._dpm_methods[self._method] = dataclasses.replace(opts, split=(*opts.split, *new))
 
     def __repr__(self) -> str:
         return f"Predictor({type(self._dp.module).__name__}.{self._method}, devices={self._dp.device_ids})"

@@ -15,6 +15,7 @@ import inspect
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,29 @@ def test_tuple_outputs_are_numbered_and_strings_become_lists() -> None:
     out = predict({"x": np.arange(3.0), "words": np.array(["a", "b", "c"], dtype=object)})
     assert sorted(out) == ["tag_0", "tag_1"]
     assert out["tag_0"].tolist() == [0.0, 2.0, 4.0] and out["tag_1"] == ["A", "B", "C"]
+
+
+class _Labeler(torch.nn.Module):
+    """Pairs each row of a tensor column with the row's entry of a string column."""
+
+    def forward(self, x: torch.Tensor, words: list[str]) -> list[str]:
+        return [f"{w}={float(v.sum()):g}" for w, v in zip(words, x)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("batch_format", ["numpy", "pandas"])
+def test_a_string_column_is_split_by_row_over_the_devices(batch_format: str) -> None:
+    # Each replica gets its rows of the string column with its rows of the tensor, as
+    # on one device; not the whole column beside its share of the tensor rows.
+    words = np.array([f"w{i}" for i in range(5)], dtype=object)
+    batch: Any = {"x": np.arange(10.0).reshape(5, 2), "words": words}
+    if batch_format == "pandas":
+        batch = pytest.importorskip("pandas").DataFrame({"x": list(batch["x"]), "words": words})
+    want = ["w0=1", "w1=5", "w2=9", "w3=13", "w4=17"]
+    assert list(Predictor(_Labeler, device_ids=["cpu"])(batch)["forward"]) == want
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning that the column goes whole to each replica
+        assert list(Predictor(_Labeler, device_ids=["cpu"] * 2)(batch)["forward"]) == want
 
 
 @dataclasses.dataclass
