@@ -26,7 +26,8 @@ class DistributedDataParallel(MethodWrapper, torch.nn.parallel.DistributedDataPa
     plus those named in ``methods=``.
 
     Any other method of the module reached through the wrapper runs directly on the
-    module, outside DDP, and warns once: its gradients are not all-reduced.
+    module, outside DDP, and warns once, at its first call with gradients enabled: its
+    gradients are not all-reduced.
     Other attributes are forwarded to the module.
 
     Forward hooks registered on the wrapped module run around the method too, since
@@ -81,6 +82,8 @@ class DistributedDataParallel(MethodWrapper, torch.nn.parallel.DistributedDataPa
         )
 
     def _undecorated_warning(self, name: str) -> str | None:
+        if not torch.is_grad_enabled():  # no_grad, inference_mode: no gradients to all-reduce
+            return None
         return (
             f"{type(self).__name__}: {name!r} is not a parallel method, so it runs directly "
             f"on the wrapped {type(self.module).__name__}, outside DDP: its gradients are "

@@ -129,7 +129,8 @@ class MethodWrapper(nn.Module):
         raise NotImplementedError
 
     def _undecorated_warning(self, name: str) -> str | None:
-        """The warning shown the first time an undecorated method is called, or None."""
+        """The warning shown the first time an undecorated method is called, or None
+        (asked again at the next call)."""
         return None
 
     def _submodule_warning(self, name: str) -> str | None:
@@ -177,9 +178,9 @@ class MethodWrapper(nn.Module):
         @functools.wraps(bound)
         def call(*args: Any, **kwargs: Any) -> Any:
             if name not in self._dpm_warned:
-                self._dpm_warned.add(name)
                 message = self._undecorated_warning(name)
-                if message is not None:
+                if message is not None:  # None: nothing to say of this call; a later one may warn
+                    self._dpm_warned.add(name)
                     warnings.warn(message, UserWarning, stacklevel=2)
             return bound(*args, **kwargs)
 

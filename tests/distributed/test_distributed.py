@@ -209,14 +209,21 @@ def _suite_features(rank: int, world: int) -> dict[str, Any]:
     tddp = torch.nn.parallel.DistributedDataParallel(net)
     out["route_torch_ddp"] = _train(route(tddp).training_step, net, rank, world)
 
-    # An undecorated method warns once; methods= makes it a parallel method.
+    # An undecorated method warns once, at its first call with gradients (without
+    # them it has none to all-reduce); methods= makes it a parallel method.
     net = _make_net()
     ddp = DistributedDataParallel(net)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
             ddp.plain_step(*_shard(0, rank, world))
+        with torch.inference_mode():
             ddp.plain_step(*_shard(0, rank, world))
+    out["undecorated_no_grad_warnings"] = [str(w.message) for w in caught]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp.plain_step(*_shard(0, rank, world))
+        ddp.plain_step(*_shard(0, rank, world))
     out["undecorated_warnings"] = [str(w.message) for w in caught]
     out["width"] = ddp.width
     net = _make_net()
@@ -530,8 +537,10 @@ def _join_reference(world: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 @needs_gloo
+@pytest.mark.timeout(180)
 def test_undecorated_method_warns_once(features: list[dict[str, Any]]) -> None:
     for r in features:
+        assert r["undecorated_no_grad_warnings"] == []  # no gradients: nothing to warn of
         assert len(r["undecorated_warnings"]) == 1
         message = r["undecorated_warnings"][0]
         assert "'plain_step'" in message
