@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,7 +89,7 @@ def _nearest(name: str, names: Sequence[str]) -> str:
 
 
 def _check_names(arg: str, value: Any) -> None:
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+    if isinstance(value, str) or not isinstance(value, Iterable) or not all(isinstance(v, str) for v in value):
         hint = f"; pass {arg}=[{value!r}]" if isinstance(value, str) else ""
         raise TypeError(f"{arg}: expected a list of column names, got {value!r}{hint}")
 
@@ -337,6 +337,13 @@ class Predictor:
         self._arguments = _argument_map(columns)
         _check_names("keep", keep)
         self._keep = list(keep)
+        if batch_size is None and max_tokens is None:
+            for name, value in (("length", length), ("collate", collate)):
+                if value is not None:  # ignored otherwise: each Ray batch would run as one call
+                    raise TypeError(
+                        f"{name}: applies to item mode (with batch_size= or max_tokens=), but "
+                        f"neither was given, so each batch runs as one call; got {name}={value!r}"
+                    )
         if output is not None and not isinstance(output, str):
             raise TypeError(f"output: expected a column name (str), got {type(output).__name__} {output!r}")
         model = factory()
@@ -348,7 +355,8 @@ class Predictor:
         taken = sorted(set(method_kwargs) & set(self._arguments or ()))
         if taken:
             raise TypeError(f"method_kwargs: {taken} are also arguments given by columns=")
-        devices = list(_actor_devices() if device_ids is None else device_ids)
+        # Given as they are: DataParallel names a string or a number that is not a list.
+        devices = _actor_devices() if device_ids is None else device_ids
         self._dp = DataParallel(model.eval(), device_ids=devices, cache_replicas=True)
         first = self._dp.device_ids[0] if self._dp.device_ids else "cpu"  # none: no GPU here
         self._device = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)

@@ -239,9 +239,27 @@ def test_items_rows_are_sorted_batched_and_returned_in_their_order(tmp_path: Pat
         assert all(rows * longest <= 12 or rows == 1 for rows, longest in runs)
 
 
+@pytest.mark.timeout(60)
 def test_items_options_are_checked_when_the_predictor_is_built(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"map: max_tokens: expected None or an int >= 1 .*, got int 0"):
         Predictor(functools.partial(build_tokens, str(tmp_path)), "encode", max_tokens=0, device_ids=["cpu"])
+    # Without batch_size= or max_tokens= each batch is one call: length= and collate=
+    # would be ignored.
+    for name in ("length", "collate"):
+        with pytest.raises(TypeError, match=rf"{name}: applies to item mode \(with batch_size= or max_tokens=\), "
+                           rf"but neither was given, so each batch runs as one call; got {name}=<built-in function len>"):
+            Predictor(encoder, "encode", **{name: len})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(keep=None), r"keep: expected a list of column names, got None"),
+    (dict(device_ids="cpu"), r"device_ids: expected a list of devices, got str 'cpu'"),
+    (dict(device_ids=0), r"device_ids: expected a list of devices, got int 0"),
+])
+def test_bad_arguments_are_named_with_what_was_expected(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(TypeError, match=message):
+        Predictor(encoder, "encode", **kwargs)
 
 
 def test_devices_are_the_gpus_ray_gave_the_actor() -> None:
