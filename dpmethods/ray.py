@@ -247,7 +247,11 @@ def _join_rows(outs: list[Any]) -> Any:
     if isinstance(first, tuple) and not hasattr(first, "_fields"):
         return tuple(_join_rows([o[i] for o in outs]) for i in range(len(first)))
     fields = [dict(_fields(o) or ()) for o in outs]
-    return {k: None if v is None else _join_rows([f[k] for f in fields]) for k, v in parts}
+    # Every row's fields, not only the first row's: a ModelOutput leaves out its None
+    # fields, and a field None in some rows only is a column with None in those rows.
+    keys = list(dict.fromkeys(k for f in fields for k in f))
+    joined = {k: [f.get(k) for f in fields] for k in keys}
+    return {k: _join_rows(v) if any(x is not None for x in v) else None for k, v in joined.items()}
 
 
 def _output_columns(out: Any, name: str, n: int, top: bool = True) -> dict[str, Any]:
@@ -262,7 +266,13 @@ def _output_columns(out: Any, name: str, n: int, top: bool = True) -> dict[str, 
         # Top-level fields keep their own names; a tuple's items and nested fields
         # are numbered or named after the column they belong to.
         column = key if top and isinstance(key, str) else f"{name}_{key}"
-        columns.update(_output_columns(value, column, n, False))
+        for found, values in _output_columns(value, column, n, False).items():
+            if found in columns:  # a field named as a tuple's item is named ('h_0' and h[0])
+                raise ValueError(
+                    f"output: two parts of the output give the column {found!r}, which can "
+                    "hold one of them; rename a field of the output"
+                )
+            columns[found] = values
     return columns
 
 

@@ -136,6 +136,36 @@ def test_dataclass_fields_nested_tuples_and_per_row_lists_become_columns() -> No
     np.testing.assert_array_equal(out["items"][4]["row"], x[4].numpy())
 
 
+class _Clashing(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"h_0": x + 1, "h": (x * 10, x * 20)}  # "h_0", and h's item 0 named "h_0"
+
+
+@pytest.mark.timeout(60)
+def test_two_parts_of_the_output_named_alike_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"output: two parts of the output give the column 'h_0', which can "
+                       r"hold one of them; rename a field of the output"):
+        Predictor(_Clashing, device_ids=["cpu"])({"x": np.arange(3.0)})
+
+
+class _Sometimes(torch.nn.Module):
+    """A field that some rows have (None in the others)."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        return {"a": x, "big": x * 2 if float(x.sum()) >= 1 else None}
+
+
+@pytest.mark.timeout(60)
+def test_items_a_field_that_only_some_rows_have_is_a_column_with_none_in_the_others() -> None:
+    # Each row runs alone (batch_size=1); the first row's field is None: the column is
+    # still every row's, not left out.
+    out = Predictor(_Sometimes, device_ids=["cpu"], batch_size=1, length=lambda row: 1)(
+        {"x": np.arange(3.0).reshape(3, 1)})
+    assert sorted(out) == ["a", "big"]
+    assert out["big"][0] is None and [b.tolist() for b in out["big"][1:]] == [[2.0], [4.0]]
+    assert out["a"].tolist() == [[0.0], [1.0], [2.0]]
+
+
 def test_a_model_output_is_one_column_per_field() -> None:
     pytest.importorskip("transformers")
     ids = torch.randint(4, 48, (5, 6), generator=torch.Generator().manual_seed(2))
