@@ -15,13 +15,16 @@ the original indices. A finished map yields nothing. Before the first batch runs
 input is read as far as the record had read it, each batch checked against the record,
 holding back at most ``LOOKAHEAD`` batches to run: another map, another order or a
 shorter input is refused before any work. With ``shard=True`` each rank keeps its own
-file (``path`` with ``.rank{r}-of-{n}``).
+file (``path`` with ``.rank{r}-of-{n}``); a map without a record of its own where there
+are records of another sharding (unsharded, another world size) is refused.
 """
 
 from __future__ import annotations
 
 import collections
+import glob
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -123,6 +126,7 @@ class Checkpoint:
 
     def __init__(self, path: str | os.PathLike[str], identity: Identity, batches: Iterable[Any],
                  total: int | None = None) -> None:
+        self.base = Path(path)  # as given: the records of every sharding are named after it
         self.path, self.identity = _rank_path(path, identity.shard), identity
         self.pending = _Source(batches)  # the batches to run, as (index, batch)
         self.total = total  # this rank's batches, done or not (None: the input has no len())
@@ -139,7 +143,10 @@ class Checkpoint:
         return Checkpoint(path, identity, batches, count(batches, shard))
 
     def open(self) -> None:
-        """Open the record: another map's, or one in use, is refused."""
+        """Open the record: another map's, one in use, or none where the map has records
+        of another sharding, is refused."""
+        if not self.path.exists():
+            _refuse_other_shardings(self.base, self.identity.shard)
         self.record = self.pending.record = Record(self.path, self.identity)
 
     def prime(self) -> bool:
@@ -167,6 +174,27 @@ class Checkpoint:
         record, self.record = self.record, None
         if record is not None:
             record.close()
+
+
+def _refuse_other_shardings(path: Path, shard: tuple[int, int] | None) -> None:
+    """Refuse to start the map at ``path`` afresh where it has records of another
+    sharding (unsharded, or over another world size): it would run and yield again every
+    batch those recorded as taken."""
+    names = re.compile(re.escape(path.name) + r"\.rank(\d+)-of-(\d+)")
+    found = [p for p in path.parent.glob(glob.escape(path.name) + ".rank*-of-*")
+             if (m := names.fullmatch(p.name)) and (shard is None or int(m[2]) != shard[1])]
+    if shard is not None and path.exists():
+        found.append(path)
+    if not found:
+        return
+    mine = "unsharded" if shard is None else f"sharded over {shard[1]} rank{'s' if shard[1] > 1 else ''}"
+    raise ValueError(
+        f"map: checkpoint: {str(path)!r}: this map is {mine} and has no record, but records of "
+        f"another sharding exist ({', '.join(sorted(repr(p.name) for p in found))}); starting "
+        f"afresh would run again the batches they record as taken. A map resumes with the "
+        f"sharding it started with (shard= and the world size): run it so, or delete those "
+        f"files to start over"
+    )
 
 
 def _rank_path(path: str | os.PathLike[str], shard: tuple[int, int] | None) -> Path:

@@ -424,6 +424,22 @@ def test_a_sharded_map_resumes_per_rank(tmp_path: Path) -> None:
         assert second in rest
         for i, out in res["taken"] + res["rest"]:
             _same(out, ref[i])
+    # The same map unsharded, or on another number of ranks, has no record of its own:
+    # it would run and yield again what the two ranks took. It is refused instead.
+    dp = dpmethods.DataParallel(net, device_ids=["cpu"])
+    records = r"\('run\.json\.rank0-of-2', 'run\.json\.rank1-of-2'\)"
+    with pytest.raises(ValueError, match=rf"run\.json': this map is unsharded and has no record, but records "
+                       rf"of another sharding exist {records}; starting afresh would run again"):
+        list(dp.map("encode", shard_batches(), checkpoint=path))
+    dist = torch.distributed
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=rf"this map is sharded over 1 rank and has no record, but records "
+                           rf"of another sharding exist {records}"):
+            list(dp.map("encode", shard_batches(), shard=True, checkpoint=path))
+    finally:
+        dist.destroy_process_group()
+    assert not path.exists() and not Path(f"{path}.rank0-of-1").exists()
 
 
 @pytest.mark.distributed
