@@ -46,6 +46,8 @@ import torch
 from torch import nn
 
 from dpmethods.data_parallel import DataParallel
+from dpmethods.vocab.options import MethodOptions
+from dpmethods.wrapper.registry import get_options
 
 __all__ = ["Predictor", "devices_for"]
 
@@ -376,6 +378,7 @@ class Predictor:
         # it is: DataParallel would return the same, after a scatter and gather of one
         # share that cost more than a small model's batch.
         self._parallel = len(self._dp.device_ids) > 1
+        self._split: tuple[str, ...] = ()  # list arguments the devices split by row (_split_rows)
         target = self._dp if self._parallel else self._dp.module
         self._call = target if method == "forward" else getattr(target, method)
         self._name = output if output is not None else method
@@ -425,16 +428,23 @@ class Predictor:
 
         A column has one entry per row, but DataParallel gives a list argument whole to
         every replica unless the method's ``split=`` names it: a replica would pair its
-        share of the tensor columns with the first rows of a string column. An argument
-        the method's own ``broadcast=`` names stays whole, as the method asks.
+        share of the tensor columns with the first rows of a string column. The wrapper
+        is made again (once per new name) with the method's own options plus these; an
+        argument the method's own ``broadcast=`` names stays whole, as the method asks.
         """
         if not self._parallel:  # one device: the method runs as it is, on the whole batch
             return
-        opts = self._dp._options(self._method)
-        new = tuple(n for n in names if n not in opts.split and n not in opts.broadcast)
-        if new:
-            # The wrapper reads a method's options per call; its own are kept, plus these.
-            self._dp._dpm_methods[self._method] = dataclasses.replace(opts, split=(*opts.split, *new))
+        dp, method = self._dp, self._method
+        opts = get_options(dp.module, method) or MethodOptions(dim=dp.dim)
+        split = (*self._split, *(n for n in names if n not in self._split and n not in opts.split))
+        split = tuple(n for n in split if n not in opts.broadcast)
+        if split == self._split:
+            return
+        self._split = split
+        options = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+        options["split"] = (*opts.split, *split)
+        self._dp = DataParallel(dp.module, device_ids=dp.device_ids, cache_replicas=True, methods={method: options})
+        self._call = self._dp if method == "forward" else getattr(self._dp, method)
 
     def __repr__(self) -> str:
         return f"Predictor({type(self._dp.module).__name__}.{self._method}, devices={self._dp.device_ids})"
