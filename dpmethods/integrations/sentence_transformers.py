@@ -89,6 +89,15 @@ class _Quantize:
     def __init__(self, precision: str, to_tensor: bool, to_numpy: bool, one: bool) -> None:
         self.precision, self.to_tensor, self.to_numpy, self.one = precision, to_tensor, to_numpy, one
 
+    @property
+    def advice(self) -> str:
+        """What item mode's refusal of ``encode(precision=...)`` adds: how to quantize over all."""
+        return (
+            f"encode with precision='float32' (the default), then "
+            f"sentence_transformers.quantize_embeddings(numpy.stack(outputs), precision={self.precision!r}) "
+            f"gives what model.encode(texts, precision={self.precision!r}) gives"
+        )
+
     def __call__(self, out: Any) -> Any:
         quantize = sys.modules["sentence_transformers"].quantize_embeddings
         if len(out):

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.items.batches import read_batches
-from dpmethods.items.collate import check_takes, default_collate, padding_of
+from dpmethods.items.collate import as_call, check_takes, default_collate, padding_of
 from dpmethods.items.options import ItemOptions
 from dpmethods.items.trim import PaddedDims
 from dpmethods.streaming.iterator import MapIterator
@@ -39,6 +39,7 @@ from dpmethods.streaming.options import MapOptions
 from dpmethods.streaming.resume import Checkpoint
 from dpmethods.streaming.source import Indexed, indexed
 from dpmethods.types.cut import Padding, cut_output
+from dpmethods.vocab.call_hooks import Call, check_prepared
 from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["ItemIterator", "map_items"]
@@ -70,6 +71,7 @@ class _Source:
         self.read: collections.deque[int] = collections.deque()
         self.sent: dict[int, _Sent] = {}
         self.options = MethodOptions()
+        self.module: nn.Module | None = None
         self.signature: inspect.Signature | None = None
         self.name = method
         self.repeat = 1  # a tensor's rows per item in the batch's output
@@ -78,7 +80,7 @@ class _Source:
 
     def bind(self, module: nn.Module, options: MethodOptions) -> None:
         """The method's options and signature, once the map has checked its name."""
-        self.options = options
+        self.options, self.module = options, module
         fn = module.forward if self.method == "forward" else getattr(module, self.method)
         self.name = f"{type(module).__name__}.{self.method}"
         self.repeat = _repeat(module, self.method, self.kwargs)
@@ -106,6 +108,8 @@ class _Source:
                     "has no attention_mask, so each prompt's own positions are unknown: return an "
                     "attention_mask from collate=, or give length= in the prompt's positions (tokens)"
                 )
+            if k == 0:
+                self._check_per_item(collated)
             self.sent[k] = _Sent(batch.indices, padding, prompt, shortest)
             yield k, collated
             k += 1
@@ -114,6 +118,29 @@ class _Source:
                 self.sent[k], collated = self.alone(shortest)
                 yield k, collated
                 k += 1
+
+    def _check_per_item(self, collated: Any) -> None:
+        """Refuse a method whose results are computed over the whole batch after the
+        per-item work: its hooks' ``prepare``, run on the first batch's call, returns a
+        ``finish`` (sentence-transformers' ``encode(precision="int8")`` calibrates on the
+        whole batch). Once: the keyword arguments, which choose that, are every batch's."""
+        hooks = self.options.hooks
+        if hooks is None or hooks.prepare is None:
+            return
+        args, kwargs = as_call(collated, self.kwargs)
+        call = Call(self.module, self.method, args, kwargs, (), self.options)
+        finish = check_prepared(hooks.prepare(args, kwargs, call), hooks.prepare)[2]
+        if finish is None:
+            return
+        advice = getattr(finish, "advice", None)
+        raise ValueError(
+            f"map: {self.name} computes its results over the whole batch after the per-item "
+            "work with these arguments (its CallHooks.prepare returns a finish), so in item "
+            "mode each item's output would depend on the items batched with it. Map batches "
+            "of your own (without batch_size= or max_tokens=), or leave out the argument that "
+            "needs the whole batch and do that step yourself over all the outputs"
+            + (f": {advice}" if isinstance(advice, str) and advice else "")
+        )
 
     def rearm(self) -> None:
         """A probe raised: the next batch that pads an item is followed by another, while

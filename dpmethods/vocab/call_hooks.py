@@ -61,7 +61,11 @@ class CallHooks:
             call before the scatter (``call`` is a :class:`Call`, with the model): the
             arguments as the replicas should see them, and a function applied to the
             gathered output (or ``None``), for results computed over the whole batch
-            after the per-item work.
+            after the per-item work. A map in item mode (``batch_size=``,
+            ``max_tokens=``) runs ``prepare`` on its first batch and refuses a method that
+            returns a finish, as each item's output would depend on the items batched
+            with it; a finish's ``advice`` attribute (a str), if it has one, is added to
+            that error: how to get the result instead.
         per_replica: ``per_replica(args, kwargs, start, call) -> (args, kwargs)``, run for
             each replica's share after the scatter; ``start`` is the index of the
             replica's first item in the whole batch.
@@ -150,6 +154,12 @@ class _Finishes(_Steps):
 
     def __call__(self, out: Any) -> Any:
         return self.second(self.first(out))
+
+    @property
+    def advice(self) -> str | None:
+        """The finishes' ``advice``, where they have one."""
+        given = [a for f in (self.first, self.second) if isinstance(a := getattr(f, "advice", None), str) and a]
+        return "; ".join(given) or None
 
 
 class _ChainedPerReplica(_Steps):

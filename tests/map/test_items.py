@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -306,21 +307,83 @@ def test_generate_with_a_collate_without_attention_mask_needs_lengths_in_tokens(
     assert [o.tolist() for o in outs] == [r.tolist() for r in ref]
 
 
-@pytest.mark.parametrize("workers", WORKERS)
-def test_sentence_transformers_encode_of_strings_with_the_default_collate(tmp_path: Path, workers: str) -> None:
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A tiny sentence-transformers model wrapped once per worker kind."""
     pytest.importorskip("sentence_transformers")
-    model = tiny_sentence_transformer(tmp_path)
-    words = "the a cat dog sat on mat runs fast slow big small red blue".split()
-    texts = [" ".join(words[(3 * k + j) % len(words)] for j in range(1 + k % 9)) for k in range(13)]
-    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
-    try:
-        with torch.no_grad():
-            outs = list(dp.map("encode", texts, batch_size=3))
-    finally:
+    model = tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-st"))
+    dps = {w: dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=w) for w in WORKERS}
+    yield dps
+    for dp in dps.values():
         dp.close()
-    ref = [model.encode([t])[0] for t in texts]
-    terms = transformer_terms(width=32, ff=37, seq=11, layers=2) + 11
-    assert_close_to_reference(outs, ref, terms=terms)
+
+
+_WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
+TEXTS = [" ".join(_WORDS[(3 * k + j) % len(_WORDS)] for j in range(1 + k % 9)) for k in range(13)]
+# The tiny BERT (2 blocks, width 32, up to 11 tokens), then the mean pooling.
+ENCODE_TERMS = transformer_terms(width=32, ff=37, seq=11, layers=2) + 11
+
+
+def _ours(record: list[Any]) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith(("DataParallel", "map", "dpmethods"))]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_sentence_transformers_encode_of_strings_with_the_default_collate(encoders: dict[str, Any],
+                                                                          workers: str) -> None:
+    dp = encoders[workers]
+    with torch.no_grad():
+        outs = list(dp.map("encode", TEXTS, batch_size=3))
+    ref = [dp.module.encode([t])[0] for t in TEXTS]
+    assert_close_to_reference(outs, ref, terms=ENCODE_TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("precision", ["int8", "uint8"])
+def test_encode_calibrated_on_the_whole_batch_is_refused_before_any_batch_runs(
+        encoders: dict[str, Any], workers: str, precision: str) -> None:
+    # Each batch is dpmethods' choice: codes calibrated on it would depend on the items
+    # sorted into it, and differ from model.encode(texts, precision=...) by 100+ levels.
+    dp = encoders[workers]
+    for kwargs in ({}, {"convert_to_tensor": True}):
+        with pytest.raises(ValueError, match=re.escape(
+                "map: SentenceTransformer.encode computes its results over the whole batch after the "
+                "per-item work with these arguments (its CallHooks.prepare returns a finish), so in "
+                "item mode each item's output would depend on the items batched with it. Map batches "
+                "of your own (without batch_size= or max_tokens=), or leave out the argument that needs "
+                "the whole batch and do that step yourself over all the outputs: encode with "
+                "precision='float32' (the default), then sentence_transformers.quantize_embeddings("
+                f"numpy.stack(outputs), precision={precision!r}) gives what model.encode(texts, "
+                f"precision={precision!r}) gives")):
+            list(dp.map("encode", TEXTS, batch_size=3, precision=precision, **kwargs))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_encode_per_item_precisions_and_options_map_without_a_warning(encoders: dict[str, Any],
+                                                                      workers: str) -> None:
+    np = pytest.importorskip("numpy")
+    st = pytest.importorskip("sentence_transformers")
+    dp = encoders[workers]
+    model = dp.module
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        floats = list(dp.map("encode", TEXTS, batch_size=3, precision="float32"))
+        tensors = list(dp.map("encode", TEXTS, batch_size=3, convert_to_tensor=True, normalize_embeddings=True))
+        binary = list(dp.map("encode", TEXTS, batch_size=3, precision="binary"))
+    assert _ours(record) == []
+    assert_close_to_reference(floats, [model.encode([t])[0] for t in TEXTS], terms=ENCODE_TERMS)
+    normalized = [model.encode([t], convert_to_tensor=True, normalize_embeddings=True)[0] for t in TEXTS]
+    assert all(isinstance(t, torch.Tensor) for t in tensors)
+    assert_close_to_reference(tensors, normalized, terms=ENCODE_TERMS)
+    # binary codes are each embedding's signs: per item (checked away from the threshold).
+    want = model.encode(TEXTS)
+    clear = np.abs(want) > 1e-4
+    got_bits = np.unpackbits(np.stack(binary).view(np.uint8), axis=1).astype(bool)
+    want_bits = np.unpackbits(model.encode(TEXTS, precision="binary").view(np.uint8), axis=1).astype(bool)
+    assert (got_bits == want_bits)[clear].all()
+    # What the refusal advises gives the codes calibrated on every text.
+    codes = st.quantize_embeddings(np.stack(floats), precision="int8")
+    assert np.abs(codes.astype(int) - model.encode(TEXTS, precision="int8").astype(int)).max() <= 1
 
 
 # --- compositions --------------------------------------------------------------------
@@ -599,3 +662,4 @@ def test_a_value_shared_by_the_batch_is_refused_naming_it(dp: Any, workers: str)
             "with 'mean', one value for the whole batch: it belongs to no item")) as info:
         list(dp.map("with_loss", token_items(4), batch_size=2))
     assert any("the batch held items" in n for n in getattr(info.value, "__notes__", []))
+
