@@ -9,7 +9,9 @@ batch (a loss, a scale; anything gathered with ``"mean"``, ``"sum"``, ``"stack"`
 ``"same"`` or ``"list"``; a 0-dim tensor, a tensor without one row per item, a number
 or a string outside a per-item list) belongs to no item and is refused, naming it.
 A named mode or a callable gather joins whole outputs: one batch's output is cut by
-its batch dim as with ``"cat"``.
+its batch dim as with ``"cat"``; a field the named mode's ``pairs`` names (scores of
+each item against the batch's other items, a contrastive model's ``logits_per_image``)
+is refused, naming it: an item's row would depend on the items batched with it.
 
 Two cuts use the batch's padding (:class:`Padding`): a
 ``generate`` output that starts with the batch's left-padded prompt comes back without
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from dpmethods.types import tree as _tree
 from dpmethods.types.per_item import top_keys
-from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode
+from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, mode_pairs
 from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["Padding", "cut_output"]
@@ -84,15 +86,26 @@ class _Cutter:
     """One walk of a batch's flattened output, giving each node's value per item."""
 
     def __init__(self, leaves: list[Any], rows: int, padding: Padding | None,
-                 padded: Callable[[str, int], bool] | None, prompt: Tensor | None, repeat: int = 1) -> None:
+                 padded: Callable[[str, int], bool] | None, prompt: Tensor | None, repeat: int = 1,
+                 paired: Mapping[Any, str] | None = None) -> None:
         self.leaves, self.rows, self.padding, self.padded, self.prompt = leaves, rows, padding, padded, prompt
         self.repeat = repeat  # a tensor's rows per item (generate's num_return_sequences)
+        self.paired = paired or {}  # top-level keys that pair items with each other: what to do instead
 
     def refuse(self, path: str, value: Any, why: str) -> ValueError:
         return ValueError(
             f"map: {path} of the output of a batch of {self.rows} items is {value}, {why}: it "
             "belongs to no item, so the output cannot be cut into one per item. Leave it out of "
             "the method's output (a loss: pass no labels), or map batches (no batch_size= or max_tokens=)"
+        )
+
+    def refuse_paired(self, path: str, value: str, advice: str) -> ValueError:
+        return ValueError(
+            f"map: {path} of the output of a batch of {self.rows} items is {value}, which pairs "
+            "each item with the batch's other items: an item's row would hold its scores against "
+            "whichever items were batched with it, so the output cannot be cut into one per item. "
+            + (f"{advice[0].upper()}{advice[1:]}; or map" if advice else "Map")
+            + " batches of your own (no batch_size= or max_tokens=), where they pair the batch's items"
         )
 
     def node(self, spec: _tree.Spec, pos: int, path: str, mode: Any, dim: Any, top: bool) -> tuple[list[Any], int]:
@@ -108,10 +121,13 @@ class _Cutter:
             for child in spec.children:
                 starts.append(starts[-1] + _count(child))
             return [_tree.unflatten(c, self.leaves[a:b]) for c, a, b in zip(spec.children, starts, starts[1:])], end
-        keys = top_keys(spec) if top and (isinstance(mode, Mapping) or isinstance(dim, Mapping)) else None
+        keys = top_keys(spec) if top and (isinstance(mode, Mapping) or isinstance(dim, Mapping) or self.paired) else None
         columns = []
         for i, (child, label) in enumerate(zip(spec.children, _labels(spec))):
             key = keys[i] if keys is not None else None
+            if key is not None and key in self.paired:
+                shown = _got(self.leaves[pos]) if child in _tree.LEAVES else _tree.describe(child)
+                raise self.refuse_paired(path + label, shown, self.paired[key])
             child_mode = mode.get(key, Mode.CAT) if isinstance(mode, Mapping) else mode
             child_dim = dim.get(key, dim[None]) if isinstance(dim, Mapping) else dim
             column, pos = self.node(child, pos, path + label, child_mode, child_dim, False)
@@ -213,10 +229,17 @@ def cut_output(
     """
     spec, leaves = _tree.flatten(out)
     mode: Any = options.gather
+    pairs = mode_pairs(mode)
+    paired = pairs(out) if pairs is not None else None
+    if paired is not None and not isinstance(paired, Mapping):
+        raise TypeError(
+            f"register_gather_mode: pairs of {mode!r} must return a mapping of the output's keys "
+            f"to what to do instead (str), got {type(paired).__name__} {paired!r}"[:300]
+        )
     if not isinstance(mode, Mapping) and not (isinstance(mode, str) and mode in BUILTIN_MODES):
         mode = Mode.CAT  # a named mode or a callable joins whole outputs: rows cut by the batch dim
     dim: Any = options.dim if options.gather_dim is None else options.gather_dim
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
-    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat)
+    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

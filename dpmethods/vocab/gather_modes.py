@@ -4,7 +4,9 @@ The built-in modes join tensors leaf by leaf (``"cat"``, ``"stack"``, ...). A na
 mode, added with :func:`register_gather_mode`, joins a whole output and sees the call
 it came from (the model, the call's arguments, each replica's share): what a
 ``generate`` result needs, whose fill token comes from the model's config and the
-call's ``pad_token_id``. Mode names are plain strings everywhere; :class:`Mode` names
+call's ``pad_token_id``. A named mode may also say which fields of an output pair
+each item with the batch's other items (a contrastive model's ``logits_per_image``),
+which item mode cannot cut into one output per item. Mode names are plain strings everywhere; :class:`Mode` names
 the built-in ones once, and its members are those strings.
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from dpmethods.vocab.call_hooks import Call, check_arity
@@ -24,6 +26,7 @@ __all__ = [
     "check_mode_name",
     "known_modes",
     "mode_check",
+    "mode_pairs",
     "named_mode",
     "register_gather_mode",
 ]
@@ -59,24 +62,33 @@ BUILTIN_MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 GatherFn = Callable[[list[Any], Any, "Call | None"], Any]
 CheckFn = Callable[["Call"], None]
+PairsFn = Callable[[Any], Mapping[str, str]]
 
 
 class _Named(NamedTuple):
     fn: GatherFn
     check: CheckFn | None
+    pairs: PairsFn | None = None
 
 
 _NAMED: dict[str, _Named] = {}  # the named modes, by name
 
 
-def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = None) -> None:
+def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = None,
+                         pairs: PairsFn | None = None) -> None:
     """Add a gather mode ``name``: ``fn(outputs, device, call)`` joins a whole output.
 
     ``outputs`` holds one output per replica, ``device`` is the output device, and
     ``call`` is a :class:`~dpmethods.extending.Call` (``None`` when :func:`dpmethods.parallel.gather` is called
     directly, outside a wrapper call). ``check(call)``, if given, runs before any replica
     does, with the call's shares still empty: it raises for a call whose outputs ``fn``
-    could not join, so no work is wasted. Registering a name again replaces both.
+    could not join, so no work is wasted. ``pairs(output)``, if given, takes one batch's
+    output (a map's batch, run whole on one replica) and returns its top-level keys whose
+    values pair each item with the batch's other items (a contrastive model's
+    ``logits_per_image``: each image's scores against every text of the batch), each
+    with what to do instead (a str, or ``""``): a map in item mode refuses to cut them
+    into one output per item, as an item's row would depend on the items batched with
+    it. Registering a name again replaces all three.
 
     Example:
         >>> register_gather_mode("first", lambda outputs, device, call: outputs[0])
@@ -103,7 +115,14 @@ def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = Non
         )
     if check is not None:
         check_arity("register_gather_mode: check", check, "check(call)")
-    _NAMED[name] = _Named(fn, check)
+    if pairs is not None and not callable(pairs):
+        raise TypeError(
+            f"register_gather_mode: pairs: expected None or a callable pairs(output), got "
+            f"{type(pairs).__name__} {pairs!r}"
+        )
+    if pairs is not None:
+        check_arity("register_gather_mode: pairs", pairs, "pairs(output)")
+    _NAMED[name] = _Named(fn, check, pairs)
 
 
 def mode_check(name: Any) -> CheckFn | None:
@@ -115,6 +134,19 @@ def mode_check(name: Any) -> CheckFn | None:
     """
     named = _NAMED.get(name) if isinstance(name, str) else None
     return None if named is None else named.check
+
+
+def mode_pairs(name: Any) -> PairsFn | None:
+    """The ``pairs`` registered with the named mode ``name``, or None.
+
+    Example:
+        >>> register_gather_mode("scores", lambda outputs, device, call: outputs[0],
+        ...                      pairs=lambda out: {"scores": ""})
+        >>> mode_pairs("scores")({"scores": None}), mode_pairs("cat")
+        ({'scores': ''}, None)
+    """
+    named = _NAMED.get(name) if isinstance(name, str) else None
+    return None if named is None else named.pairs
 
 
 def named_mode(name: str, where: str | None = None) -> GatherFn | None:

@@ -663,3 +663,84 @@ def test_a_value_shared_by_the_batch_is_refused_naming_it(dp: Any, workers: str)
         list(dp.map("with_loss", token_items(4), batch_size=2))
     assert any("the batch held items" in n for n in getattr(info.value, "__notes__", []))
 
+
+# --- contrastive models: scores of items against the batch's other items ---------------
+
+# A CLIP tower (2 blocks of width 32, MLP 37, up to 8 tokens), its projection, the
+# normalisation and the 16-wide products of the scores.
+CLIP_TERMS = transformer_terms(width=32, ff=37, seq=8, layers=2) + 3 * 32
+
+
+@pytest.fixture(scope="module")
+def clips() -> Iterator[dict[str, Any]]:
+    """A tiny CLIPModel (random weights) wrapped once per worker kind."""
+    pytest.importorskip("transformers")
+    from tests.helpers import contrastive_models
+
+    model, _ = contrastive_models.clip()
+    dps = {w: dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=w) for w in WORKERS}
+    yield dps
+    for dp in dps.values():
+        dp.close()
+
+
+def _clip_items() -> list[dict[str, torch.Tensor]]:
+    """Four text-image pairs: texts of mixed lengths, each ending with the eos id (2)."""
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": torch.cat([torch.randint(3, 99, (n,), generator=g), torch.tensor([2])]),
+             "pixel_values": torch.randn(3, 16, 16, generator=g)} for n in (3, 5, 2, 7)]
+
+
+def _clip_collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    texts = [b["input_ids"] for b in batch]
+    return {"input_ids": torch.nn.utils.rnn.pad_sequence(texts, batch_first=True, padding_value=1),
+            "attention_mask": torch.nn.utils.rnn.pad_sequence([torch.ones_like(t) for t in texts], batch_first=True),
+            "pixel_values": torch.stack([b["pixel_values"] for b in batch])}
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_contrastive_forwards_scores_against_the_batch_are_refused_naming_them(clips: dict[str, Any],
+                                                                                 workers: str) -> None:
+    # Each item's logits_per_image row would score it against whichever items were sorted
+    # into its batch: silently batch-dependent.
+    dp = clips[workers]
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(
+            "map: output.logits_per_image of the output of a batch of 2 items is a tensor of shape "
+            "[2, 2], which pairs each item with the batch's other items: an item's row would hold its "
+            "scores against whichever items were batched with it, so the output cannot be cut into "
+            "one per item. Map get_image_features and get_text_features instead (one embedding per "
+            "item) and compute the scores over all the items from those embeddings, as the model's "
+            "forward computes them from its image_embeds and text_embeds; or map batches of your own "
+            "(no batch_size= or max_tokens=), where they pair the batch's items")):
+        list(dp.map("forward", _clip_items(), batch_size=2, collate=_clip_collate))
+    # With return_loss=True the batch's loss, first in the output, is what is refused.
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(
+            "map: output.loss of the output of a batch of 2 items is a tensor of shape [], one value "
+            "for the whole batch: it belongs to no item")):
+        list(dp.map("forward", _clip_items(), batch_size=2, collate=_clip_collate, return_loss=True))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_contrastive_models_features_map_over_items_and_give_the_whole_batchs_scores(
+        clips: dict[str, Any], workers: str) -> None:
+    dp = clips[workers]
+    model = dp.module
+    items = _clip_items()
+    with warnings.catch_warnings(record=True) as record, torch.no_grad():
+        warnings.simplefilter("always")
+        texts = list(dp.map("get_text_features", [{"input_ids": x["input_ids"]} for x in items], batch_size=2))
+        pictures = list(dp.map("get_image_features", [x["pixel_values"] for x in items], batch_size=2,
+                               length=lambda x: 1, collate=torch.stack))
+        want = model(**_clip_collate(items))
+    assert _ours(record) == []
+    t = torch.stack([o.pooler_output for o in texts])
+    i = torch.stack([o.pooler_output for o in pictures])
+    with torch.no_grad():
+        alone = [model.get_text_features(input_ids=x["input_ids"][None]).pooler_output[0] for x in items]
+    assert_close_to_reference(list(t), alone, terms=CLIP_TERMS)
+    # The scores over all the items, from the per-item embeddings, as CLIP's forward computes them.
+    t, i = t / t.norm(dim=-1, keepdim=True), i / i.norm(dim=-1, keepdim=True)
+    scores = model.logit_scale.detach().exp() * t @ i.T
+    scale = float(want.logits_per_text.abs().max())
+    assert_close_to_reference(scores, want.logits_per_text, terms=CLIP_TERMS, scale=scale)
+    assert_close_to_reference(scores.T, want.logits_per_image, terms=CLIP_TERMS, scale=scale)

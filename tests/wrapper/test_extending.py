@@ -8,6 +8,7 @@ whole batch, as the replicas must see it per row). Compared with one device.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -140,6 +141,34 @@ def test_a_named_modes_check_refuses_a_call_before_any_replica_runs() -> None:
     assert dp.score(torch.ones(3, 1)).shape == (2, 1) and sorted(ran) == [1, 2] and seen == ["score", "score"]
     register_gather_mode("checked_first", lambda outputs, device, call: outputs[0])  # the check goes too
     dp.score(torch.ones(3, 1), bad=True)
+
+
+def test_a_named_modes_pairs_are_refused_by_item_mode_and_the_rest_is_cut() -> None:
+    with pytest.raises(TypeError, match=r"^register_gather_mode: pairs: expected None or a callable pairs\(output\), got int 3$"):
+        register_gather_mode("paired_first", _best, pairs=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^register_gather_mode: pairs: expected a function called as pairs\(output\)"):
+        register_gather_mode("paired_first", _best, pairs=lambda out, call: {})
+
+    class Model(torch.nn.Module):
+        @dpmethods.parallel_method(gather="paired_first")
+        def score(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"embeds": x, "scores": x @ x.T}
+
+    register_gather_mode("paired_first", lambda outputs, device, call: outputs[0],
+                         pairs=lambda out: {"scores": "compute them from all the embeds"} if "scores" in out else {})
+    dp = DataParallel(Model(), device_ids=["cpu"] * 2)
+    items = [torch.full((2,), float(i)) for i in range(4)]
+    with torch.no_grad(), pytest.raises(ValueError, match=re.escape(
+            "map: output['scores'] of the output of a batch of 2 items is a tensor of shape [2, 2], which "
+            "pairs each item with the batch's other items: an item's row would hold its scores against "
+            "whichever items were batched with it, so the output cannot be cut into one per item. "
+            "Compute them from all the embeds; or map batches of your own")):
+        list(dp.map("score", items, batch_size=2))
+    # A batch's own output without the field is cut as any other.
+    register_gather_mode("paired_first", lambda outputs, device, call: outputs[0],
+                         pairs=lambda out: {"absent": ""})
+    outs = list(dp.map("score", items, batch_size=2))
+    assert [o["embeds"].tolist() for o in outs] == [i.tolist() for i in items]
 
 
 def test_a_named_class_that_its_imported_module_lacks_is_refused() -> None:

@@ -20,6 +20,11 @@ device does:
   the joined logits: the model's own arithmetic (CLIP's symmetric cross-entropy,
   ALIGN's with label smoothing, SigLIP's sigmoid loss).
 
+In item mode (``DataParallel.map`` with ``batch_size=``), a batch runs whole on one
+replica, and its ``logits_per_*`` score its items against each other only:
+:func:`paired_fields`, the ``pairs`` of the forward's gather mode, names them, and the
+cut refuses them (the embeddings are per item, and fine).
+
 Both are checked on every replica first: from the replica's own embeddings they must
 give back the logits and the loss it returned. Where there are no embeddings to join,
 or a check fails, a one-time warning says so, whatever the shares, and the logits and
@@ -45,7 +50,7 @@ from torch import Tensor
 
 from dpmethods.extending import Call, gather, unwrap_compiled, warn_once
 
-__all__ = ["check_pairs", "join_contrastive", "pairs_items", "returns_pairs"]
+__all__ = ["check_pairs", "join_contrastive", "paired_fields", "pairs_items", "returns_pairs"]
 
 _PER = "logits_per_"
 
@@ -58,6 +63,33 @@ def pairs_items(out: Any) -> bool:
         (True, False)
     """
     return isinstance(out, Mapping) and any(isinstance(k, str) and _PER in k for k in out)
+
+
+def paired_fields(out: Any) -> dict[str, str]:
+    """The ``logits_per_*`` fields of one batch's output that score its items against each
+    other, each with what to do instead in item mode; ``{}`` where there are none, or
+    where they are per pair (an image-text matching head's ``[n, 2]``, both sides'
+    embeddings ``[n, queries, d]``).
+
+    Example:
+        >>> out = {"logits_per_text": torch.ones(2, 2), "logits_per_image": torch.ones(2, 2),
+        ...        "text_embeds": torch.ones(2, 4), "image_embeds": torch.ones(2, 4)}
+        >>> print(paired_fields(out)["logits_per_text"])
+        map get_text_features and get_image_features instead (one embedding per item) and compute the scores over all the items from those embeddings, as the model's forward computes them from its text_embeds and image_embeds
+    """
+    if not pairs_items(out):
+        return {}
+    fields = [k for k in out if _PER in k]
+    sides = [k[len(_PER):] for k in fields if k.startswith(_PER)]
+    embeds = [f"{s}_embeds" for s in sides if isinstance(out.get(f"{s}_embeds"), Tensor)]
+    if len(embeds) == len(sides) == 2 and all(out[e].dim() == 3 for e in embeds):
+        return {}
+    advice = (
+        f"map {' and '.join(f'get_{s}_features' for s in sides)} instead (one embedding per item) "
+        "and compute the scores over all the items from those embeddings, as the model's forward "
+        f"computes them from its {' and '.join(embeds) or 'embeddings'}"
+    )
+    return {k: advice for k in fields}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,11 @@ from dpmethods.extending import (
     warn_once,
 )
 from dpmethods.integrations.transformers.arguments import bound_arguments
-from dpmethods.integrations.transformers.contrastive import check_pairs, join_contrastive
+from dpmethods.integrations.transformers.contrastive import (
+    check_pairs,
+    join_contrastive,
+    paired_fields,
+)
 from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
@@ -227,4 +231,4 @@ def in_field_order(out: Any) -> Any:
     return rebuilt
 
 
-register_gather_mode(FORWARD_MODE, gather_forward)
+register_gather_mode(FORWARD_MODE, gather_forward, pairs=paired_fields)
