@@ -4,6 +4,7 @@ against the bare model on the full batch: encode, decode and the latent distribu
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -68,8 +69,7 @@ def test_diffusers_tiny_and_vq_autoencoders_with_no_configuration(batch: int, de
     x = torch.randn(batch, 3, 32, 32)
     for vae in (tiny, vq):
         dp = DataParallel(vae, device_ids=["cpu"] * devices)  # built-in encode and decode
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # VQModel.decode's 0-dim commit_loss is stacked, with a warning
+        with torch.no_grad():
             latents = vae.encode(x).latents
             assert_close_to_reference(dp.encode(x).latents, latents, terms=AUTOENCODER_TERMS)
             assert_close_to_reference(dp.decode(latents).sample, vae.decode(latents).sample, terms=AUTOENCODER_TERMS)
@@ -94,3 +94,33 @@ def test_diffusers_calls_and_maps_on_threads_and_processes(workers: str) -> None
             assert_close_to_reference(torch.cat(decoded), vae.decode(z).sample, terms=AUTOENCODER_TERMS)
     finally:
         dp.close()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_vq_decode_commit_loss_is_the_batch_mean_or_per_row_as_one_device(workers: str) -> None:
+    # The quantizer's commit loss is one mean over the batch: on 3 + 2 rows, the replicas'
+    # values weighted by their shares; with force_not_quantize=True, one value per row.
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    vq = diffusers.VQModel(
+        block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+        num_vq_embeddings=16, vq_embed_dim=4,
+    ).eval()
+    z = torch.randn(5, 4, 16, 16)
+    dp = DataParallel(vq, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # no warning: nothing is left per replica
+            for kwargs in ({}, {"return_dict": False}, {"force_not_quantize": True}):
+                want, got = _fields(vq.decode(z, **kwargs)), _fields(dp.decode(z, **kwargs))
+                assert got["commit_loss"].shape == want["commit_loss"].shape
+                assert_close_to_reference(got["commit_loss"], want["commit_loss"], terms=4 * 16 * 16 * 5)
+                assert_close_to_reference(got["sample"], want["sample"], terms=AUTOENCODER_TERMS)
+    finally:
+        dp.close()
+
+
+def _fields(out: Any) -> Any:
+    """A decoder output, or its ``return_dict=False`` tuple, by field name."""
+    return dict(zip(("sample", "commit_loss"), out)) if isinstance(out, tuple) else out
