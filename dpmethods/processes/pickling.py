@@ -183,24 +183,23 @@ class _OutputPickler(_IOPickler):
     nothing is detached silently.
     """
 
+    leaves_detached = False  # a leaf that requires grad goes detached (a job run with grad off)
+
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor) and obj.requires_grad:
-            raise OutputRequiresGrad(f"a tensor of shape {tuple(obj.shape)} requires grad")
+            if not (self.leaves_detached and obj.is_leaf):
+                raise OutputRequiresGrad(f"a tensor of shape {tuple(obj.shape)} requires grad")
+            obj = obj.detach()
         return _io_reduce(obj)
 
 
-class _NoGradOutputPickler(_IOPickler):
+class _NoGradOutputPickler(_OutputPickler):
     """An output of a job run with grad off: a leaf that requires grad (a parameter
     returned as it is, open_clip's ``logit_bias``) has no graph to lose, and goes as a
     plain tensor, as a replica thread's detached replica returns it; a tensor with a
     graph (made under grad, outside the job) is still refused."""
 
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, Tensor) and obj.requires_grad:
-            if not obj.is_leaf:
-                raise OutputRequiresGrad(f"a tensor of shape {tuple(obj.shape)} requires grad")
-            return _io_reduce(obj.detach())
-        return _io_reduce(obj)
+    leaves_detached = True
 
 
 def _io_pickler(output: bool, grad: bool = True) -> type[_IOPickler]:

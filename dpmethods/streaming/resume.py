@@ -140,7 +140,7 @@ class Checkpoint:
         shapes each item's output, :meth:`dpmethods.items.ItemOptions.identity`)."""
         rank = rank_and_world() if shard else None
         identity = Identity.of(method, batches, dict(kwargs), model, rank, items)
-        return Checkpoint(path, identity, batches, count(batches, shard))
+        return Checkpoint(path, identity, batches, count(batches, *(rank or (0, 1))))
 
     def open(self) -> None:
         """Open the record: another map's, one in use, or none where the map has records

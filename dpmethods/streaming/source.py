@@ -60,18 +60,17 @@ def indexed(batches: Iterable[Any], shard: bool) -> tuple[Iterator[tuple[int, An
     """
     rank, world = rank_and_world() if shard else (0, 1)
     pairs = iter(batches) if isinstance(batches, Indexed) else enumerate(batches)
-    return itertools.islice(pairs, rank, None, world), count(batches, shard)
+    return itertools.islice(pairs, rank, None, world), count(batches, rank, world)
 
 
-def count(batches: Iterable[Any], shard: bool) -> int | None:
-    """How many of ``batches`` are this rank's (all of them without ``shard``); None if
-    the input has no ``len()``.
+def count(batches: Iterable[Any], rank: int = 0, world: int = 1) -> int | None:
+    """How many of ``batches`` are rank ``rank``'s of ``world`` (all of them by default);
+    None if the input has no ``len()``.
 
     Example:
-        >>> count(range(5), shard=False), count(iter(range(5)), shard=False)
-        (5, None)
+        >>> count(range(5)), count(range(5), 1, 2), count(iter(range(5)))
+        (5, 2, None)
     """
-    rank, world = rank_and_world() if shard else (0, 1)
     try:
         return len(range(rank, len(batches), world))  # type: ignore[arg-type]
     except TypeError:  # no len(), e.g. a generator or a DataLoader of an IterableDataset

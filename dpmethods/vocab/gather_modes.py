@@ -108,21 +108,22 @@ def register_gather_mode(name: str, fn: GatherFn, *, check: CheckFn | None = Non
             f"{type(fn).__name__} {fn!r}"
         )
     check_arity("register_gather_mode: fn", fn, "fn(outputs, device, call)")
-    if check is not None and not callable(check):
-        raise TypeError(
-            f"register_gather_mode: check: expected None or a callable check(call), got "
-            f"{type(check).__name__} {check!r}"
-        )
-    if check is not None:
-        check_arity("register_gather_mode: check", check, "check(call)")
-    if pairs is not None and not callable(pairs):
-        raise TypeError(
-            f"register_gather_mode: pairs: expected None or a callable pairs(output), got "
-            f"{type(pairs).__name__} {pairs!r}"
-        )
-    if pairs is not None:
-        check_arity("register_gather_mode: pairs", pairs, "pairs(output)")
+    _check_optional("check", check, "check(call)")
+    _check_optional("pairs", pairs, "pairs(output)")
     _NAMED[name] = _Named(fn, check, pairs)
+
+
+def _check_optional(name: str, fn: Any, signature: str) -> None:
+    """An optional callable argument of :func:`register_gather_mode`: None, or a callable
+    that takes what ``signature`` says."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(
+            f"register_gather_mode: {name}: expected None or a callable {signature}, got "
+            f"{type(fn).__name__} {fn!r}"
+        )
+    check_arity(f"register_gather_mode: {name}", fn, signature)
 
 
 def mode_check(name: Any) -> CheckFn | None:

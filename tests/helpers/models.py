@@ -16,9 +16,9 @@ import dpmethods
 _WORDS = "the a cat dog sat on mat runs fast slow big small red blue".split()
 
 
-def tiny_sentence_transformer(path: Path) -> Any:
-    """A SentenceTransformer (2-layer BERT, mean pooling) saved to and loaded from ``path``."""
-    st = pytest.importorskip("sentence_transformers")
+def _save_tiny_bert(path: Path, model_class: str) -> None:
+    """A 2-layer BERT of width 32 (``transformers.<model_class>``, seeded) and its
+    tokenizer over the tiny vocabulary, saved to ``path``."""
     transformers = pytest.importorskip("transformers")
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
     (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -28,8 +28,14 @@ def tiny_sentence_transformer(path: Path) -> Any:
         intermediate_size=37, max_position_embeddings=64,
     )
     torch.manual_seed(0)
-    transformers.BertModel(config).save_pretrained(path)
+    getattr(transformers, model_class)(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
+
+
+def tiny_sentence_transformer(path: Path) -> Any:
+    """A SentenceTransformer (2-layer BERT, mean pooling) saved to and loaded from ``path``."""
+    st = pytest.importorskip("sentence_transformers")
+    _save_tiny_bert(path, "BertModel")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         from sentence_transformers import models
@@ -42,22 +48,12 @@ def tiny_sparse_encoder(path: Path) -> Any:
     """A SparseEncoder (2-layer BERT masked-LM head, SPLADE max pooling over its tiny
     vocabulary) saved to and loaded from ``path``: ``encode`` returns sparse COO tensors."""
     pytest.importorskip("sentence_transformers")
-    transformers = pytest.importorskip("transformers")
     try:
         from sentence_transformers import SparseEncoder
         from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
     except ImportError:
         pytest.skip("this sentence-transformers has no SparseEncoder modules")
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = transformers.BertTokenizer(str(path / "vocab.txt"))
-    config = transformers.BertConfig(
-        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    transformers.BertForMaskedLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    _save_tiny_bert(path, "BertForMaskedLM")
     return SparseEncoder(modules=[MLMTransformer(str(path)), SpladePooling("max")], device="cpu").eval()
 
 
