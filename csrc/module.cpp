@@ -10,9 +10,9 @@ namespace dpmethods {
 // csrc/python_eager.cpp
 PyObject* gather_coalesced_eager(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 // csrc/watch.cpp
-PyObject* tensor_states(PyObject* self, PyObject* seq);
-PyObject* dict_versions(PyObject* self, PyObject* seq);
-PyObject* identities(PyObject* self, PyObject* seq);
+PyObject* tensor_states(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* dict_versions(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* identities(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 }  // namespace dpmethods
 
 namespace {
@@ -38,13 +38,16 @@ PyMethodDef kMethods[] = {
      METH_FASTCALL,
      "_gather_coalesced(tensors, num_replicas, dim, device): the eager gather of "
      "dpmethods.ops.gather_coalesced; None where torch.ops must be used instead."},
-    {"_tensor_states", dpmethods::tensor_states, METH_O,
-     "_tensor_states(tensors): each tensor's version, storage, shape, strides, dtype, device and "
-     "requires_grad, packed in bytes; None for a tensor subclass."},
-    {"_dict_versions", dpmethods::dict_versions, METH_O,
-     "_dict_versions(dicts): each dict's version tag, packed in bytes; None where Python has none."},
-    {"_identities", dpmethods::identities, METH_O,
-     "_identities(objects): each object's class and __dict__ by address, packed in bytes."},
+    {"_tensor_states", reinterpret_cast<PyCFunction>(dpmethods::tensor_states), METH_FASTCALL,
+     "_tensor_states(tensors[, record]): each tensor's version, storage, shape, strides, dtype, "
+     "device and requires_grad, packed in bytes, or whether they equal record; None for a tensor "
+     "subclass."},
+    {"_dict_versions", reinterpret_cast<PyCFunction>(dpmethods::dict_versions), METH_FASTCALL,
+     "_dict_versions(dicts[, record]): each dict's version tag, packed in bytes, or whether they "
+     "equal record; None where Python has none."},
+    {"_identities", reinterpret_cast<PyCFunction>(dpmethods::identities), METH_FASTCALL,
+     "_identities(objects[, record]): each object's class and __dict__ by address, packed in bytes, "
+     "or whether they equal record."},
     {nullptr, nullptr, 0, nullptr},
 };
 

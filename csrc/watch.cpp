@@ -7,83 +7,190 @@
 // module did not change since its workers got it. In Python that is six
 // attribute reads per tensor and a call per dict and submodule, about a
 // millisecond for a model of 2,000 tensors; here a few nanoseconds each. The
-// values are packed into bytes: two looks agree exactly when the bytes do.
+// values are packed into bytes (a record): two looks agree exactly when the
+// bytes do, and a later look compares with the record as it reads, in place.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace dpmethods {
 namespace {
 
-void append_state(const at::Tensor& t, std::vector<int64_t>& out) {
+// Where a look's values go: packed into a record (the first look), or compared one by
+// one with a record (every later look: no allocation, and it stops at the first
+// difference).
+struct Packer {
+  std::vector<int64_t>& out;
+  bool put(int64_t v) {
+    out.push_back(v);
+    return true;
+  }
+};
+
+struct Comparer {
+  const int64_t* at;
+  const int64_t* end;
+  bool put(int64_t v) { return at != end && *at++ == v; }
+};
+
+template <typename Sink>
+bool put_state(const at::Tensor& t, Sink& sink) {
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   // Raises for an inference tensor (it has no version counter), as Tensor._version does.
-  out.push_back(static_cast<int64_t>(torch::autograd::impl::version_counter(t).current_version()));
+  if (!sink.put(static_cast<int64_t>(torch::autograd::impl::version_counter(t).current_version()))) {
+    return false;
+  }
   const bool stored = impl->has_storage();
-  out.push_back(stored ? reinterpret_cast<int64_t>(impl->storage().unsafeGetStorageImpl()) : 0);
-  out.push_back(stored ? reinterpret_cast<int64_t>(impl->storage().data()) : 0);
-  out.push_back(impl->storage_offset());
-  const c10::Device device = t.device();
-  out.push_back(static_cast<int64_t>(t.scalar_type()) | (static_cast<int64_t>(t.layout()) << 8) |
-                (static_cast<int64_t>(device.type()) << 16) |
-                ((static_cast<int64_t>(device.index()) & 0xffff) << 24) |
-                (static_cast<int64_t>(t.requires_grad()) << 40) | (static_cast<int64_t>(t.is_conj()) << 41) |
-                (static_cast<int64_t>(t.is_neg()) << 42));
+  const c10::Device device = impl->device();
+  const bool same =
+      sink.put(stored ? reinterpret_cast<int64_t>(impl->storage().unsafeGetStorageImpl()) : 0) &&
+      sink.put(stored ? reinterpret_cast<int64_t>(impl->storage().data()) : 0) &&
+      sink.put(impl->storage_offset()) &&
+      sink.put(static_cast<int64_t>(impl->dtype().toScalarType()) |
+               (static_cast<int64_t>(impl->layout()) << 8) | (static_cast<int64_t>(device.type()) << 16) |
+               ((static_cast<int64_t>(device.index()) & 0xffff) << 24) |
+               (static_cast<int64_t>(impl->requires_grad()) << 40) |
+               (static_cast<int64_t>(impl->is_conj()) << 41) | (static_cast<int64_t>(impl->is_neg()) << 42));
+  if (!same) {
+    return false;
+  }
   const auto sizes = impl->sizes();
   const auto strides = impl->strides();
-  out.push_back(static_cast<int64_t>(sizes.size()));
-  out.insert(out.end(), sizes.begin(), sizes.end());
-  out.insert(out.end(), strides.begin(), strides.end());
+  if (!sink.put(static_cast<int64_t>(sizes.size()))) {
+    return false;
+  }
+  for (const int64_t s : sizes) {
+    if (!sink.put(s)) {
+      return false;
+    }
+  }
+  for (const int64_t s : strides) {
+    if (!sink.put(s)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// ``obj``'s tensor where it is a plain tensor or parameter with a strided layout,
+// else nullptr (a tensor subclass, a sparse one: read in Python).
+const at::Tensor* plain_tensor(PyObject* obj) {
+  if (!THPVariable_Check(obj)) {
+    return nullptr;
+  }
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (!t.defined() || t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->is_python_dispatch()) {
+    return nullptr;
+  }
+  return &t;
+}
+
+// The items of a list or tuple (no copy: nothing that reads them calls back into
+// Python, so the sequence cannot change meanwhile), or false for anything else.
+bool items_of(PyObject* seq, PyObject*** items, Py_ssize_t* n) {
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+    return false;
+  }
+  *n = PySequence_Fast_GET_SIZE(seq);
+  *items = PySequence_Fast_ITEMS(seq);
+  return true;
+}
+
+// The arguments (seq[, record]) of a reader; false (a TypeError set) for others.
+bool reader_args(const char* name, PyObject* const* args, Py_ssize_t nargs, PyObject** seq, PyObject** record) {
+  if (nargs < 1 || nargs > 2) {
+    PyErr_Format(PyExc_TypeError, "%s: expected 1 or 2 arguments (seq[, record]), got %zd", name, nargs);
+    return false;
+  }
+  *seq = args[0];
+  *record = nargs == 2 && args[1] != Py_None ? args[1] : nullptr;
+  if (*record != nullptr && !PyBytes_CheckExact(*record)) {
+    PyErr_Format(PyExc_TypeError, "%s: record: expected bytes or None, got %s", name, Py_TYPE(*record)->tp_name);
+    return false;
+  }
+  return true;
+}
+
+// ``out`` packed in bytes (no record given), or whether it equals ``record``.
+template <typename Word>
+PyObject* packed_or_equal(const std::vector<Word>& out, PyObject* record) {
+  const auto nbytes = static_cast<Py_ssize_t>(out.size() * sizeof(Word));
+  if (record == nullptr) {
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()), nbytes);
+  }
+  return PyBool_FromLong(PyBytes_GET_SIZE(record) == nbytes &&
+                         std::memcmp(PyBytes_AS_STRING(record), out.data(), static_cast<size_t>(nbytes)) == 0);
 }
 
 }  // namespace
 
-// _tensor_states(tensors) -> bytes, for a list or tuple of plain tensors and
-// parameters; None for anything else (a tensor subclass: the caller reads it in
-// Python). Raises what reading a tensor raises (an inference tensor's version).
-PyObject* tensor_states(PyObject* /*self*/, PyObject* seq) {
+// _tensor_states(tensors[, record]) -> bytes | bool, for a list or tuple of plain
+// tensors and parameters: their states packed in bytes (a record), or with a record,
+// whether the states equal it; None for anything else (a tensor subclass: the caller
+// reads it in Python). Raises what reading a tensor raises (an inference tensor's
+// version).
+PyObject* tensor_states(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+  PyObject *seq = nullptr, *record = nullptr;
+  if (!reader_args("_tensor_states", args, nargs, &seq, &record)) {
+    return nullptr;
+  }
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  if (!items_of(seq, &items, &n)) {
     Py_RETURN_NONE;
   }
-  // The list itself (no copy): nothing below calls back into Python, so it cannot change.
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  if (record != nullptr) {
+    const auto* at = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(record));
+    Comparer sink{at, at + PyBytes_GET_SIZE(record) / static_cast<Py_ssize_t>(sizeof(int64_t))};
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const at::Tensor* t = plain_tensor(items[i]);
+      if (t == nullptr) {
+        Py_RETURN_NONE;
+      }
+      if (!put_state(*t, sink)) {
+        Py_RETURN_FALSE;
+      }
+    }
+    return PyBool_FromLong(sink.at == sink.end && PyBytes_GET_SIZE(record) % sizeof(int64_t) == 0);
+  }
   std::vector<int64_t> out;
   out.reserve(static_cast<size_t>(n) * 10);
+  Packer sink{out};
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* obj = items[i];
-    if (!THPVariable_Check(obj)) {
+    const at::Tensor* t = plain_tensor(items[i]);
+    if (t == nullptr) {
       Py_RETURN_NONE;
     }
-    const at::Tensor& t = THPVariable_Unpack(obj);
-    if (!t.defined() || t.layout() != c10::kStrided || t.unsafeGetTensorImpl()->is_python_dispatch()) {
-      Py_RETURN_NONE;
-    }
-    append_state(t, out);
+    put_state(*t, sink);
   }
-  return PyBytes_FromStringAndSize(
-      reinterpret_cast<const char*>(out.data()), static_cast<Py_ssize_t>(out.size() * sizeof(int64_t)));
+  return packed_or_equal(out, nullptr);
   END_HANDLE_TH_ERRORS
 }
 
-// _dict_versions(dicts) -> bytes: each dict's version tag (a new one at every
-// change to the dict), for a list or tuple of dicts; None where this Python has
-// no per-dict version (3.14 and later) or an item is not a dict.
-PyObject* dict_versions(PyObject* /*self*/, PyObject* seq) {
+// _dict_versions(dicts[, record]) -> bytes | bool: each dict's version tag (a new one
+// at every change to the dict), for a list or tuple of dicts, packed in bytes, or with
+// a record, whether they equal it; None where this Python has no per-dict version
+// (3.14 and later) or an item is not a dict.
+PyObject* dict_versions(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject *seq = nullptr, *record = nullptr;
+  if (!reader_args("_dict_versions", args, nargs, &seq, &record)) {
+    return nullptr;
+  }
 #if PY_VERSION_HEX >= 0x030E0000
   (void)seq;
   Py_RETURN_NONE;
 #else
-  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  if (!items_of(seq, &items, &n)) {
     Py_RETURN_NONE;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
   std::vector<uint64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!PyDict_Check(items[i])) {
@@ -98,19 +205,23 @@ PyObject* dict_versions(PyObject* /*self*/, PyObject* seq) {
 #pragma GCC diagnostic pop
 #endif
   }
-  return PyBytes_FromStringAndSize(
-      reinterpret_cast<const char*>(out.data()), static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
+  return packed_or_equal(out, record);
 #endif
 }
 
-// _identities(objects) -> bytes: each object's class and __dict__, by address
-// (the caller keeps both alive, so an address is never reused while it compares).
-PyObject* identities(PyObject* /*self*/, PyObject* seq) {
-  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+// _identities(objects[, record]) -> bytes | bool: each object's class and __dict__, by
+// address, packed in bytes, or with a record, whether they equal it (the caller keeps
+// both alive, so an address is never reused while it compares).
+PyObject* identities(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
+  PyObject *seq = nullptr, *record = nullptr;
+  if (!reader_args("_identities", args, nargs, &seq, &record)) {
+    return nullptr;
+  }
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  if (!items_of(seq, &items, &n)) {
     Py_RETURN_NONE;
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
   std::vector<uintptr_t> out(static_cast<size_t>(2 * n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     // The instance's own dict, without looking up the __dict__ attribute on its class.
@@ -122,8 +233,7 @@ PyObject* identities(PyObject* /*self*/, PyObject* seq) {
     out[static_cast<size_t>(2 * i + 1)] = reinterpret_cast<uintptr_t>(d);
     Py_DECREF(d);
   }
-  return PyBytes_FromStringAndSize(
-      reinterpret_cast<const char*>(out.data()), static_cast<Py_ssize_t>(out.size() * sizeof(uintptr_t)));
+  return packed_or_equal(out, record);
 }
 
 }  // namespace dpmethods

@@ -331,7 +331,7 @@ def versions_change() -> bool:
     return _dict_version is not None and _probe(_dict_version)
 
 
-_Read = Callable[[list[Any]], "bytes | None"]
+_Read = Callable[..., "bytes | bool | None"]  # (items[, record])
 
 
 def _compiled() -> dict[str, _Read]:
@@ -410,7 +410,8 @@ class Watch:
             try:
                 steps = optimizer_steps()
                 versions = self._walk(module)
-                self._seen = (steps, versions, *self._metadata(self._kept))
+                self._seen = (steps, versions, self._ids(), self._states(),
+                              _pickled(self._objects, self._walked, self._kept))
             except Exception:  # a tensor without a version counter, a module half built
                 self._seen = None
         self.classes = frozenset(map(type, self._modules))
@@ -451,23 +452,37 @@ class Watch:
         assert _dict_version is not None
         return None if any(self._empty) else list(map(_dict_version, self._dicts))
 
-    def _metadata(self, kept: list[Any] | None = None) -> tuple[Any, ...]:
+    def _states(self) -> Any:
         ts = self._tensors
-        states: Any = self._tensor_states(ts) if self._tensor_states is not None else None
-        if states is None:
-            states = [list(map(read, ts)) for read in _TENSOR_READS]
+        states = self._tensor_states(ts) if self._tensor_states is not None else None
+        return [list(map(read, ts)) for read in _TENSOR_READS] if states is None else states
+
+    def _ids(self) -> Any:
         mods = self._modules
-        ids: Any = self._identities(mods) if self._identities is not None else None
-        if ids is None:  # a __dict__ replaced: the old one is kept here, so never equal
-            ids = (list(map(type, mods)), list(map(id, map(vars, mods))))
-        return ids, states, _pickled(self._objects, self._walked, kept)
+        ids = self._identities(mods) if self._identities is not None else None
+        # (Without the extension, a __dict__ replaced: the old one is kept here, so never equal.)
+        return (list(map(type, mods)), list(map(id, map(vars, mods)))) if ids is None else ids
+
+    def _same(self, read: _Read | None, items: list[Any], record: Any, python: Callable[[], Any]) -> bool:
+        """Whether what ``read`` (an extension's reader, given ``record``: it compares in
+        place) or else ``python()`` reads of ``items`` now equals ``record``."""
+        if read is not None and isinstance(record, bytes):
+            return read(items, record) is True  # None: no longer readable there, so changed
+        return python() == record
 
     def unchanged(self) -> bool:
         """Whether nothing the look saw changed since (False when it cannot tell)."""
         seen = self._seen
         if seen is None or self._rules != _RULES:
             return False
+        steps, versions, ids, states, objects = seen
         try:
-            return (optimizer_steps(), self._versions(), *self._metadata()) == seen
+            return (
+                optimizer_steps() == steps
+                and self._same(self._dict_versions, self._dicts, versions, self._versions)
+                and self._same(self._identities, self._modules, ids, self._ids)
+                and self._same(self._tensor_states, self._tensors, states, self._states)
+                and _pickled(self._objects, self._walked) == objects
+            )
         except Exception:
             return False

@@ -837,6 +837,29 @@ def test_the_watch_sees_an_in_place_change_to_any_of_many_tensors(layer: int, re
     assert not watch.unchanged()
 
 
+def test_the_compiled_readers_compare_with_a_record_as_their_bytes_do() -> None:
+    # A later look compares in place with the first look's record: equal exactly when the
+    # bytes would be, a record of another length never equal.
+    if ops.extension_info()["in_use"] != "compiled":
+        pytest.skip("dpmethods._C is not built")
+    model = Crowd()
+    reads = state._compiled()
+    watch = Watch(model)
+    items = {"tensor_states": watch._tensors, "dict_versions": watch._dicts, "identities": watch._modules}
+    for name, read in reads.items():
+        record = read(items[name])
+        assert isinstance(record, bytes) and len(record) > 8
+        assert read(items[name], record) is True
+        assert read(items[name], None) == record
+        for other in (record[:-8], record + bytes(8), record[:-1], b"", bytes(len(record))):
+            assert read(items[name], other) is False, name
+        with pytest.raises(TypeError, match="record: expected bytes or None, got bytearray"):
+            read(items[name], bytearray(record))
+    before = reads["tensor_states"](watch._tensors)
+    model.layers[599].weight.data = model.layers[599].weight.data.t()  # strides only
+    assert reads["tensor_states"](watch._tensors, before) is False
+
+
 def test_the_watch_sees_a_hook_removed() -> None:
     model = Watched()
     handle = model.lin.register_forward_hook(count_calls)
