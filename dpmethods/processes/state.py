@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - a torch without it: every look walks t
     _dict_version = None
 
 __all__ = [
-    "ProcessRule", "Watch", "per_call", "rebuilt", "register_process_rule", "state_digest", "versions_change",
+    "ProcessRule", "Watch", "compiled_readers", "per_call", "rebuilt", "register_process_rule", "state_digest", "versions_change",
     "without_per_call_hooks",
 ]
 
@@ -334,10 +334,19 @@ def versions_change() -> bool:
 _Read = Callable[..., "bytes | bool | None"]  # (items[, record])
 
 
-def _compiled() -> dict[str, _Read]:
-    """The extension's readers (each a pass over a list, into bytes) where it is in use:
-    ``tensor_states``, ``identities`` (classes and ``__dict__``), and ``dict_versions``
-    where this interpreter's dict versions pass the probe."""
+def compiled_readers() -> dict[str, _Read]:
+    """The extension's readers where it is in use: ``tensor_states``, ``identities``
+    (classes and ``__dict__``), and ``dict_versions`` where this interpreter's dict
+    versions pass the probe. Each is one pass over a list: ``read(items)`` packs what it
+    reads into bytes (a record), ``read(items, record)`` tells whether what it reads now
+    equals the record (comparing as it reads); None where an item cannot be read there.
+
+    Example:
+        >>> read = compiled_readers().get("tensor_states")
+        >>> ts = [torch.zeros(2)]
+        >>> read is None or read(ts, read(ts)) is True
+        True
+    """
     return _readers(extension.module())
 
 
@@ -393,7 +402,7 @@ class Watch:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self._rules = list(_RULES)
-        reads = _compiled()
+        reads = compiled_readers()
         self._tensor_states = reads.get("tensor_states")
         self._dict_versions = reads.get("dict_versions")
         self._identities = reads.get("identities")

@@ -843,7 +843,7 @@ def test_the_compiled_readers_compare_with_a_record_as_their_bytes_do() -> None:
     if ops.extension_info()["in_use"] != "compiled":
         pytest.skip("dpmethods._C is not built")
     model = Crowd()
-    reads = state._compiled()
+    reads = state.compiled_readers()
     watch = Watch(model)
     items = {"tensor_states": watch._tensors, "dict_versions": watch._dicts, "identities": watch._modules}
     for name, read in reads.items():
