@@ -453,7 +453,7 @@ def test_trim_with_errors_yield_when_the_probe_fails_as_its_batch_did(dp: Any, w
 
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_probe_that_fails_is_followed_by_another_while_the_map_reads(dp: Any, workers: str) -> None:
-    items = _lengths_items([6, 6, 6, 3] + [6, 6, 6, 4] * 10, failing=3)  # 11 windows of 4
+    items = _lengths_items([6, 6, 6, 3] + [6, 6, 6, 4] * 40, failing=3)  # 41 windows of 4, more than the map holds in flight
     with torch.no_grad():
         outs = list(dp.map("encode", items, batch_size=4, window=4, trim=True, errors="yield"))
     runs = batches_run(dp.module.workdir)
