@@ -4,7 +4,8 @@
 
     caller (processes/pool.py)                       a worker process (processes/worker.py)
 
-    Load(kind, what, marks)      -- pickled -->      load(): builds the model
+    Load(kind, what, marks,      -- pickled -->      load(): builds the model
+         classes)
                                  <-- pickled --      Done(output=the worker's pid, warned)
     Request(method, args, kwargs, state,
             seed, part_of_batch, oom) -------->     run(): one map batch or call share
@@ -57,16 +58,18 @@ class Warned(_Record):
 class Load(_Record):
     """Build the worker's model: ``kind`` ``"model"`` (``what``: the pickled module) or
     ``"factory"`` (``what``: a callable that returns it); ``marks``: the batch-coupled
-    classes to mark there too.
+    classes to mark there too; ``classes``: the model's classes as the caller has them
+    (a :class:`~dpmethods.processes.classes.ClassState`; None for a factory's model).
 
     Example:
-        >>> Load("factory", dict, {}).kind
+        >>> Load("factory", dict, {}, None).kind
         'factory'
     """
 
     kind: str
     what: Any
     marks: dict[type, Mark]
+    classes: Any  # dpmethods.processes.classes.ClassState | None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
+from dpmethods.processes.classes import ClassState, class_state, classes_of
 from dpmethods.processes.executor import NotStarted, WorkerExecutor
 from dpmethods.processes.messages import Done, Load, Request, Warned
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
@@ -453,7 +454,11 @@ class ProcessPool:
             watch = Watch(module)  # first: a change made while the module is read shows next time
             marked = marks(module)  # the worker marks them too: its replicas warn as threads do
             kept: list[Any] = []  # the tensors the digest saw, by id
-            state: Any = (fingerprint(module), state_digest(module, kept)) if self.factory is None else "factory"
+            state: Any = "factory"
+            classes: ClassState | None = None
+            if self.factory is None:
+                classes = class_state(classes_of(module.modules()))  # a class changed here is set there too
+                state = (fingerprint(module), state_digest(module, kept), classes.key())
             key = (state, tuple(marked.items()))
             stale = [w for w in self.workers if w in fresh or (w.key != key and w.executor is not None)]
             if not stale:
@@ -466,7 +471,7 @@ class ProcessPool:
                 stop_all([w])
                 w.start(threads)
             try:
-                messages = self._model_messages(module, len(stale), marked)
+                messages = self._model_messages(module, len(stale), marked, classes)
             except BaseException:  # a module that can't be sent fails at once
                 stop_all(fresh, grace=0.0)
                 raise
@@ -496,10 +501,11 @@ class ProcessPool:
             and all(w.key is key for w in self.workers if w.executor is not None)
         )
 
-    def _model_messages(self, module: nn.Module, n: int, marked: dict[type, Mark]) -> list[bytes]:
+    def _model_messages(self, module: nn.Module, n: int, marked: dict[type, Mark],
+                        classes: ClassState | None) -> list[bytes]:
         if self.factory is not None:
-            return [dumps(Load("factory", self.factory, marked))] * n
-        return [dumps(Load("model", p, marked)) for p in model_payloads(module, n)]
+            return [dumps(Load("factory", self.factory, marked, None))] * n
+        return [dumps(Load("model", p, marked, classes)) for p in model_payloads(module, n)]
 
     def _wait_loaded(self, futures: list[tuple[Worker, cf.Future[bytes]]], key: Any, fresh: list[Worker]) -> None:
         failure: BaseException | None = None

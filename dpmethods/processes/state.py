@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from dpmethods.core.replicate import HOOK_DICTS, optimizer_steps
 from dpmethods.ops import extension
+from dpmethods.processes.classes import class_dicts, classes_of
 
 _dict_version: Callable[[dict[Any, Any]], int] | None
 try:  # a dict's version: new at every change to the dict (its tag, or a dict watcher)
@@ -376,8 +377,9 @@ class Watch:
     The look walks the module once; :meth:`unchanged` walks nothing. It reads the
     version of each dict of every submodule that a call depends on (its ``__dict__``,
     parameters, buffers, children and forward and backward hook dicts: an assignment, a
-    parameter, buffer, child or hook added, replaced or removed each make a new one),
-    each submodule's class and ``__dict__`` (the object), each parameter's and buffer's
+    parameter, buffer, child or hook added, replaced or removed each make a new one)
+    and of the dict of each of their classes and bases (a method patched), each
+    submodule's class and ``__dict__`` (the object), each parameter's and buffer's
     version counter (in-place updates), storage, data pointer, shape, strides and dtype
     (``.data =``) and ``requires_grad``, and the optimizer steps taken (fused steps bump
     no version counter); and it pickles again the attribute objects
@@ -451,6 +453,13 @@ class Watch:
             for group in (d["_parameters"], d["_buffers"]):
                 self._tensors.extend(t for t in group.values() if t is not None)
             _attribute_objects(m, objects, skip)
+        # The model's classes: one changed here (a method patched) is set on the workers'.
+        for d in class_dicts(classes_of(self._modules)):
+            if fast is not None:
+                parts.append(fast([d]))
+            else:
+                parts.append(_dict_version(d))
+            self._dicts.append(d)
         self._objects = list(objects.values())
         self._walked = frozenset(map(id, self._modules))
         return b"".join(parts) if fast is not None else parts

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from dpmethods.core.oom import Fit, split_on_oom
+from dpmethods.processes.classes import apply
 from dpmethods.processes.messages import Done, Failed, Load, Request, Warned
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
@@ -160,6 +161,8 @@ def _build(msg: Load) -> nn.Module:
         )
     load_pending()  # the integrations of the libraries the model imported: their rules
     rebuilt(model)
+    if msg.classes is not None:
+        apply(msg.classes, model)  # the caller's changes to the model's classes
     if _device.type == "cuda" or kind == "factory":
         model.to(_device)
     # Workers map the same shared parameters and buffers. A method may update buffers in

@@ -227,6 +227,23 @@ class DoubledLinear(nn.Linear):
         return 2 * super().forward(x)
 
 
+class Patched(nn.Module):
+    """Two ``Linear`` layers; tests replace :meth:`Patched.forward` on the class (a
+    method patched in the caller's process) with :func:`patched_forward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).relu())  # type: ignore[no-any-return]
+
+
+def patched_forward(self: Patched, x: torch.Tensor) -> torch.Tensor:
+    """What :class:`Patched` runs once patched: another model's output."""
+    return self.second(self.first(x).tanh() * 3)  # type: ignore[no-any-return]
+
+
 class Holder(nn.Module):
     """Runs ``self.model``: a test puts a fresh model in it (the workers get it) and
     changes that one, on one pool of workers for every case."""

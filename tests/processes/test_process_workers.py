@@ -50,6 +50,7 @@ from tests.helpers.processes import (
     Locked,
     MarkedLater,
     Net,
+    Patched,
     Shifted,
     Ticker,
     Unloadable,
@@ -59,6 +60,7 @@ from tests.helpers.processes import (
     build_net_doubled,
     count_calls,
     gone,
+    patched_forward,
     tiny_gpt2,
     wait_for,
 )
@@ -1024,6 +1026,85 @@ def test_a_class_marked_after_the_workers_hold_its_model_warns_there(holder: tup
     assert_close_to_reference(out, 2 * x, terms=1)
     assert [str(w.message) for w in seen if "MarkedLater couples the items of its batch (marked by a test)"
             in str(w.message)], [str(w.message) for w in seen]
+
+
+def _on(holder: tuple[Holder, Any], workers: str) -> tuple[Holder, Any]:
+    """The holder's model and a wrapper of it on ``workers`` (processes: the shared pool)."""
+    h, dp = holder
+    return h, (dp if workers == "processes" else dpmethods.DataParallel(h, device_ids=["cpu"] * 2))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_method_patched_on_a_class_runs_in_the_workers(
+    holder: tuple[Holder, Any], workers: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Workers import the model's classes from their modules: a method replaced on a class
+    # in this process is set on theirs, before a call, between calls and between a map's
+    # batches, and put back when it is restored here; no warning, as on threads.
+    h, dp = _on(holder, workers)
+    torch.manual_seed(0)
+    h.model = Patched()
+    x = torch.randn(5, 4)  # 3 + 2 rows
+    original = Patched.forward
+    with torch.no_grad():
+        want = {"plain": h(x), "patched": patched_forward(h.model, x)}
+        got: dict[str, Any] = {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            monkeypatch.setattr(Patched, "forward", patched_forward)
+            got["patched"] = dp(x)
+            monkeypatch.setattr(Patched, "forward", original)
+            got["plain"] = dp(x)
+            batches = list(dp.map("forward", [x] * 12))  # 12 > what the workers hold at once
+            it = dp.map("forward", [x] * 12)
+            outs = [next(it)]
+            monkeypatch.setattr(Patched, "forward", patched_forward)  # between two batches
+            outs += list(it)
+    assert not _close(want["plain"], want["patched"])  # the patch changes every row clearly
+    for k in want:
+        assert_close_to_reference(got[k], want[k], terms=_WATCHED_TERMS)
+    assert_close_to_reference(batches, [want["plain"]] * 12, terms=_WATCHED_TERMS)
+    assert_close_to_reference(outs[0], want["plain"], terms=_WATCHED_TERMS)
+    assert_close_to_reference(outs[-1], want["patched"], terms=_WATCHED_TERMS)  # sent after the patch
+
+
+def test_a_patch_the_workers_cannot_import_is_a_warning(
+    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A lambda cannot be sent by reference: the workers would run the class's own method,
+    # another model, so the caller is told once, with what to do.
+    h, dp = holder
+    h.model = Patched()
+    x = torch.randn(5, 4)
+    monkeypatch.setattr(Patched, "forward", lambda self, x: patched_forward(self, x))
+    dpmethods.vocab.warn_once.reset()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dp(x)
+        dp(x)
+    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "DataParallel(workers='processes'): tests.helpers.processes.Patched.forward is the function "
+        "tests.processes.test_process_workers.test_a_patch_the_workers_cannot_import_is_a_warning.<locals>.<lambda>"
+    ), said[0]
+    assert "factory=" in said[0] and "workers='threads'" in said[0]
+
+
+def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holder: tuple[Holder, Any]) -> None:
+    # transformers gives nn.Module a smart_apply (a closure) and caches values on model
+    # classes as it runs: a worker's unpickled model never made them, and needs none.
+    h, dp = holder
+    h.model = tiny_gpt2()
+    assert hasattr(nn.Module, "smart_apply")  # made by the model's weight initialisation
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [1, 2, 3]])
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dp.module.model(ids)
+        out = dp(ids)
+    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    assert said == []
+    assert out.logits.shape[0] == 3
 
 
 @pytest.fixture
