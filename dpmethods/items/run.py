@@ -39,7 +39,7 @@ from dpmethods.streaming.options import MapOptions
 from dpmethods.streaming.resume import Checkpoint
 from dpmethods.streaming.source import Indexed, indexed
 from dpmethods.types.cut import Padding, cut_output
-from dpmethods.vocab.call_hooks import Call, check_prepared
+from dpmethods.vocab.call_hooks import Call, check_prepared, is_per_item
 from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["ItemIterator", "map_items"]
@@ -123,14 +123,15 @@ class _Source:
         """Refuse a method whose results are computed over the whole batch after the
         per-item work: its hooks' ``prepare``, run on the first batch's call, returns a
         ``finish`` (sentence-transformers' ``encode(precision="int8")`` calibrates on the
-        whole batch). Once: the keyword arguments, which choose that, are every batch's."""
+        whole batch), unless the finish declares it works per item (``per_item = True``).
+        Once: the keyword arguments, which choose that, are every batch's."""
         hooks = self.options.hooks
         if hooks is None or hooks.prepare is None:
             return
         args, kwargs = as_call(collated, self.kwargs)
         call = Call(self.module, self.method, args, kwargs, (), self.options)
         finish = check_prepared(hooks.prepare(args, kwargs, call), hooks.prepare)[2]
-        if finish is None:
+        if finish is None or is_per_item(finish):  # per item: a batch as it is gives one device's output
             return
         advice = getattr(finish, "advice", None)
         raise ValueError(
@@ -139,7 +140,10 @@ class _Source:
             "mode each item's output would depend on the items batched with it. Map batches "
             "of your own (without batch_size= or max_tokens=), or leave out the argument that "
             "needs the whole batch and do that step yourself over all the outputs"
-            + (f": {advice}" if isinstance(advice, str) and advice else "")
+            + (f": {advice}" if isinstance(advice, str) and advice else
+               # The hooks' own (a user's): a finish that only converts a format is per item.
+               ". A finish that works on each item's part of the output alone (a format, as "
+               "out.float()) declares it with an attribute per_item = True (CallHooks)")
         )
 
     def rearm(self) -> None:

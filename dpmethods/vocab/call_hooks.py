@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Union
 
 __all__ = [
     "Call", "CallHooks", "Finish", "PerReplica", "Prepare", "check_arity", "check_per_replica",
-    "check_prepared",
+    "check_prepared", "is_per_item",
 ]
 
 
@@ -65,7 +65,12 @@ class CallHooks:
             ``max_tokens=``) runs ``prepare`` on its first batch and refuses a method that
             returns a finish, as each item's output would depend on the items batched
             with it; a finish's ``advice`` attribute (a str), if it has one, is added to
-            that error: how to get the result instead.
+            that error: how to get the result instead. A finish that works on each item's
+            part of the output alone (a format: ``out.float()``, the fields as the tuple the
+            caller asked for) declares so with a ``per_item`` attribute that is ``True``, and
+            item mode maps the method: each batch runs as it is, as on one device (the
+            hooks, finish included, adapt it only where it is split), and its output is
+            cut into items. Chained finishes are per item when each one is.
         per_replica: ``per_replica(args, kwargs, start, call) -> (args, kwargs)``, run for
             each replica's share after the scatter; ``start`` is the index of the
             replica's first item in the whole batch.
@@ -75,6 +80,13 @@ class CallHooks:
         >>> args, kwargs, finish = hooks.prepare(("Hi",), {}, None)
         >>> args, finish("done")
         (('hi',), 'DONE')
+
+        A finish that converts each item's part alone, declared so for item mode:
+
+        >>> def as_float(out):
+        ...     return out.float()
+        >>> as_float.per_item = True  # or a class attribute of a callable finish
+        >>> hooks = CallHooks(prepare=lambda a, k, call: (a, k, as_float))
     """
 
     prepare: Prepare | None = None
@@ -161,6 +173,11 @@ class _Finishes(_Steps):
         given = [a for f in (self.first, self.second) if isinstance(a := getattr(f, "advice", None), str) and a]
         return "; ".join(given) or None
 
+    @property
+    def per_item(self) -> bool:
+        """Whether both finishes work on each item's part alone (see :class:`CallHooks`)."""
+        return is_per_item(self.first) and is_per_item(self.second)
+
 
 class _ChainedPerReplica(_Steps):
     """``per_replica`` of :meth:`CallHooks.then`: ``first``'s, then ``second``'s."""
@@ -168,6 +185,21 @@ class _ChainedPerReplica(_Steps):
     def __call__(self, args: tuple[Any, ...], kwargs: dict[str, Any], start: int, call: Call) -> Any:
         args, kwargs = check_per_replica(self.first(args, kwargs, start, call), self.first)
         return check_per_replica(self.second(args, kwargs, start, call), self.second)
+
+
+def is_per_item(finish: Any) -> bool:
+    """Whether ``finish`` declares that it works on each item's part of the output alone:
+    its ``per_item`` attribute is ``True`` (see :class:`CallHooks`).
+
+    Example:
+        >>> class Round:
+        ...     per_item = True
+        ...     def __call__(self, out):
+        ...         return out.round()
+        >>> is_per_item(Round()), is_per_item(str.upper)
+        (True, False)
+    """
+    return getattr(finish, "per_item", False) is True
 
 
 def _label(fn: Any) -> str:

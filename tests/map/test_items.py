@@ -20,7 +20,9 @@ import pytest
 import torch
 
 import dpmethods
+from dpmethods.extending import CallHooks
 from dpmethods.testing import assert_close_to_reference
+from dpmethods.vocab.call_hooks import is_per_item
 from tests.helpers import WORKERS, workers_of
 from tests.helpers.items_models import (
     FAIL,
@@ -384,6 +386,94 @@ def test_encode_per_item_precisions_and_options_map_without_a_warning(encoders: 
     # What the refusal advises gives the codes calibrated on every text.
     codes = st.quantize_embeddings(np.stack(floats), precision="int8")
     assert np.abs(codes.astype(int) - model.encode(TEXTS, precision="int8").astype(int)).max() <= 1
+
+
+class _Returns(Tokens):
+    """``encode`` with transformers' ``return_dict``: the fields, or a (hidden, pooled) tuple."""
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,  # type: ignore[override]
+               return_dict: bool = True) -> Any:
+        out = super().encode(input_ids, attention_mask)
+        return out if return_dict else (out["hidden"], out["pooled"])
+
+
+def _as_tuple(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A finish that converts a format, each item's part alone: the fields as the tuple."""
+    return out["hidden"], out["pooled"]
+
+
+_as_tuple.per_item = True  # type: ignore[attr-defined]
+
+
+def _undeclared(out: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same finish, not declared per item."""
+    return out["hidden"], out["pooled"]
+
+
+def _fields_then(finish: Any) -> Any:
+    """Hooks that have the replicas return their fields (which the gather joins by name)
+    and ``finish`` give the tuple the caller asked for with return_dict=False."""
+
+    def prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Any) -> Any:
+        wanted = kwargs.get("return_dict", True)
+        return args, {**kwargs, "return_dict": True}, None if wanted else finish
+
+    return prepare
+
+
+def _tuple_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Any) -> Any:
+    return _fields_then(_as_tuple)(args, kwargs, call)
+
+
+def _undeclared_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Any) -> Any:
+    return _fields_then(_undeclared)(args, kwargs, call)
+
+
+def _hooked(workdir: Path, workers: str, prepare: Any) -> Any:
+    torch.manual_seed(0)
+    model = _Returns(str(workdir)).eval()
+    return dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers,
+                                  methods={"encode": {"hooks": CallHooks(prepare=prepare)}})
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_finish_declared_per_item_maps_over_items_equal_to_one_device(tmp_path: Path, workers: str) -> None:
+    items = token_items(N)
+    dp = _hooked(tmp_path, workers, _tuple_prepare)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("encode", items, batch_size=4, trim=True, return_dict=False))
+            whole = dp.encode(**_pad(items[:3]), return_dict=False)  # a call: the hooks' finish
+    finally:
+        dp.close()
+    model = dp.module
+    with torch.no_grad():  # one device, each item alone
+        ref = [model.encode(i["input_ids"][None], torch.ones_like(i["input_ids"])[None], return_dict=False)
+               for i in items]
+    ref = [(h[0], p[0]) for h, p in ref]
+    assert all(isinstance(o, tuple) and len(o) == 2 for o in outs)
+    assert_close_to_reference(outs, ref, terms=TERMS)
+    assert isinstance(whole, tuple) and whole[1].shape == (3, 4)
+
+
+def test_a_finish_not_declared_per_item_is_still_refused(tmp_path: Path) -> None:
+    dp = _hooked(tmp_path, "threads", _undeclared_prepare)
+    try:
+        with pytest.raises(ValueError, match=re.escape(
+                "map: _Returns.encode computes its results over the whole batch after the per-item work "
+                "with these arguments (its CallHooks.prepare returns a finish), so in item mode each "
+                "item's output would depend on the items batched with it. Map batches of your own "
+                "(without batch_size= or max_tokens=), or leave out the argument that needs the whole "
+                "batch and do that step yourself over all the outputs. A finish that works on each "
+                "item's part of the output alone (a format, as out.float()) declares it with an "
+                "attribute per_item = True (CallHooks)")):
+            list(dp.map("encode", token_items(5), batch_size=2, return_dict=False))
+    finally:
+        dp.close()
+    # Chained finishes are per item when each one is.
+    declared, undeclared = (CallHooks(prepare=lambda a, k, call, f=f: (a, k, f)) for f in (_as_tuple, _undeclared))
+    assert is_per_item(declared.then(declared).prepare((), {}, None)[2])  # type: ignore[misc]
+    assert not is_per_item(declared.then(undeclared).prepare((), {}, None)[2])  # type: ignore[misc]
 
 
 # --- compositions --------------------------------------------------------------------
