@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from dpmethods.data_parallel import DataParallel
+from dpmethods.types.cut import Entry
 from dpmethods.vocab.options import MethodOptions
 from dpmethods.wrapper.registry import get_options
 
@@ -237,7 +238,11 @@ def _cells(values: Any) -> list[Any]:
 
 def _join_rows(outs: list[Any]) -> Any:
     """Per-row outputs as one output of a row each: tensors (arrays) of one shape stacked,
-    others listed, fields and tuple positions joined one by one."""
+    others listed, fields and tuple positions joined one by one; a per-row list's entries
+    (:class:`~dpmethods.types.cut.Entry`, tuples and dicts included) listed as they are,
+    one column, as the method's per-row list is on one device."""
+    if any(isinstance(o, Entry) for o in outs):
+        return [o.value if isinstance(o, Entry) else o for o in outs]
     first = outs[0]
     if isinstance(first, (torch.Tensor, np.ndarray)):
         if all(type(o) is type(first) and o.shape == first.shape for o in outs):
@@ -301,7 +306,8 @@ class Predictor:
         batch_size, max_tokens, length, collate: item mode, as ``DataParallel.map`` takes
             them (docs/map.md#items-of-mixed-lengths): each row is an item, a dict of the
             arguments ``columns`` gives it; a batch's rows are sorted by length, run in
-            sub-batches over the devices and returned in their order.
+            sub-batches over the devices and returned in their order; a per-row list is
+            one column, whatever its entries, as on one device.
         device_ids: the devices to split each batch over, through
             :class:`dpmethods.DataParallel` with the method's own options (replicas
             cached between batches); on one device the method runs there as it is.
@@ -406,7 +412,9 @@ class Predictor:
             else:  # each row an item: sorted, batched and run by the map, in their order again
                 cells = {a: _cells(v) for a, v in inputs.items()}
                 rows = [{a: c[r] for a, c in cells.items()} for r in range(n)]
-                outs = list(self._dp.map(self._method, rows, **self._items, **self._kwargs))
+                mapped = self._dp.map(self._method, rows, **self._items, **self._kwargs)
+                mapped.entries = True  # type: ignore[attr-defined]  # a per-row list's entries: one column each
+                outs = list(mapped)
                 columns = _output_columns(_join_rows(outs), self._name, n) if outs else {}
         clash = sorted(set(columns) & set(kept))
         if clash:

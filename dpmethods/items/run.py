@@ -193,7 +193,13 @@ def _prompt(batch: Any, rows: int) -> Tensor | None:
 
 class ItemIterator(MapIterator):
     """The iterator ``DataParallel.map`` returns in item mode (see
-    :class:`~dpmethods.streaming.iterator.MapIterator`)."""
+    :class:`~dpmethods.streaming.iterator.MapIterator`).
+
+    ``entries``, set before the first ``next()``: each per-item list's entry in an item's
+    output comes wrapped in :class:`~dpmethods.types.cut.Entry` (the Ray Predictor joins
+    items into columns by it); False, the default: as it is."""
+
+    entries: bool = False
 
     def __init__(self, outputs: Iterator[Any], source: _Source, *, ordered: bool, errors: str, bar: Any,
                  checkpoint: Checkpoint | None, run_alone: Callable[[Any], Any] | None = None) -> None:
@@ -313,7 +319,7 @@ class ItemIterator(MapIterator):
         try:
             return cut_output(out, len(sent.indices), self._source.options, sent.padding,
                               padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt,
-                              repeat=self._source.repeat)
+                              repeat=self._source.repeat, entries=self.entries)
         except ValueError as exc:
             raise add_note(exc, f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
 

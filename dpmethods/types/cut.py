@@ -34,7 +34,32 @@ from dpmethods.types.per_item import top_keys
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, mode_pairs
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["Padding", "cut_output"]
+__all__ = ["Entry", "Padding", "cut_output"]
+
+
+class Entry:
+    """One item's entry of a per-item list, as :func:`cut_output` gives it with
+    ``entries=True``: a value of one item, where a tuple or dict beside it in an item's
+    output is the fields of a structured output, each cut by itself. A caller that joins
+    items again (the Ray Predictor's columns) tells the two apart by it.
+
+    Example:
+        >>> Entry((1, "a")).value
+        (1, 'a')
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Entry) and bool(self.value == other.value)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Entry({self.value!r})"
 
 class Padding(NamedTuple):
     """Where each row's own positions lie in a padded batch: ``spans[i] = (start, end)``
@@ -87,8 +112,9 @@ class _Cutter:
 
     def __init__(self, leaves: list[Any], rows: int, padding: Padding | None,
                  padded: Callable[[str, int], bool] | None, prompt: Tensor | None, repeat: int = 1,
-                 paired: Mapping[Any, str] | None = None) -> None:
+                 paired: Mapping[Any, str] | None = None, entries: bool = False) -> None:
         self.leaves, self.rows, self.padding, self.padded, self.prompt = leaves, rows, padding, padded, prompt
+        self.entries = entries  # wrap each per-item list's entry in Entry
         self.repeat = repeat  # a tensor's rows per item (generate's num_return_sequences)
         self.paired = paired or {}  # top-level keys that pair items with each other: what to do instead
 
@@ -120,7 +146,8 @@ class _Cutter:
             starts = [pos]
             for child in spec.children:
                 starts.append(starts[-1] + _count(child))
-            return [_tree.unflatten(c, self.leaves[a:b]) for c, a, b in zip(spec.children, starts, starts[1:])], end
+            values = [_tree.unflatten(c, self.leaves[a:b]) for c, a, b in zip(spec.children, starts, starts[1:])]
+            return ([Entry(v) for v in values] if self.entries else values), end
         keys = top_keys(spec) if top and (isinstance(mode, Mapping) or isinstance(dim, Mapping) or self.paired) else None
         columns = []
         for i, (child, label) in enumerate(zip(spec.children, _labels(spec))):
@@ -202,6 +229,7 @@ class _Cutter:
 def cut_output(
     out: Any, rows: int, options: MethodOptions, padding: Padding | None = None, *,
     padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None, repeat: int = 1,
+    entries: bool = False,
 ) -> list[Any]:
     """The output of a batch of ``rows`` items as one output per item.
 
@@ -216,6 +244,8 @@ def cut_output(
             output that starts with them comes back without each row's padding.
         repeat: a tensor's rows per item (``generate``'s ``num_return_sequences``): each
             item's output keeps its ``repeat`` rows, with the batch dim.
+        entries: each per-item list's entry comes wrapped in :class:`Entry`, told apart
+            from the fields of a tuple or dict that is cut field by field.
 
     Example:
         >>> import torch
@@ -241,5 +271,5 @@ def cut_output(
     dim: Any = options.dim if options.gather_dim is None else options.gather_dim
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
-    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired)
+    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired, entries)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

@@ -38,3 +38,23 @@ def gpt2() -> Any:
 
     torch.manual_seed(0)
     return tiny_gpt2().eval()
+
+
+class PerRow(torch.nn.Module):
+    """Per-row outputs that are not one tensor: token lists of different lengths, tuples,
+    dicts and tensors of different shapes (each at least 5 long: never a sub-batch's
+    rows, which would make the list read as a list of batch tensors), beside a tensor."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, Any]:
+        k = [int(v) for v in x[:, 0]]
+        return {
+            "tokens": [list(range(n % 4)) for n in k],
+            "pair": [(n, f"w{n}") for n in k],
+            "tag": [{"n": n, "half": n / 2} for n in k],
+            "ramp": [torch.arange(5 + n % 3, dtype=torch.float32) * n for n in k],
+            "y": x * 2,
+        }
+
+
+def per_row() -> PerRow:
+    return PerRow().eval()

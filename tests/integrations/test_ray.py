@@ -25,7 +25,7 @@ import torch
 
 from tests.helpers.items_models import batches_run, build_tokens
 from tests.helpers.models import random_sentences, tiny_sentence_transformer
-from tests.helpers.ray_models import FEATURES, HIDDEN, encoder, gpt2
+from tests.helpers.ray_models import FEATURES, HIDDEN, encoder, gpt2, per_row
 from tests.helpers.terms import mlp_terms, transformer_terms
 
 np = pytest.importorskip("numpy")
@@ -239,6 +239,45 @@ def test_arguments_are_checked_when_the_predictor_is_built() -> None:
     with pytest.raises(ValueError, match=r"keep: \['mean'\] are also output columns of 'encode'"):
         Predictor(encoder, "encode", columns={"x": "pixels"}, keep=["mean"])(
             {**_rows(2), "mean": np.zeros(2)})
+
+
+# Rows whose first feature sets each per-row output; sorted by it, item mode's batches
+# differ from the input's order.
+_PER_ROW = {"id": np.arange(7), "x": np.array([[1, 0], [6, 0], [3, 0], [2, 0], [5, 0], [4, 0], [7, 0]], dtype=np.float32)}
+
+
+def _by_first(row: dict[str, Any]) -> int:
+    return int(row["x"][0])
+
+
+def _assert_same_columns(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Equal columns, of the same kinds: arrays (dtype, shape), or lists of equal entries."""
+    assert sorted(got) == sorted(want)
+    for name, column in want.items():
+        assert type(got[name]) is type(column), name
+        if isinstance(column, np.ndarray):
+            assert got[name].dtype == column.dtype and got[name].shape == column.shape, name
+            np.testing.assert_array_equal(got[name], column)
+            continue
+        assert len(got[name]) == len(column), name
+        for g, w in zip(got[name], column):
+            assert type(g) is type(w), name
+            if isinstance(w, np.ndarray):
+                np.testing.assert_array_equal(g, w)
+            else:
+                assert g == w, name
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("items", [dict(batch_size=2, length=_by_first), dict(max_tokens=6, length=_by_first)])
+def test_items_per_row_lists_tuples_dicts_and_ragged_tensors_equal_one_device(items: dict[str, Any]) -> None:
+    # A per-row list is one column on one device, whatever its entries are: in item mode
+    # too, not a tuple's positions and a dict's keys as columns of their own.
+    want = Predictor(per_row, columns=["x"], keep=["id"], device_ids=["cpu"])(_PER_ROW)
+    assert sorted(want) == ["id", "pair", "ramp", "tag", "tokens", "y"]
+    assert want["pair"][1] == (6, "w6") and want["tag"][1] == {"n": 6, "half": 3.0}
+    got = Predictor(per_row, columns=["x"], keep=["id"], device_ids=["cpu"] * 2, **items)(_PER_ROW)
+    _assert_same_columns(got, want)
 
 
 def _ragged(lengths: list[int], seed: int = 5) -> Any:
