@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dpmethods.core.parallel_apply import add_note
 from dpmethods.data_parallel import DataParallel
 from dpmethods.types.cut import Entry
 from dpmethods.vocab.options import MethodOptions
@@ -390,6 +391,7 @@ class Predictor:
         self._name = output if output is not None else method
         self._kwargs = method_kwargs
         self._items: dict[str, Any] | None = None
+        self._no_rows: dict[str, Any] | None = None  # item mode: the last batch's columns, no rows
         if batch_size is not None or max_tokens is not None:
             self._items = dict(batch_size=batch_size, max_tokens=max_tokens, length=length, collate=collate, window=None)
             with torch.inference_mode():  # the map checks them (on no items) now, not at the first batch
@@ -405,17 +407,30 @@ class Predictor:
         inputs = {a: _column(table, c, "columns") for a, c in arguments.items()}
         n = len(next(iter(table.values()))) if table else 0
         with torch.inference_mode():
-            if self._items is None:
+            # No rows: item mode has no item to run, but the output still has its columns
+            # (not the kept ones alone): those of the actor's last batch, with no rows, or
+            # before any, the method's on the batch's empty columns, called as without item mode.
+            if self._items is not None and n == 0 and self._no_rows is not None:
+                columns = dict(self._no_rows)
+            elif self._items is None or n == 0:
                 kwargs = {a: _argument(v, self._device) for a, v in inputs.items()}
                 self._split_rows([a for a, v in kwargs.items() if isinstance(v, list)])
-                columns = _output_columns(self._call(**kwargs, **self._kwargs), self._name, n)
+                try:
+                    out = self._call(**kwargs, **self._kwargs)
+                except Exception as exc:
+                    if self._items is None:
+                        raise
+                    raise add_note(exc, "dpmethods: Predictor: the batch has no rows: item mode called "
+                                   "the method once on its empty columns, for the output's columns") from None
+                columns = _output_columns(out, self._name, n)
             else:  # each row an item: sorted, batched and run by the map, in their order again
                 cells = {a: _cells(v) for a, v in inputs.items()}
                 rows = [{a: c[r] for a, c in cells.items()} for r in range(n)]
                 mapped = self._dp.map(self._method, rows, **self._items, **self._kwargs)
                 mapped.entries = True  # type: ignore[attr-defined]  # a per-row list's entries: one column each
                 outs = list(mapped)
-                columns = _output_columns(_join_rows(outs), self._name, n) if outs else {}
+                columns = _output_columns(_join_rows(outs), self._name, n)
+                self._no_rows = {k: v[:0] if isinstance(v, np.ndarray) else [] for k, v in columns.items()}
         clash = sorted(set(columns) & set(kept))
         if clash:
             raise ValueError(

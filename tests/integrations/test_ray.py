@@ -280,6 +280,23 @@ def test_items_per_row_lists_tuples_dicts_and_ragged_tensors_equal_one_device(it
     _assert_same_columns(got, want)
 
 
+@pytest.mark.timeout(60)
+def test_items_an_empty_batch_gives_the_output_columns_with_no_rows() -> None:
+    empty = {"id": np.arange(0), "x": _PER_ROW["x"][:0]}
+    want = Predictor(per_row, columns=["x"], keep=["id"], device_ids=["cpu"])(empty)
+    assert sorted(want) == ["id", "pair", "ramp", "tag", "tokens", "y"] and want["y"].shape == (0, 2)
+    predict = Predictor(per_row, columns=["x"], keep=["id"], device_ids=["cpu"] * 2, batch_size=2,
+                        length=_by_first)
+    _assert_same_columns(predict(empty), want)  # before any batch: the method's, on the empty columns
+    predict(_PER_ROW)
+    _assert_same_columns(predict(empty), want)  # after one: that batch's columns, with no rows
+    for batch in (_PER_ROW, empty):  # a kept column named as an output column is refused, with rows or not
+        with pytest.raises(ValueError, match=r"keep: \['y'\] are also output columns of 'forward'; keep other "
+                           r"columns, or pass output= to name the output differently"):
+            Predictor(per_row, columns=["x"], keep=["y"], device_ids=["cpu"], batch_size=2, length=_by_first)(
+                {**batch, "y": batch["id"]})
+
+
 def _ragged(lengths: list[int], seed: int = 5) -> Any:
     """A column of token ids of these lengths, as Ray gives a variable-shaped one: an
     object array of arrays."""
