@@ -10,6 +10,8 @@ The factories live in tests/helpers/ray_models.py, which Ray's workers import by
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import decimal
 import functools
 import inspect
 import os
@@ -398,20 +400,38 @@ def _run(ray: Any, items: list[dict[str, Any]], batch_format: str = "numpy", **k
     return sorted(ds.take_all(), key=lambda row: row["id"])
 
 
+_PASSENGERS = ("when", "price", "name")  # kept columns of types no model input has
+
+
+def _passengers(i: int) -> dict[str, Any]:
+    """Row ``i``'s kept values: a timestamp to the microsecond, a decimal and a string, each
+    different per row."""
+    return {"when": datetime.datetime(2024, 1, 1 + i, 12, 0, i, 1000 * i + 7),
+            "price": decimal.Decimal(f"{i}.{i:02d}"), "name": f"row-{i}"}
+
+
+def _assert_passengers_kept(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        want = _passengers(row["id"])
+        got = {k: row[k] for k in _PASSENGERS}
+        assert got == want and all(type(got[k]) is type(want[k]) for k in _PASSENGERS), (got, want)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("devices,batch_format", [(None, "numpy"), (["cpu"] * 2, "numpy"), (["cpu"] * 2, "pandas")])
 def test_a_decorated_method_in_a_pipeline_equals_one_device(ray: Any, devices: Any, batch_format: str) -> None:
     batch = _rows(N)
-    items = [{"id": int(i), "pixels": p} for i, p in zip(batch["id"], batch["pixels"])]
+    items = [{"id": int(i), "pixels": p, **_passengers(int(i))} for i, p in zip(batch["id"], batch["pixels"])]
     rows = _run(ray, items, batch_format, factory=encoder, method="encode",
-                columns={"x": "pixels"}, keep=["id"], device_ids=devices)
+                columns={"x": "pixels"}, keep=["id", *_PASSENGERS], device_ids=devices)
+    _assert_passengers_kept(rows)
     model = encoder()
     x = torch.from_numpy(batch["pixels"])
     with torch.no_grad():
         want = model.encode(x)
     tol = _linear_tolerance(model, x)
     assert [r["id"] for r in rows] == list(range(N))
-    assert all(sorted(r) == ["id", "mean", "norm"] for r in rows)
+    assert all(sorted(r) == sorted(["id", "mean", "norm", *_PASSENGERS]) for r in rows)
     np.testing.assert_allclose(np.stack([r["mean"] for r in rows]), want["mean"].numpy(), rtol=0, atol=tol)
     norms = np.array([r["norm"] for r in rows], dtype=np.float32)  # rows may hold them as float64: exact
     assert_close_to_reference(norms, want["norm"].numpy(), terms=NORM_TERMS)
@@ -460,9 +480,10 @@ def test_generate_with_max_tokens_in_a_pipeline_equals_each_prompt_alone(ray: An
     lengths = [2, 9, 4, 1, 7, 3, 6, 5, 8, 2]
     column = _ragged(lengths, seed=6)
     kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
-    items = [{"id": i, "input_ids": column[i]} for i in range(N)]
+    items = [{"id": i, "input_ids": column[i], **_passengers(i)} for i in range(N)]
     rows = _run(ray, items, factory=gpt2, method="generate", columns=["input_ids"], output="tokens",
-                keep=["id"], device_ids=["cpu"] * 2, max_tokens=16, **kwargs)
+                keep=["id", *_PASSENGERS], device_ids=["cpu"] * 2, max_tokens=16, **kwargs)
+    _assert_passengers_kept(rows)  # each row's, though its prompt ran in a batch sorted by length
     model = gpt2()
     with torch.no_grad():
         for row, ids in zip(rows, column):
