@@ -119,8 +119,40 @@ def _plain_cpu(obj: Any) -> bool:
     )
 
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _rebuild_sparse(layout: torch.layout, parts: tuple[Tensor, ...], size: tuple[int, ...],
+                    coalesced: bool) -> Tensor:
+    """A sparse tensor sent by :func:`_sparse` as its parts. Invariant checks are off, as
+    torch's own reduction leaves them, but said so: the parts are a valid tensor's, and
+    leaving it unsaid has torch warn (once per process) that they are implicitly off."""
+    if layout == torch.sparse_coo:
+        indices, values = parts
+        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
+    compressed, plain, values = parts
+    return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=False)
+
+
+def _sparse(t: Tensor) -> tuple[Any, ...]:
+    """A sparse tensor (COO, CSR, CSC, BSR, BSC) as its parts, each pickled as a tensor."""
+    t = t.detach()
+    if t.layout == torch.sparse_coo:
+        parts: tuple[Tensor, ...] = (t._indices(), t._values())
+    elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (t.crow_indices(), t.col_indices(), t.values())
+    else:
+        parts = (t.ccol_indices(), t.row_indices(), t.values())
+    coalesced = t.layout == torch.sparse_coo and t.is_coalesced()
+    return (_rebuild_sparse, (t.layout, parts, tuple(t.shape), coalesced))
+
+
 def _io_reduce(obj: Any) -> Any:
-    if not isinstance(obj, Tensor) or not _plain_cpu(obj):
+    if not isinstance(obj, Tensor):
+        return NotImplemented
+    if type(obj) in _PLAIN and not obj.requires_grad and obj.layout in (torch.sparse_coo, *_COMPRESSED):
+        return _sparse(obj)
+    if not _plain_cpu(obj):
         return NotImplemented
     if obj.numel() * obj.element_size() < INLINE_BYTES:
         return _inline(obj)

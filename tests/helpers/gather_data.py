@@ -1,8 +1,12 @@
-"""Random gather inputs shared by the CPU and CUDA op tests: every dtype, never zeros."""
+"""Random gather inputs shared by the CPU and CUDA op tests: every dtype, never zeros;
+and a module whose method returns its rows as a sparse tensor."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+import dpmethods
 
 DTYPES = [
     torch.bool,
@@ -42,3 +46,22 @@ def pieces(
         sh[d] = s
         out.append(rand(sh, dtype, gen))
     return out
+
+
+class Sparsify(nn.Module):
+    """``codes(x, layout)``: the entries of ``x`` over a threshold, scaled, one row per
+    item, as a sparse tensor of ``layout`` (blocks of 1 x 2 for BSR and BSC), alone or
+    beside a dense leaf. Elementwise, so each row is the same bits in any batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(3.0))
+
+    @dpmethods.parallel_method
+    def codes(self, x: torch.Tensor, layout: str, alone: bool = True) -> object:
+        y = torch.where(x > 0.5, x * self.scale.detach(), torch.zeros_like(x))
+        codes = {
+            "coo": y.to_sparse, "csr": y.to_sparse_csr, "csc": y.to_sparse_csc,
+            "bsr": lambda: y.to_sparse_bsr((1, 2)), "bsc": lambda: y.to_sparse_bsc((1, 2)),
+        }[layout]()
+        return codes if alone else {"codes": codes, "norm": x.norm(dim=1)}

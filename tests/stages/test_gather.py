@@ -15,6 +15,8 @@ from dpmethods import DataParallel
 from dpmethods.parallel import gather
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
+from tests.helpers import WORKERS
+from tests.helpers.gather_data import Sparsify
 from tests.helpers.long_runs import Faulty
 from tests.helpers.terms import mlp_terms
 
@@ -221,3 +223,96 @@ def test_gradients_flow_through_every_mode() -> None:
             out = gather([p * 1.0 if mode != "stack" else p[:2] for p in parts], "cpu", mode=mode)
             out.sum().backward()
             assert x.grad is not None and x.grad.abs().sum() > 0, mode
+
+
+_LAYOUTS = ["coo", "csr", "csc", "bsr", "bsc"]
+# torch's own, on building any compressed tensor (one device's call gives it too)
+_BETA = r"Sparse (CSR|CSC|BSR|BSC) tensor support is in beta state"
+
+
+def _sparse_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """What a sparse tensor is made of, to compare exactly (index dtypes included)."""
+    if t.layout == torch.sparse_coo:
+        t = t.coalesce()
+        return [t.indices(), t.values()]
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [t.crow_indices(), t.col_indices(), t.values()]
+    return [t.ccol_indices(), t.row_indices(), t.values()]
+
+
+def _assert_same_sparse(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert (got.layout, got.shape) == (want.layout, want.shape), what
+    for a, b in zip(_sparse_parts(got), _sparse_parts(want), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), what
+
+
+def _as(t: torch.Tensor, layout: str, dense_dim: int | None = None) -> torch.Tensor:
+    return {
+        "csr": t.to_sparse_csr, "csc": t.to_sparse_csc,
+        "bsr": lambda dense_dim: t.to_sparse_bsr((1, 2), dense_dim),
+        "bsc": lambda dense_dim: t.to_sparse_bsc((1, 2), dense_dim),
+    }[layout](dense_dim)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_sparse_outputs_are_joined_by_rows_as_one_device(workers: str) -> None:
+    # torch.cat joins COO pieces but no compressed ones ("Sparse CSR tensors do not have
+    # is_contiguous"): they are joined part by part. CSC's and BSC's rows are their plain
+    # dim, so each column of the join holds that column's rows of every piece in turn.
+    # Over processes they cross as their parts, without torch's warning that invariant
+    # checks are implicitly off (warnings are errors here).
+    model = Sparsify()
+    x = torch.rand(5, 6, generator=torch.Generator().manual_seed(0))
+    x[1], x[3] = 0, 1  # rows of 0 and of 6 nonzeros beside the random ones
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            warnings.filterwarnings("ignore", _BETA, UserWarning)
+            for rows in (5, 4):  # shares of 3 + 2 and 2 + 2
+                for layout in _LAYOUTS:
+                    got, want = dp.codes(x[:rows], layout), model.codes(x[:rows], layout)
+                    _assert_same_sparse(got, want, f"{layout}, {rows} rows")
+                    got, want = dp.codes(x[:rows], layout, alone=False), model.codes(x[:rows], layout, alone=False)
+                    _assert_same_sparse(got["codes"], want["codes"], f"{layout} in a dict, {rows} rows")
+                    assert torch.equal(got["norm"], want["norm"])
+    finally:
+        dp.close()
+
+
+@pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
+def test_compressed_pieces_join_along_any_dim_as_the_whole(layout: str) -> None:
+    # Along the compressed dim, the plain one, a batch dim and a dense dim, on uneven
+    # pieces (1 x 2 blocks: columns in pairs), each part equal to the whole's.
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(5, 6, generator=g) * (torch.rand(5, 6, generator=g) > 0.5)
+    pattern = torch.rand(3, 4, generator=g) > 0.5  # one nnz in every batch element
+    cases = [
+        (x, 0, [3, 2], None), (x, 1, [4, 2], None), (x, -2, [1, 2, 2], None),
+        (torch.rand(4, 3, 4, generator=g) * pattern, 0, [1, 3], None),  # batched
+        (torch.rand(4, 3, 4, generator=g) * pattern, 2, [2, 2], None),
+        (torch.rand(5, 4, 3, generator=g) * (torch.rand(5, 4, 1, generator=g) > 0.5), 1, [2, 2], 1),  # dense dim
+        (torch.rand(5, 4, 3, generator=g) * (torch.rand(5, 4, 1, generator=g) > 0.5), 2, [1, 2], 1),
+    ]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _BETA, UserWarning)
+        for whole, dim, sizes, dense_dim in cases:
+            got = gather([_as(p, layout, dense_dim) for p in whole.split(sizes, dim)], "cpu", dim=dim)
+            _assert_same_sparse(got, _as(whole, layout, dense_dim), f"dim {dim} of {list(whole.shape)}")
+
+
+def test_sparse_pieces_that_cannot_be_joined_exactly_are_errors() -> None:
+    x = torch.rand(4, 4, 2, generator=torch.Generator().manual_seed(2))
+    x[0, 0, 0] = 0  # along dim 2, replica 0's piece lacks an element the other has
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _BETA, UserWarning)
+        with pytest.raises(ValueError, match=r"output\['codes'\]: expected one layout on every replica "
+                                             r"to join along dim 0, got \['torch.sparse_csr', 'torch.sparse_csc'\]"):
+            gather([{"codes": x[:2, :, 0].to_sparse_csr()}, {"codes": x[2:, :, 0].to_sparse_csc()}], "cpu")
+        with pytest.raises(ValueError, match=r"output: torch.sparse_csr pieces joined along dim 2, a dense dim, "
+                                             r"need one sparsity pattern, but replica 1's differs"):
+            gather([p.to_sparse_csr(dense_dim=1) for p in x.split([1, 1], 2)], "cpu", dim=2)
+        batched = [torch.eye(3).expand(2, 3, 3).to_sparse_csr(), torch.ones(1, 3, 3).to_sparse_csr()]
+        with pytest.raises(ValueError, match=r"output: a batched torch.sparse_csr tensor holds the same number of "
+                                             r"elements in every batch element, but the replicas' pieces hold \[3, 9\]"):
+            gather(batched, "cpu")

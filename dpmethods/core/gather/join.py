@@ -8,13 +8,14 @@ autograd nodes. Which mode uses what is the table in :mod:`dpmethods.core.gather
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dpmethods import ops
+from dpmethods.core.gather.sparse import join_sparse
 
 __all__ = ["coalesced", "join_same", "joinable", "pad"]
 
@@ -48,11 +49,15 @@ def _memory_format(pieces: Sequence[Tensor]) -> torch.memory_format | None:
     return fmt
 
 
-def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
+def coalesced(
+    tensors: Sequence[Tensor], n: int, dim: int, device: torch.device,
+    path: Callable[[int], str] = "leaf {}".format,
+) -> list[Tensor]:
     """ops.gather_coalesced, keeping the memory format of channels_last pieces as torch.cat;
-    leaves of another layout than strided (sparse COO) joined by torch.cat itself."""
+    leaves of another layout than strided (sparse) joined by :func:`join_sparse`.
+    ``path(i)`` names leaf ``i`` (the ``i``-th ``n`` tensors) in messages."""
     if not all(t.layout is torch.strided for t in tensors):
-        return _with_sparse(tensors, n, dim, device)
+        return _with_sparse(tensors, n, dim, device, path)
     out = ops.gather_coalesced(tensors, n, dim, device)
     dims = list(map(Tensor.dim, out))  # (no max(default=): torch 2.11's compile can't trace it)
     if not dims or max(dims) < 4:  # the common case: one C-level pass
@@ -66,9 +71,11 @@ def coalesced(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device)
     return out
 
 
-def _with_sparse(tensors: Sequence[Tensor], n: int, dim: int, device: torch.device) -> list[Tensor]:
-    """The leaves of another layout (sparse) through torch.cat, which joins them, and the
-    strided ones in one coalesced call, as without them (the op takes strided pieces)."""
+def _with_sparse(
+    tensors: Sequence[Tensor], n: int, dim: int, device: torch.device, path: Callable[[int], str],
+) -> list[Tensor]:
+    """The leaves of another layout (sparse) through :func:`join_sparse`, and the strided
+    ones in one coalesced call, as without them (the op takes strided pieces)."""
     leaves = [tensors[i : i + n] for i in range(0, len(tensors), n)]
     dense = [i for i, pieces in enumerate(leaves) if all(t.layout is torch.strided for t in pieces)]
     out: list[Tensor | None] = [None] * len(leaves)
@@ -77,7 +84,7 @@ def _with_sparse(tensors: Sequence[Tensor], n: int, dim: int, device: torch.devi
         out[i] = t
     for i, pieces in enumerate(leaves):
         if out[i] is None:
-            out[i] = torch.cat([t.to(device) for t in pieces], dim)
+            out[i] = join_sparse(pieces, dim, device, path(i))
     return out  # type: ignore[return-value]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -205,7 +205,7 @@ def _joined(
     if _cat_only(spec, columns, plan):
         coupled = _coupled(spec, columns, plan, paths, None)
         if not coupled:
-            joined = _cat_all(spec, columns, plan)
+            joined = _cat_all(spec, columns, plan, paths)
             if joined is not None:
                 return joined
     modes = leaf_modes(spec, plan.mode, len(columns))
@@ -261,7 +261,7 @@ def _gather_tensors(outputs: list[Tensor], plan: _Plan) -> Any:
         )
         if coupled and not joinable(outputs, plan.dim):  # warned: the pieces, not an error
             return [t.to(plan.device) for t in outputs]
-    return coalesced(outputs, plan.n, plan.dim, plan.device)[0]
+    return coalesced(outputs, plan.n, plan.dim, plan.device, lambda i: "output")[0]
 
 
 def _flatten(outputs: list[Any], plan: _Plan) -> tuple[_tree.Spec, list[tuple[Any, ...]]]:
@@ -322,14 +322,19 @@ def _coupled(
     )
 
 
-def _cat_all(spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan) -> Any | None:
+def _cat_all(spec: _tree.Spec, columns: list[tuple[Any, ...]], plan: _Plan, paths: _Paths) -> Any | None:
     tensors = list(itertools.chain.from_iterable(columns))
     try:
-        return _tree.unflatten(spec, coalesced(tensors, plan.n, plan.dim, plan.device))
+        return _tree.unflatten(spec, coalesced(tensors, plan.n, plan.dim, plan.device, paths))
     except ValueError:
         if not _tree.ragged_leaves(spec):
             raise
         return None  # ragged children of a rule (packed sequences): joined padded
+
+
+def _among(paths: _Paths, indices: list[int]) -> Callable[[int], str]:
+    """The path of the ``k``-th leaf of ``indices``, computed on use as ``paths``'."""
+    return lambda k: paths(indices[k])
 
 
 def _join(
@@ -352,7 +357,7 @@ def _join(
             indices.append(i)
             pieces.extend(parts)
     for d, (indices, pieces) in joined.items():
-        for i, t in zip(indices, coalesced(pieces, plan.n, d, plan.device)):
+        for i, t in zip(indices, coalesced(pieces, plan.n, d, plan.device, _among(paths, indices))):
             result[i] = t
     return result
 
