@@ -232,6 +232,7 @@ class _Marker:
         if m != Mode.CAT or sizes is None or [len(s.children) for s in specs] != list(sizes):
             return None
         if len(set(sizes)) > 1:
+            self._check_coupled(specs, starts, path)
             return self._cut(specs, starts)
         # Equal shares: tuples are taken for fixed-arity returns ((loss, logits)), lists of
         # batch tensors for lists of batch outputs; other lists warn.
@@ -247,6 +248,27 @@ class _Marker:
                 "to concatenate the replicas' lists in order."
             )
         return None
+
+    def _check_coupled(self, specs: list[_tree.Spec], starts: list[int], path: str) -> None:
+        """Warn where every entry of a per-item list holds its replica's share on the join
+        dim (each item scored against its replica's items): extended, it is the replicas'
+        pieces, not one device's entries over the whole batch, and no mode rebuilds that.
+        Shares that differ are the evidence (as for a tensor, in ``core/gather/coupled``);
+        a share of 1 is none (an entry of one row is common)."""
+        sizes = self.sizes
+        assert sizes is not None
+        if min(sizes) < 2 or not all(
+            _batched(e, sizes[r], self.dim) for r, e in enumerate(self._entries(specs, starts))
+        ):
+            return
+        warn_once(
+            f"gather: {path} is a list with one entry per batch item, and every entry holds "
+            f"its replica's share of the batch ({list(sizes)}) along dim {self.dim}: each "
+            "item was paired only with the items of its own replica's share, so the joined "
+            f"list is not what one device computes on the full batch (entries of "
+            f"{sum(sizes)} along dim {self.dim}), and no gather mode can rebuild it. Return "
+            "per-item features and compute what pairs the items on the gathered batch instead."
+        )
 
     def _entries(self, specs: list[_tree.Spec], starts: list[int]) -> list[Any]:
         return [

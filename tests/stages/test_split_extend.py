@@ -376,6 +376,48 @@ def test_batch_coupled_output_and_its_loss_are_warned(batch: int, devices: int) 
     assert not torch.allclose(out["loss"], ref["loss"], atol=1e-5)
 
 
+class PerItemTensors(nn.Module):
+    """Per-item lists of tensors: each item's products with every item of its batch
+    (``[n_r]`` entries of ``[n_r, 3]``), or ``m`` scaled copies of it (``[m, 3]``); and a
+    list of ``n`` batch outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    @parallel_method
+    def paired(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x[i] * x * self.scale for i in range(len(x))]
+
+    @parallel_method
+    def copies(self, x: torch.Tensor, m: int) -> list[torch.Tensor]:
+        return [x[i].expand(m, -1) * torch.arange(1.0, m + 1)[:, None] * self.scale for i in range(len(x))]
+
+    @parallel_method
+    def layers(self, x: torch.Tensor, n: int) -> list[torch.Tensor]:
+        return [x * (j + 1.0) * self.scale for j in range(n)]
+
+
+def test_per_item_list_whose_entries_hold_the_share_is_warned_as_coupled() -> None:
+    # 3 + 2 rows: each replica's list is extended, each entry its item against the 3 or 2
+    # items of its own share, where one device gives 5 entries of 5 rows. It was silent.
+    model, x = PerItemTensors(), torch.randn(5, 3)
+    dp = DataParallel(model, ["cpu"] * 2)
+    with pytest.warns(UserWarning, match=r"gather: output is a list with one entry per batch item, and every entry "
+                                         r"holds its replica's share of the batch \(\[3, 2\]\) along dim 0"):
+        got = dp.paired(x)
+    assert [len(t) for t in got] == [3, 3, 3, 2, 2] and [len(t) for t in model.paired(x)] == [5] * 5
+    # Entries that hold one replica's share by chance (2 or 3 rows each) are per item: quiet.
+    for m in (2, 3):
+        with _no_warnings():
+            got = dp.copies(x, m)
+        close(got, model.copies(x, m), terms=0)  # the same elementwise products: exact
+    # A list of 2 or 3 batch outputs (one per layer, say) is joined entry by entry, quietly.
+    for n in (2, 3):
+        with _no_warnings():
+            close(dp.layers(x, n), model.layers(x, n), terms=0)
+
+
 # --- per-item outputs straight through gather --------------------------------------
 
 
