@@ -125,13 +125,21 @@ class _Cutter:
             "the method's output (a loss: pass no labels), or map batches (no batch_size= or max_tokens=)"
         )
 
-    def refuse_paired(self, path: str, value: str, advice: str) -> ValueError:
+    def refuse_paired(self, path: str, value: str, advice: str, others: Mapping[str, str]) -> ValueError:
+        """The refusal of the paired field at ``path``, naming ``others`` (the output's other
+        paired fields: their paths, each with its advice) too, so one refusal names them all."""
+        also = ""
+        if others:
+            also = f". So do {', '.join(others)}" + "".join(
+                f"; for {p}, {a}" for p, a in others.items() if a and a != advice
+            )
         return ValueError(
             f"map: {path} of the output of a batch of {self.rows} items is {value}, which pairs "
             "each item with the batch's other items: an item's row would hold its scores against "
             "whichever items were batched with it, so the output cannot be cut into one per item. "
             + (f"{advice[0].upper()}{advice[1:]}; or map" if advice else "Map")
             + " batches of your own (no batch_size= or max_tokens=), where they pair the batch's items"
+            + also
         )
 
     def node(self, spec: _tree.Spec, pos: int, path: str, mode: Any, dim: Any, top: bool) -> tuple[list[Any], int]:
@@ -154,7 +162,9 @@ class _Cutter:
             key = keys[i] if keys is not None else None
             if key is not None and key in self.paired:
                 shown = _got(self.leaves[pos]) if child in _tree.LEAVES else _tree.describe(child)
-                raise self.refuse_paired(path + label, shown, self.paired[key])
+                others = {path + lb: self.paired[k] for k, lb in zip(keys or [], _labels(spec))
+                          if k in self.paired and k != key}
+                raise self.refuse_paired(path + label, shown, self.paired[key], others)
             child_mode = mode.get(key, Mode.CAT) if isinstance(mode, Mapping) else mode
             child_dim = dim.get(key, dim[None]) if isinstance(dim, Mapping) else dim
             column, pos = self.node(child, pos, path + label, child_mode, child_dim, False)

@@ -834,3 +834,27 @@ def test_a_contrastive_models_features_map_over_items_and_give_the_whole_batchs_
     scale = float(want.logits_per_text.abs().max())
     assert_close_to_reference(scores, want.logits_per_text, terms=CLIP_TERMS, scale=scale)
     assert_close_to_reference(scores.T, want.logits_per_image, terms=CLIP_TERMS, scale=scale)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_groupvits_segmentation_logits_are_named_where_its_forward_is_refused(workers: str) -> None:
+    # GroupViT's segmentation_logits [images, texts, h, w] score each image's pixels against
+    # the batch's texts: a refusal of the forward names them, with what gives them right.
+    pytest.importorskip("transformers")
+    from tests.helpers import contrastive_models
+
+    model, _ = contrastive_models.groupvit()
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad(), pytest.raises(ValueError) as info:
+            list(dp.map("forward", _clip_items(), batch_size=2, collate=_clip_collate, output_segmentation=True))
+    finally:
+        dp.close()
+    said = str(info.value)
+    assert said.startswith("map: output.logits_per_image of the output of a batch of 2 items is a tensor of "
+                           "shape [2, 2], which pairs each item with the batch's other items"), said
+    assert said.endswith(
+        "where they pair the batch's items. So do output.logits_per_text, output.segmentation_logits; for "
+        "output.segmentation_logits, call forward on the images with the texts to segment them by, in one "
+        "batch (DataParallel's forward computes segmentation_logits over the whole batch of a call, as one "
+        "device does)"), said

@@ -20,10 +20,14 @@ device does:
   the joined logits: the model's own arithmetic (CLIP's symmetric cross-entropy,
   ALIGN's with label smoothing, SigLIP's sigmoid loss).
 
+GroupViT's ``segmentation_logits`` ``[images, texts, h, w]`` (each image's pixels
+against every text) are computed again the same way, from the images' group tokens and
+grouping attentions, joined, and the joined text embeddings.
+
 In item mode (``DataParallel.map`` with ``batch_size=``), a batch runs whole on one
-replica, and its ``logits_per_*`` score its items against each other only:
-:func:`paired_fields`, the ``pairs`` of the forward's gather mode, names them, and the
-cut refuses them (the embeddings are per item, and fine).
+replica, and its ``logits_per_*`` (and ``segmentation_logits``) score its items against
+each other only: :func:`paired_fields`, the ``pairs`` of the forward's gather mode,
+names them, and the cut refuses them (the embeddings are per item, and fine).
 
 Both are checked on every replica first: from the replica's own embeddings they must
 give back the logits and the loss it returned. Where there are no embeddings to join,
@@ -38,7 +42,9 @@ import builtins
 import dataclasses
 import inspect
 import math
+import sys
 import textwrap
+import types
 import typing
 import weakref
 from collections.abc import Mapping, Sequence
@@ -53,6 +59,7 @@ from dpmethods.extending import Call, gather, unwrap_compiled, warn_once
 __all__ = ["check_pairs", "join_contrastive", "paired_fields", "pairs_items", "returns_pairs"]
 
 _PER = "logits_per_"
+_SEGMENTATION = "segmentation_logits"  # GroupViT's: each image's pixels against every text
 
 
 def pairs_items(out: Any) -> bool:
@@ -89,7 +96,14 @@ def paired_fields(out: Any) -> dict[str, str]:
         "and compute the scores over all the items from those embeddings, as the model's forward "
         f"computes them from its {' and '.join(embeds) or 'embeddings'}"
     )
-    return {k: advice for k in fields}
+    paired = {k: advice for k in fields}
+    if isinstance(out.get(_SEGMENTATION), Tensor):  # GroupViT: [images, texts, h, w]
+        paired[_SEGMENTATION] = (
+            "call forward on the images with the texts to segment them by, in one batch "
+            "(DataParallel's forward computes segmentation_logits over the whole batch of a "
+            "call, as one device does)"
+        )
+    return paired
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,9 +356,61 @@ def _warn(model: Any, fields: Sequence[str], why: str) -> None:
     )
 
 
+def _segmentation(model: Any, vision: Any, text_embeds: Tensor, hw: Sequence[int]) -> Tensor | str:
+    """GroupViT's ``segmentation_logits`` ``[images, texts, h, w]`` from the images' group
+    tokens and grouping attentions (``vision_model_output``) and the texts' embeddings, as
+    its forward computes them under ``if output_segmentation:``; or why they can't be."""
+    grouping_of = getattr(sys.modules.get(type(model).__module__), "get_grouping_from_attentions", None)
+    projection = getattr(model, "visual_projection", None)
+    scale = _scale(model, "image")
+    hidden, attentions = getattr(vision, "last_hidden_state", None), getattr(vision, "attentions", None)
+    if not callable(grouping_of) or not isinstance(projection, torch.nn.Module) or isinstance(scale, str):
+        return "its module has no get_grouping_from_attentions, or the model no visual_projection"
+    if not isinstance(hidden, Tensor) or not attentions or not all(isinstance(a, Tensor) for a in attentions):
+        return "its vision_model_output holds no group tokens and grouping attentions"
+    at = next(projection.parameters()).device  # the model's; the result goes to the texts'
+    groups = projection(hidden.reshape(-1, hidden.shape[-1]).to(at)).to(text_embeds.device)
+    groups = groups / groups.norm(dim=-1, keepdim=True)
+    grouping = grouping_of(tuple(a.to(text_embeds.device) for a in attentions), tuple(hw))
+    per_group = scale.apply(torch.matmul(groups, text_embeds.t()), None)
+    per_group = per_group.reshape(hidden.shape[0], -1, text_embeds.shape[0]).permute(0, 2, 1)
+    seg = scale.apply(torch.matmul(per_group, grouping.reshape(grouping.shape[0], grouping.shape[1], -1)), None)
+    return seg.reshape(seg.shape[0], seg.shape[1], grouping.shape[2], grouping.shape[3])
+
+
+def _join_segmentation(model: Any, outputs: Sequence[Any], device: torch.device, text_embeds: Tensor) -> Tensor | None:
+    """GroupViT's ``segmentation_logits`` over the whole batch: each image's pixels scored
+    against every text of the batch, where a replica scored its own share's texts only.
+    Computed again from the replicas' per-image group tokens and grouping, joined, and the
+    joined texts' embeddings, once checked on every replica against what it returned; None
+    where there are none, or they can't be (then warned, as each replica's own)."""
+    first = outputs[0]
+    if not isinstance(first.get(_SEGMENTATION), Tensor):
+        return None
+    scale = _scale(model, "image")
+    factor = scale.factor() if isinstance(scale, _Scale) else 1.0  # applied twice
+    checks: list[Tensor | bool] = []
+    with torch.no_grad():
+        for o in outputs:
+            want = o[_SEGMENTATION]
+            again = _segmentation(model, o.get("vision_model_output"), o["text_embeds"].float(), want.shape[2:])
+            if isinstance(again, str):
+                return None
+            checks.append(_near(again, want, factor * factor, o["text_embeds"].shape[-1]))
+    if not _all(checks):
+        return None
+    visions = [o["vision_model_output"] for o in outputs]
+    hidden = gather([v.last_hidden_state for v in visions], device, 0)
+    attentions = [gather([v.attentions[k] for v in visions], device, 0) for k in range(len(visions[0].attentions))]
+    joined = _segmentation(model, types.SimpleNamespace(last_hidden_state=hidden, attentions=attentions),
+                           text_embeds, first[_SEGMENTATION].shape[2:])
+    assert not isinstance(joined, str)  # checked on the replicas
+    return joined
+
+
 def _warn_pairs_left(model: Any, outputs: Sequence[Any], sizes: Sequence[int], done: set[str]) -> None:
-    # Other scores of items against items (GroupViT's segmentation_logits
-    # [images, texts, h, w]) can't be made from the embeddings: said, whatever the shares.
+    # Other scores of items against items, not made again (GroupViT's segmentation_logits
+    # where its check failed): said, whatever the shares.
     for key in outputs[0]:
         if key in done or "logits" not in key:
             continue
@@ -419,5 +485,9 @@ def join_contrastive(outputs: Sequence[Any], device: torch.device, call: Call) -
         found = _loss_code(type(model))
         assert found is not None
         joined["loss"] = _run_loss(found, logits)
+    if "text" in sides and "image" in sides:
+        segmentation = _join_segmentation(model, outputs, device, joined["text_embeds"])
+        if segmentation is not None:
+            joined[_SEGMENTATION] = segmentation
     _warn_pairs_left(model, outputs, list(call.sizes), set(joined))
     return joined

@@ -152,19 +152,37 @@ def test_logits_that_cannot_be_computed_again_are_warned_whatever_the_shares(
         assert got.loss.shape == (devices,)
 
 
-def test_pairs_other_than_the_logits_are_warned_on_equal_shares() -> None:
-    # GroupViT's segmentation_logits [images, texts, h, w] come from each replica's groups.
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_groupvit_segmentation_logits_and_gradients_equal_one_device(n: int, devices: int) -> None:
+    # GroupViT's segmentation_logits [images, texts, h, w] score each image's pixels against
+    # every text of the batch: computed again from the replicas' group tokens and grouping
+    # attentions, joined, and the joined text embeddings. They were each replica's own
+    # ([n_r, n_r, h, w]: [3, 3] and [2, 2] pieces on 7-on-3), with a warning.
     model, inputs = models.groupvit()
-    x = inputs(8)
-    with torch.no_grad():
-        want = model(**x, return_loss=True, output_segmentation=True)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            got = DataParallel(model, device_ids=["cpu"] * 4)(**x, return_loss=True, output_segmentation=True)
-    assert [m for m in _ours(record) if "returns segmentation_logits" in m], _ours(record)
-    scale = float(want.logits_per_text.abs().max())
+    x = inputs(n)
+
+    def run(call: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        out = call(**x, return_loss=True, output_segmentation=True)
+        (out.loss + out.segmentation_logits.mean() / square).backward()
+        return out, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    square = float(model.logit_scale.detach().exp()) ** 2  # applied twice: |segmentation_logits| <= it
+    want, want_grads = run(model)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        got, got_grads = run(DataParallel(model, device_ids=["cpu"] * devices))
+    assert _ours(record) == []
+    assert got.segmentation_logits.shape == (n, n, 16, 16)
+    # Each value: the tower, its projection, the 16-wide products with a text, then the sum
+    # over the image's 2 groups of their grouping weights (at most 1 in all), times scale^2.
+    assert_close_to_reference(got.segmentation_logits, want.segmentation_logits, terms=TERMS + 2, scale=square)
+    scale = float(want.logits_per_text.detach().abs().max())
     for key in ("loss", "logits_per_image", "logits_per_text"):
         assert_close_to_reference(got[key], want[key], terms=TERMS, scale=scale, msg=key)
+    unused = got_grads.keys() - want_grads.keys()
+    assert all(not got_grads[k].any() for k in unused), unused
+    _assert_grads_close({k: got_grads[k] for k in want_grads}, want_grads, scale, "grads: ")
 
 
 def test_a_gather_given_for_forward_is_checked_on_equal_shares() -> None:
