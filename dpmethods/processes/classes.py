@@ -16,7 +16,9 @@ The worker (:func:`apply`) sets those values on its own classes, then describes 
 classes the same way. A method that still differs (a patch with a lambda or a closure,
 which cannot be sent by reference; a function defined under the script's
 ``if __name__ == "__main__":``) is a warning, once, naming it and what to do: the
-worker's outputs would not be the caller's model's. Data set on a class (a number, a
+worker's outputs would not be the caller's model's. Only your own code is compared: an
+installed library's wrappers (torch's dynamo wraps ``nn.Module.__init__`` and
+``__setstate__`` once it compiles) are made to be transparent. Data set on a class (a number, a
 cache) is neither sent nor compared: libraries set such values on their classes as they
 run, and a worker computes its own.
 
@@ -32,8 +34,10 @@ from __future__ import annotations
 import dataclasses
 import gc
 import pickle
+import sysconfig
 import types
 from collections.abc import Hashable, Iterable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -51,6 +55,8 @@ _SKIP = frozenset((
     "__abstractmethods__", "_abc_impl",
 ))
 
+# How a class makes its instances: never run on a model a worker unpickles.
+_CONSTRUCTION = frozenset(("__init__", "__new__", "__init_subclass__", "__class_getitem__", "__set_name__"))
 Key = tuple[str, str, str]  # (the class's module, its qualified name, the attribute)
 _ABSENT = object()
 # In a worker: each class attribute the last model's values replaced, as it was before
@@ -220,10 +226,31 @@ def apply(state: ClassState, model: nn.Module) -> None:
     # Only what both have: a library adds functions to classes as it runs (transformers
     # gives nn.Module a smart_apply when it initializes weights), which this process's
     # copy of the model, unpickled, never made; a method it calls is replaced, not added.
+    # Nor how a class makes an instance: a worker's model is unpickled, never constructed.
+    # Nor a library's own wrapper (torch's dynamo wraps nn.Module.__init__ and
+    # __setstate__ once it compiles, with closures): made to be transparent, and made
+    # again wherever that library does the same.
     mine = _described(classes_of(model.modules()))
     for key in sorted(state.described.keys() & mine.keys()):
-        if state.described[key] != mine[key]:
-            warn_once(_differs(key, state.described[key], mine[key]), stacklevel=2)
+        theirs = state.described[key]
+        if key[2] not in _CONSTRUCTION and theirs != mine[key] and _yours(theirs):
+            warn_once(_differs(key, theirs, mine[key]), stacklevel=2)
+
+
+def _yours(described: Any) -> bool:
+    """Whether a described method's code is the user's: not in an installed library
+    (``site-packages``) or the standard library."""
+    kind, *rest = described
+    if kind in ("staticmethod", "classmethod", "property"):
+        return any(part is not None and _yours(part) for part in rest)
+    if kind != "function":
+        return False
+    parts = Path(rest[2]).parts
+    return not ("site-packages" in parts or "dist-packages" in parts or rest[2].startswith(_STDLIB)
+                or rest[2].startswith("<"))
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
 
 
 def _said(described: Any) -> str:

@@ -1093,10 +1093,13 @@ def test_a_patch_the_workers_cannot_import_is_a_warning(
 
 def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holder: tuple[Holder, Any]) -> None:
     # transformers gives nn.Module a smart_apply (a closure) and caches values on model
-    # classes as it runs: a worker's unpickled model never made them, and needs none.
+    # classes as it runs, and torch's dynamo wraps nn.Module.__init__: a worker's unpickled
+    # model never made them, and needs none.
     h, dp = holder
     h.model = tiny_gpt2()
     assert hasattr(nn.Module, "smart_apply")  # made by the model's weight initialisation
+    torch._dynamo.mutation_guard.install_generation_tagging_init()  # what compiling does
+    assert "patched_init" in nn.Module.__init__.__qualname__
     ids = torch.tensor([[5, 6, 7], [8, 9, 10], [1, 2, 3]])
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
