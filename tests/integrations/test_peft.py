@@ -1,5 +1,6 @@
-"""peft models (LoRA adapters on a tiny GPT-2, random weights) through DataParallel,
-against one device: adapter_names split per row, and generate with no configuration."""
+"""peft models (LoRA adapters on a tiny GPT-2 and BERT, random weights) through
+DataParallel, against one device: adapter_names split per row, generate with no
+configuration, and forward's loss joined by the base model's plan."""
 
 from __future__ import annotations
 
@@ -59,12 +60,17 @@ def test_peft_lora_adapter_names_per_row(batch: int, devices: int) -> None:
         got = dp(input_ids=ids, adapter_names=names, use_cache=False)
         ref = model(input_ids=ids, adapter_names=names, use_cache=False)
     assert_close_to_reference(got.logits, ref.logits, terms=TERMS)
-    # Without split= every replica would get all the names: said, not silently done.
+    # forward splits them with no configuration, as generate does.
     plain = DataParallel(model, device_ids=["cpu"] * devices)
-    with pytest.warns(UserWarning, match=r"argument 'adapter_names' is a list of .*split=\('adapter_names',\)"):
-        with pytest.raises(ValueError, match="adapter_names"):
-            with torch.no_grad():
-                plain(input_ids=ids, adapter_names=names, use_cache=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "every replica gets all of it"
+        got = plain(input_ids=ids, adapter_names=names, use_cache=False)
+    assert_close_to_reference(got.logits, ref.logits, terms=TERMS)
+    # A gather= that is not transformers' keeps the split (the method's options, updated).
+    other = DataParallel(model, device_ids=["cpu"] * devices, methods={"forward": {"gather": "cat"}})
+    with torch.no_grad():
+        assert_close_to_reference(other(input_ids=ids, adapter_names=names, use_cache=False).logits,
+                                  ref.logits, terms=TERMS)
 
 
 @pytest.mark.parametrize("batch,devices", SPLITS)
@@ -127,3 +133,80 @@ def test_peft_adapter_names_per_row_on_threads_and_processes(workers: str) -> No
             assert torch.equal(torch.cat(list(dp.map("generate", batches, **kwargs))), ref)
     finally:
         dp.close()
+
+
+# --- forward: the loss joined by the base model's plan ------------------------------
+
+# The GPT-2 above over 8 tokens; the loss adds a log-sum-exp over 64 logits and a mean
+# over the counted tokens (at most 5 * 7), the gradients the tokens and rows they sum over.
+LOSS_TERMS = transformer_terms(width=32, ff=128 + 4, seq=8, layers=2) + 64 + 5 * 7
+GRAD_TERMS = 2 * LOSS_TERMS + 5 * 8
+
+
+def _lora_causal_lm() -> tuple[Any, dict[str, Any]]:
+    """A LoRA GPT-2 (``PeftModelForCausalLM``) and 5 rows whose labels count 7, 4, 6
+    (the first replica's 3 rows) and 1, 0 tokens: -100 padding, unevenly per row."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(**_PEFT_GPT2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    lora = peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["c_attn"], init_lora_weights=False,
+                           fan_in_fan_out=True)
+    model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+    ids = torch.randint(1, 64, (5, 8))
+    labels = ids.clone()
+    for row, width in enumerate((8, 5, 7, 2, 1)):  # label tokens after the shift: width - 1
+        labels[row, width:] = -100
+    return model, dict(input_ids=ids, labels=labels)
+
+
+def _lora_bert_classifier() -> tuple[Any, dict[str, Any]]:
+    """A LoRA BERT classifier (``PeftModelForSequenceClassification``, 3 classes) and 5
+    rows, one label ignored (-100)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    lora = peft.LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["query", "value"], init_lora_weights=False)
+    model = peft.get_peft_model(transformers.BertForSequenceClassification(config), lora)
+    head = model.base_model.model.classifier.modules_to_save["default"]
+    with torch.no_grad():
+        head.weight.mul_(30.0)  # logits spread: the rows' losses differ, so do the replicas' means
+    return model, dict(input_ids=torch.randint(1, 50, (5, 8)), labels=torch.tensor([0, 2, 1, -100, 2]))
+
+
+@pytest.mark.parametrize("build", [_lora_causal_lm, _lora_bert_classifier], ids=["causal-lm", "classifier"])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_peft_forward_loss_equals_the_full_batch_loss(workers: str, build: Any) -> None:
+    # PeftModel.forward hands the call to its transformers model: its loss is joined by
+    # that model's plan (3 + 2 rows), not stacked one per replica.
+    model, kwargs = build()
+    model.eval()
+    want = model(**kwargs)
+    with torch.no_grad():  # the replicas' own means, whose plain mean is not the full-batch loss
+        means = [model(**{k: v[rows] for k, v in kwargs.items()}).loss for rows in (slice(0, 3), slice(3, 5))]
+    assert abs(float(torch.stack(means).mean()) - want.loss.item()) > 0.02
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "stacked into a vector" note
+            if workers == "processes":
+                with torch.no_grad():
+                    got = dp(**kwargs)
+            else:
+                got = dp(**kwargs)
+    finally:
+        dp.close()
+    assert list(got.keys()) == list(want.keys())  # the loss first, as on one device
+    assert got.loss.dim() == 0
+    assert_close_to_reference(got.loss, want.loss.detach(), terms=LOSS_TERMS)
+    assert_close_to_reference(got.logits, want.logits.detach(), terms=LOSS_TERMS)
+    if workers == "threads":
+        # Gradients too: the LoRA weights' (the ones a peft model trains).
+        lora = [p for n, p in model.named_parameters() if "lora_A" in n]
+        want_grads = torch.autograd.grad(want.loss, lora)
+        got_grads = torch.autograd.grad(got.loss, lora)
+        assert_close_to_reference(got_grads, want_grads, terms=GRAD_TERMS)

@@ -30,6 +30,7 @@ import sys
 import weakref
 
 from dpmethods.extending import MethodOptions, register_method_finder
+from dpmethods.integrations.transformers.arguments import register_forward_delegate
 from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
 from dpmethods.integrations.transformers.contrastive import returns_pairs
 from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
@@ -41,7 +42,10 @@ from dpmethods.integrations.transformers.vision import (
     takes_vision_grids,
 )
 
-__all__ = ["APPLIES_TO", "METHODS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_generate"]
+__all__ = [
+    "APPLIES_TO", "FORWARD", "METHODS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_generate",
+    "register_forward_delegate",
+]
 
 APPLIES_TO = "GenerationMixin models; PreTrainedModel; EncodecModel"
 METHODS = (
@@ -52,8 +56,10 @@ METHODS = (
 
 _FEATURES = re.compile(r"get_\w+_features\Z")
 _GENERATE = MethodOptions(gather="generate", hooks=CACHE_IN_PLACE.then(PREFIX_OFFSET))
-_FORWARD = MethodOptions(gather=FORWARD_MODE, hooks=CACHE_IN_PLACE.then(LOSS_COUNT))
-_PAIRS_FORWARD = _FORWARD.with_updates(hooks=CACHE_IN_PLACE.then(LOSS_COUNT).then(PAIRS))
+FORWARD = MethodOptions(gather=FORWARD_MODE, hooks=CACHE_IN_PLACE.then(LOSS_COUNT))
+"""A ``PreTrainedModel.forward``'s options: its loss joined as the full-batch loss, a cache
+passed in updated in place (a wrapper that hands ``forward`` on, peft's, takes them too)."""
+_PAIRS_FORWARD = FORWARD.with_updates(hooks=CACHE_IN_PLACE.then(LOSS_COUNT).then(PAIRS))
 # Encodec's codes are [chunks, batch, quantizers, frames]: encode returns them with the
 # batch in dim 1, and decode takes them so (its audio_scales and audio have it in dim 0).
 _ENCODEC = {
@@ -87,7 +93,7 @@ def _find(cls: type) -> dict[str, MethodOptions]:
     pretrained = _class_in("transformers.modeling_utils", "PreTrainedModel")
     if pretrained is not None and issubclass(cls, pretrained):
         if _defines(cls, "forward"):
-            found["forward"] = _PAIRS_FORWARD if returns_pairs(cls) else _FORWARD
+            found["forward"] = _PAIRS_FORWARD if returns_pairs(cls) else FORWARD
         if takes_vision_grids(cls):
             found.update({n: _with_vision(o) for n, o in found.items() if n in ("forward", "generate")})
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):

@@ -34,8 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.extending import unwrap_compiled
-from dpmethods.integrations.transformers.arguments import bound_arguments
+from dpmethods.integrations.transformers.arguments import bound_arguments, forward_call
 from dpmethods.integrations.transformers.spans import is_span_loss
 
 __all__ = ["LossPlan", "loss_plan"]
@@ -220,7 +219,8 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
     """How the losses of one ``model.forward(*args, **kwargs)`` call join, or None.
 
     None when the call has no ``labels`` (no plan needed) or its loss is not one
-    dpmethods can identify (see the module doc).
+    dpmethods can identify (see the module doc). A wrapper that hands the call on to a
+    transformers model (a peft ``PeftModel``) gets that model's plan.
 
     Example:
         >>> import torch
@@ -229,7 +229,7 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2), "num_items_in_batch": 5})
         LossPlan(mode='sum', count=None, shift=False, ignore=-100)
     """
-    model = unwrap_compiled(model)
+    model, args, kwargs = forward_call(model, args, kwargs)
     given = bound_arguments(model.forward, args, kwargs)
     labels = given.get("labels")
     if not isinstance(labels, Tensor):

@@ -29,7 +29,7 @@ from dpmethods.extending import (
     unwrap_compiled,
     warn_once,
 )
-from dpmethods.integrations.transformers.arguments import bound_arguments
+from dpmethods.integrations.transformers.arguments import bound_arguments, forward_call
 from dpmethods.integrations.transformers.contrastive import (
     check_pairs,
     join_contrastive,
@@ -80,7 +80,9 @@ tuple made after the gather), or, with a ``gather=`` the caller gave, checked.""
 
 
 def _given(call: Call) -> dict[str, Any]:
-    return bound_arguments(unwrap_compiled(call.module).forward, call.args, call.kwargs)
+    # The arguments of the model that computes the loss (under a peft wrapper, its base).
+    model, args, kwargs = forward_call(call.module, call.args, call.kwargs)
+    return bound_arguments(model.forward, args, kwargs)
 
 
 def _labels(call: Call) -> Any:
