@@ -32,8 +32,9 @@ import torch
 import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import reduce_tensor
+from torch.nn.utils import parametrize
 
-from dpmethods.processes.state import per_call, without_per_call_hooks
+from dpmethods.processes.state import per_call, sent_state, without_per_call_hooks
 
 __all__: list[str] = []
 
@@ -300,6 +301,30 @@ def _from_block(
     return t.requires_grad_(True) if grad else t
 
 
+def _parametrized_reduction(module: nn.Module) -> Any:
+    """A parametrized module (``weight_norm``, ``orthogonal``: Wav2Vec2's, HuBERT's and
+    Encodec's convolutions) for a worker. torch refuses to pickle one, its class being
+    made per module (``ParametrizedConv1d``), so it goes as its original class and its
+    state, and the worker makes the class and the parametrized properties again."""
+    state = sent_state(module, lambda: dict(module.__dict__))
+    state = dict(module.__dict__) if state is None else state
+    return (_new_module, (type(module).__bases__[0],), state, None, None, _parametrized_again)
+
+
+def _new_module(cls: type[nn.Module]) -> nn.Module:
+    """An empty ``cls`` (its state comes next: the module may be in a cycle)."""
+    return cls.__new__(cls)
+
+
+def _parametrized_again(module: nn.Module, state: dict[str, Any]) -> None:
+    """``module``'s state set, and its parametrizations made again, as
+    ``torch.nn.utils.parametrize.register_parametrization`` makes them."""
+    module.__setstate__(state)
+    parametrize._inject_new_class(module)
+    for name in module.parametrizations:  # type: ignore[union-attr]
+        parametrize._inject_property(module, name)
+
+
 class _ModelPickler(ForkingPickler):
     """The module: its parameters and buffers as views of one shared block (pickled
     once per payload: the pickle's memo holds it), never moved or changed themselves."""
@@ -310,6 +335,8 @@ class _ModelPickler(ForkingPickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, Tensor):
+            if isinstance(obj, nn.Module) and parametrize.is_parametrized(obj):
+                return _parametrized_reduction(obj)
             return without_per_call_hooks(obj) if isinstance(obj, nn.Module) else NotImplemented
         if id(obj) not in self._tensors or not _in_block(obj):
             return _reduce_plain(obj) if type(obj) in _PLAIN else NotImplemented

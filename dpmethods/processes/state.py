@@ -37,8 +37,8 @@ except ImportError:  # pragma: no cover - a torch without it: every look walks t
     _dict_version = None
 
 __all__ = [
-    "ProcessRule", "Watch", "compiled_readers", "per_call", "rebuilt", "register_process_rule", "state_digest", "versions_change",
-    "without_per_call_hooks",
+    "ProcessRule", "Watch", "compiled_readers", "per_call", "rebuilt", "register_process_rule", "sent_state",
+    "state_digest", "versions_change", "without_per_call_hooks",
 ]
 
 
@@ -63,6 +63,15 @@ class ProcessRule:
 
 
 _RULES: list[ProcessRule] = []
+
+
+def _torch_weight_norm_hook(hook: Any) -> bool:
+    """torch's ``parametrizations.weight_norm`` load-state-dict hook (Wav2Vec2's, HuBERT's
+    and Encodec's convolutions have one): a local function, which cannot be pickled, that
+    reads legacy ``weight_g``/``weight_v`` keys. A worker's copy is sent whole by its
+    parent and never loads a state dict, so it goes without it."""
+    return (getattr(hook, "__module__", None) == "torch.nn.utils.parametrizations"
+            and getattr(hook, "__qualname__", "") == "weight_norm.<locals>._weight_norm_compat_hook")
 
 
 def register_process_rule(
@@ -105,6 +114,9 @@ def register_process_rule(
     return rule
 
 
+register_process_rule(_torch_weight_norm_hook)
+
+
 def per_call(hook: Any) -> bool:
     """Whether a rule says ``hook`` stays in its process.
 
@@ -125,18 +137,39 @@ def without_per_call_hooks(module: nn.Module) -> Any:
     """
     if not _RULES:
         return NotImplemented
+    rv: list[Any] = []
+
+    def pickled() -> dict[str, Any]:
+        rv.extend(module.__reduce_ex__(pickle.HIGHEST_PROTOCOL))
+        return dict(rv[2])
+
+    state = sent_state(module, pickled)
+    if state is None:
+        return NotImplemented
+    rv[2] = state
+    return tuple(rv)
+
+
+def sent_state(module: nn.Module, pickled: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+    """The state ``pickled()`` gives for ``module``, without its per-process hooks and
+    attributes; None when it has none (and ``pickled`` is not called).
+
+    Example:
+        >>> sent_state(nn.Linear(2, 2), lambda: {}) is None
+        True
+    """
     d = module.__dict__
-    drop = {k for name in HOOK_DICTS for k, h in d.get(name, {}).items() if per_call(h)}
+    # Every hook dict (state-dict hooks too), as the search for what fails to pickle sees them.
+    drop = {k for name, value in d.items() if isinstance(value, dict) and "hook" in name
+            for k, h in value.items() if per_call(h)}
     attributes = {a for r in _RULES for a in r.attributes if a in d}
     if not drop and not attributes:
-        return NotImplemented
-    rv = list(module.__reduce_ex__(pickle.HIGHEST_PROTOCOL))
-    state = {k: v for k, v in rv[2].items() if k not in attributes}
+        return None
+    state = {k: v for k, v in pickled().items() if k not in attributes}
     for name, value in d.items():
         if isinstance(value, dict) and "hook" in name and drop & value.keys():
             state[name] = type(value)((k, v) for k, v in value.items() if k not in drop)
-    rv[2] = state
-    return tuple(rv)
+    return state
 
 
 def rebuilt(model: nn.Module) -> None:

@@ -489,6 +489,20 @@ class BeyondStorage(nn.Module):
                 "q": self.q.dequantize() * x.real}
 
 
+class Parametrized(nn.Module):
+    """torch's parametrizations, whose modules torch refuses to pickle: a weight-normed
+    Conv1d (as Wav2Vec2's, HuBERT's and Encodec's) and an orthogonal Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 4, 3), dim=2)
+        self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.conv(x).mean(-1))
+
+
 _LOCKS: list[Any] = []
 
 

@@ -50,6 +50,7 @@ from tests.helpers.processes import (
     Locked,
     MarkedLater,
     Net,
+    Parametrized,
     Patched,
     Shifted,
     Ticker,
@@ -64,7 +65,7 @@ from tests.helpers.processes import (
     tiny_gpt2,
     wait_for,
 )
-from tests.helpers.terms import transformer_terms
+from tests.helpers.terms import mlp_terms, transformer_terms
 
 pytestmark = pytest.mark.timeout(180)
 # The largest model compared here, tiny_gpt2: 2 blocks of width 16 (MLP 64) over up to
@@ -1668,6 +1669,24 @@ def test_a_model_whose_tensors_are_more_than_their_storage_keeps_their_values(wo
         dp.close()
     for out, ref in zip(got, want, strict=True):
         assert {k: torch.equal(v, ref[k]) for k, v in out.items()} == dict.fromkeys(ref, True)
+
+def test_a_parametrized_module_is_sent_and_sent_again_when_changed() -> None:
+    # torch refuses to pickle a parametrized module (its class is made per module), and
+    # weight_norm's state-dict hook is a local function: both are made again in a worker.
+    model = Parametrized().eval()
+    x = torch.randn(5, 2, 8, generator=torch.Generator().manual_seed(3))
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
+    terms = mlp_terms(2 * 3, 4) + 8  # the conv's taps, the mean over 8 positions, the Linear
+    try:
+        with torch.no_grad():
+            assert_close_to_reference(dp(x), model(x), terms=terms)
+            model.conv.parametrizations.weight.original0.mul_(3.0)  # the norm g, in place
+            want = model(x)
+            assert_close_to_reference(dp(x), want, terms=terms)
+            assert_close_to_reference(torch.cat(list(dp.map("forward", [x[:3], x[3:]]))), want, terms=terms)
+    finally:
+        dp.close()
+
 
 _SHM_SCRIPT = """
 import os, sys, torch, dpmethods

@@ -197,6 +197,25 @@ def test_ctc_loss_follows_the_configured_reduction(n: int, devices: int, reducti
     assert_close_to_reference(got.loss, want.loss, terms=TERMS + 3 * 39 + n)
 
 
+def test_wav2vec2_loss_and_hidden_states_on_worker_processes() -> None:
+    # Its positional convolution is under torch's weight_norm parametrization, a module
+    # torch refuses to pickle: it is made again in each worker.
+    g = torch.Generator().manual_seed(5)
+    audio, labels = torch.randn(5, 400, generator=g), torch.randint(1, 12, (5, 6), generator=g)
+    labels[torch.rand(5, 6, generator=g) < 0.3] = -100
+    model = _wav2vec2("mean").eval()
+    kwargs = dict(input_values=audio, labels=labels, output_hidden_states=True)
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
+    try:
+        with torch.no_grad():
+            want, got = model(**kwargs), dp(**kwargs)  # 3 + 2 rows
+    finally:
+        dp.close()
+    assert list(got.keys()) == list(want.keys())
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS + 3 * 39 + 5)  # as the CTC test's
+    assert_close_to_reference((got.logits, got.hidden_states), (want.logits, want.hidden_states), terms=TERMS)
+
+
 def _uneven_labels(ids: torch.Tensor, devices: int) -> torch.Tensor:
     """Labels with -100 spread unevenly over the replicas: the first replica's rows count
     few tokens, and the last replica's rows none at all (its mean would be NaN)."""
