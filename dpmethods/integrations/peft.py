@@ -7,7 +7,9 @@ model's. ``generate`` gathers as transformers' does (the gather mode ``"generate
 each replica's ``prefix_allowed_tokens_fn`` told where its rows start. ``forward`` takes
 transformers' ``forward`` options: its ``loss`` is joined as the full-batch loss, by the
 plan of the base model that computes it (a delegate tells the transformers integration
-which model that is, and with what arguments), the rest with ``"cat"``. Prompt learning
+which model that is, and with what arguments), a contrastive base's (CLIP's)
+``logits_per_*`` and loss are computed from the joined embeddings, the rest is joined
+with ``"cat"``. Prompt learning
 (prompt and prefix tuning) prepends virtual tokens, and -100 labels, before the base
 model sees the call: its loss is not read from the labels given, and stays one per
 replica, with a warning. ``adapter_names`` holds one adapter per row (peft's
@@ -28,6 +30,7 @@ from typing import Any
 from dpmethods.extending import MethodOptions, register_method_finder
 from dpmethods.integrations.transformers import (  # registers "generate" and the forward's mode too
     FORWARD,
+    PAIRS,
     PREFIX_OFFSET,
     register_forward_delegate,
 )
@@ -42,7 +45,8 @@ METHODS = (
 
 _PER_ROW = ("adapter_names",)
 _GENERATE = MethodOptions(gather="generate", split=_PER_ROW, hooks=PREFIX_OFFSET)
-_FORWARD = FORWARD.with_updates(split=_PER_ROW)
+# PAIRS acts where the base model returns logits_per_* (CLIP): return_dict=False made after.
+_FORWARD = FORWARD.with_updates(split=_PER_ROW, hooks=FORWARD.hooks.then(PAIRS) if FORWARD.hooks else PAIRS)
 
 
 def _peft_model() -> type | None:

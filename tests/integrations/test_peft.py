@@ -210,3 +210,35 @@ def test_peft_forward_loss_equals_the_full_batch_loss(workers: str, build: Any) 
         want_grads = torch.autograd.grad(want.loss, lora)
         got_grads = torch.autograd.grad(got.loss, lora)
         assert_close_to_reference(got_grads, want_grads, terms=GRAD_TERMS)
+
+
+# CLIP of tests/helpers/contrastive_models (2 blocks of width 32, MLP 37 + LoRA rank 4,
+# over up to 17 tokens) and the projections; the logits' 16-wide products.
+CLIP_TERMS = transformer_terms(width=32, ff=37 + 4, seq=17, layers=2) + 3 * 32 + 16
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_peft_clip_logits_and_loss_from_the_joined_embeddings(workers: str) -> None:
+    # A LoRA CLIP's logits_per_* score every text against every image of the batch: they
+    # and the contrastive loss are computed from the joined embeddings, as for CLIP itself.
+    peft = pytest.importorskip("peft")
+    from tests.helpers.contrastive_models import clip
+
+    base, inputs = clip()
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, lora).eval()
+    x = inputs(5)
+    dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # no "each replica's own" warning
+            want = model(**x, return_loss=True)
+            got = dp(**x, return_loss=True)  # 3 + 2 rows
+            got_tuple = dp(**x, return_loss=True, return_dict=False)
+    finally:
+        dp.close()
+    assert list(got.keys()) == list(want.keys())
+    scale = float(want.logits_per_text.abs().max())  # the loss's log-sum-exp over the batch
+    for i, key in enumerate(["loss", "logits_per_image", "logits_per_text", "text_embeds", "image_embeds"]):
+        assert_close_to_reference(got[key], want[key], terms=CLIP_TERMS, scale=scale, msg=key)
+        assert_close_to_reference(got_tuple[i], want[key], terms=CLIP_TERMS, scale=scale, msg=key)

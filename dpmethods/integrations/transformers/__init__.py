@@ -43,7 +43,7 @@ from dpmethods.integrations.transformers.vision import (
 )
 
 __all__ = [
-    "APPLIES_TO", "FORWARD", "METHODS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_generate",
+    "APPLIES_TO", "FORWARD", "METHODS", "PAIRS", "PREFIX_OFFSET", "OffsetPrefixFn", "gather_generate",
     "register_forward_delegate",
 ]
 

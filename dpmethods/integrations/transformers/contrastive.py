@@ -54,7 +54,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dpmethods.extending import Call, gather, unwrap_compiled, warn_once
+from dpmethods.extending import Call, gather, warn_once
+from dpmethods.integrations.transformers.arguments import forward_call
 
 __all__ = ["check_pairs", "join_contrastive", "paired_fields", "pairs_items", "returns_pairs"]
 
@@ -462,7 +463,8 @@ def join_contrastive(outputs: Sequence[Any], device: torch.device, call: Call) -
     first = outputs[0]
     if not pairs_items(first):
         return None
-    model = unwrap_compiled(call.module)
+    # The model that computes the logits and the loss (under a peft wrapper, its base).
+    model = forward_call(call.module, call.args, call.kwargs)[0]
     fields = [k for k in first if _PER in k]
     sides = [k[len(_PER):] for k in fields if k.startswith(_PER)]
     pair = len(sides) == len(fields) == 2

@@ -34,6 +34,7 @@ from dpmethods.integrations.transformers.contrastive import (
     check_pairs,
     join_contrastive,
     paired_fields,
+    returns_pairs,
 )
 from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
@@ -63,12 +64,15 @@ def _as_tuple(out: Any) -> Any:
 
 
 def _pairs_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
-    model = unwrap_compiled(call.module)
+    model = forward_call(call.module, args, kwargs)[0]  # under a peft wrapper, its base
+    if not returns_pairs(type(model)):
+        return args, kwargs, None  # a wrapper's base that returns no logits_per_*
     if call.options.gather != FORWARD_MODE:
         return args, kwargs, functools.partial(check_pairs, name=type(model).__name__)
     wanted = kwargs.get("return_dict")
     wanted = getattr(getattr(model, "config", None), "return_dict", True) if wanted is None else wanted
-    if wanted is False and "return_dict" not in bound_arguments(model.forward, args, {}):
+    called = unwrap_compiled(call.module).forward  # the method the arguments are given to
+    if wanted is False and "return_dict" not in bound_arguments(called, args, {}):
         # The gather joins the pairs by their fields' names; the tuple is made after it.
         return args, {**kwargs, "return_dict": True}, _as_tuple
     return args, kwargs, None
