@@ -30,7 +30,7 @@ def _vit() -> Any:
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_timm_forward_features_and_head_without_configuration(n: int, devices: int) -> None:
     model = _vit()
-    assert set(parallel_methods(type(model))) >= {"forward_features", "forward_head"}
+    assert set(parallel_methods(type(model))) >= {"forward_features", "forward_head", "forward_intermediates"}
     x = torch.randn(n, 3, 32, 32)
     seen = batch_sizes_seen(model.patch_embed)
     dp = DataParallel(model, device_ids=["cpu"] * devices)
@@ -41,6 +41,12 @@ def test_timm_forward_features_and_head_without_configuration(n: int, devices: i
         assert sorted(seen) == shares(n, devices)
         assert_close_to_reference(got, want, terms=FEATURE_TERMS)
         assert_close_to_reference(dp.forward_head(want), model.forward_head(want), terms=HEAD_TERMS)
+        # timm's feature extraction: the final features and each block's, joined by rows.
+        for kwargs in ({"indices": 2}, {"indices": [0], "intermediates_only": True, "return_prefix_tokens": True}):
+            seen.clear()
+            got_maps = dp.forward_intermediates(x, **kwargs)
+            assert sorted(seen) == shares(n, devices)
+            assert_close_to_reference(got_maps, model.forward_intermediates(x, **kwargs), terms=FEATURE_TERMS)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
