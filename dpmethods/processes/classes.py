@@ -12,8 +12,8 @@ sent carries a :class:`ClassState`:
 - ``values``: the attributes that do not look defined where they are (a function whose
   qualified name is not ``Class.name``: a patch), each pickled on its own, by reference.
 
-The worker (:func:`apply`) sets those values on its own classes, then describes its
-classes the same way. A method that still differs (a patch with a lambda or a closure,
+The worker sets those values on its own classes (:func:`set_values`, before it
+unpickles the model), then describes its classes the same way (:func:`check`). A method that still differs (a patch with a lambda or a closure,
 which cannot be sent by reference; a function defined under the script's
 ``if __name__ == "__main__":``) is a warning, once, naming it and what to do: the
 worker's outputs would not be the caller's model's. Only your own code is compared: an
@@ -44,7 +44,7 @@ from torch import nn
 
 from dpmethods.vocab.warn_once import warn_once
 
-__all__ = ["ClassState", "apply", "class_dicts", "class_state", "classes_of", "describe"]
+__all__ = ["ClassState", "check", "class_dicts", "class_state", "classes_of", "describe", "set_values"]
 
 # Attributes Python or pickling sets on a class by itself, or that hold no behaviour:
 # ``__slotnames__`` appears in the caller when an instance is pickled, never in a worker.
@@ -203,12 +203,13 @@ def class_state(classes: Iterable[type]) -> ClassState:
     return ClassState(_described(classes), tuple(values))
 
 
-def apply(state: ClassState, model: nn.Module) -> None:
-    """In a worker: set the caller's values on this process's classes, then warn once
-    for each attribute of ``model``'s classes that still differs from the caller's.
+def set_values(state: ClassState) -> None:
+    """In a worker, before the model is unpickled (its classes' ``__setstate__`` may be
+    among them): set the caller's values on this process's classes, putting back first
+    what the last model's values replaced.
 
     Example:
-        >>> apply(class_state([nn.Linear, nn.Module]), nn.Linear(1, 1))
+        >>> set_values(class_state([nn.Linear, nn.Module]))
     """
     for (cls, name), before in _REPLACED.items():  # as imported, before the last model's values
         if before is _ABSENT:
@@ -219,10 +220,19 @@ def apply(state: ClassState, model: nn.Module) -> None:
     for (_, _, name), data in state.values:
         try:
             cls, kind, parts = pickle.loads(data)
-        except Exception:  # defined where this process cannot import it: compared below
+        except Exception:  # defined where this process cannot import it: compared after
             continue
         _REPLACED.setdefault((cls, name), vars(cls).get(name, _ABSENT))
         setattr(cls, name, _whole(kind, parts))
+
+
+def check(state: ClassState, model: nn.Module) -> None:
+    """In a worker, once the model is built: warn once for each method of ``model``'s
+    classes that still differs from the caller's (see the module docstring).
+
+    Example:
+        >>> check(class_state([nn.Linear, nn.Module]), nn.Linear(1, 1))
+    """
     # Only what both have: a library adds functions to classes as it runs (transformers
     # gives nn.Module a smart_apply when it initializes weights), which this process's
     # copy of the model, unpickled, never made; a method it calls is replaced, not added.

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from dpmethods.core.oom import Fit, split_on_oom
-from dpmethods.processes.classes import apply
+from dpmethods.processes import classes
 from dpmethods.processes.messages import Done, Failed, Load, Request, Warned
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
@@ -143,6 +143,8 @@ def init(device: str, threads: int, environ: dict[str, str] | None = None) -> No
 
 
 def _build(msg: Load) -> nn.Module:
+    if msg.classes is not None:
+        classes.set_values(msg.classes)  # the caller's changes to the model's classes, first
     for cls, mark in msg.marks.items():
         mark_batch_coupled(cls, what=mark.what, advice=mark.advice)
     kind, what = msg.kind, msg.what
@@ -162,7 +164,7 @@ def _build(msg: Load) -> nn.Module:
     load_pending()  # the integrations of the libraries the model imported: their rules
     rebuilt(model)
     if msg.classes is not None:
-        apply(msg.classes, model)  # the caller's changes to the model's classes
+        classes.check(msg.classes, model)
     if _device.type == "cuda" or kind == "factory":
         model.to(_device)
     # Workers map the same shared parameters and buffers. A method may update buffers in
