@@ -233,18 +233,19 @@ def check(state: ClassState, model: nn.Module) -> None:
     Example:
         >>> check(class_state([nn.Linear, nn.Module]), nn.Linear(1, 1))
     """
-    # Only what both have: a library adds functions to classes as it runs (transformers
+    # Only the user's code: a library adds functions to classes as it runs (transformers
     # gives nn.Module a smart_apply when it initializes weights), which this process's
-    # copy of the model, unpickled, never made; a method it calls is replaced, not added.
-    # Nor how a class makes an instance: a worker's model is unpickled, never constructed.
-    # Nor a library's own wrapper (torch's dynamo wraps nn.Module.__init__ and
-    # __setstate__ once it compiles, with closures): made to be transparent, and made
-    # again wherever that library does the same.
+    # copy of the model, unpickled, never made. A user's method the caller set where the
+    # class only inherited one (a subclass's override) is compared too: this process's
+    # class lacks it and runs what it inherits. Nor how a class makes an instance: a
+    # worker's model is unpickled, never constructed. Nor a library's own wrapper (torch's
+    # dynamo wraps nn.Module.__init__ and __setstate__ once it compiles, with closures):
+    # made to be transparent, and made again wherever that library does the same.
     mine = _described(classes_of(model.modules()))
-    for key in sorted(state.described.keys() & mine.keys()):
-        theirs = state.described[key]
-        if key[2] not in _CONSTRUCTION and theirs != mine[key] and _yours(theirs):
-            warn_once(_differs(key, theirs, mine[key]), stacklevel=2)
+    for key in sorted(state.described.keys()):
+        theirs, here = state.described[key], mine.get(key)
+        if key[2] not in _CONSTRUCTION and theirs != here and _yours(theirs):
+            warn_once(_differs(key, theirs, here), stacklevel=2)
 
 
 def _yours(described: Any) -> bool:
@@ -273,11 +274,12 @@ def _said(described: Any) -> str:
     return f"the {kind} {rest[0]}.{rest[1]}"
 
 
-def _differs(key: Key, caller: Hashable, worker: Hashable) -> str:
+def _differs(key: Key, caller: Hashable, worker: Hashable | None) -> str:
     module, qualname, name = key
+    there = "not set on the class (it inherits one)" if worker is None else _said(worker)
     return (
         f"DataParallel(workers='processes'): {module}.{qualname}.{name} is {_said(caller)} in this "
-        f"process, but {_said(worker)} in the worker processes, which import the class from its "
+        f"process, but {there} in the worker processes, which import the class from its "
         f"module: they would not run this process's model. Make the change where the workers "
         f"make it too (at the top level of a module they import: the model's own module, or the "
         f"script outside `if __name__ == '__main__':`, with a function defined at a module's top "

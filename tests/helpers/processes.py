@@ -239,6 +239,11 @@ class Patched(nn.Module):
         return self.second(self.first(x).relu())  # type: ignore[no-any-return]
 
 
+class PatchedChild(Patched):
+    """A :class:`Patched` that inherits its ``forward``: a test overrides it on this class
+    alone."""
+
+
 def patched_forward(self: Patched, x: torch.Tensor) -> torch.Tensor:
     """What :class:`Patched` runs once patched: another model's output."""
     return self.second(self.first(x).tanh() * 3)  # type: ignore[no-any-return]

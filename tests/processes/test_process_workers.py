@@ -52,6 +52,7 @@ from tests.helpers.processes import (
     Net,
     Parametrized,
     Patched,
+    PatchedChild,
     Shifted,
     Ticker,
     Unloadable,
@@ -1090,6 +1091,26 @@ def test_a_patch_the_workers_cannot_import_is_a_warning(
         "tests.processes.test_process_workers.test_a_patch_the_workers_cannot_import_is_a_warning.<locals>.<lambda>"
     ), said[0]
     assert "factory=" in said[0] and "workers='threads'" in said[0]
+
+
+def test_an_override_the_workers_cannot_import_on_a_subclass_is_a_warning(
+    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # PatchedChild inherits forward; a lambda set on it here is a method the workers'
+    # class lacks (they run Patched.forward): told as for a replaced one, never silent.
+    h, dp = holder
+    h.model = PatchedChild()
+    x = torch.randn(5, 4)
+    monkeypatch.setattr(PatchedChild, "forward", lambda self, x: patched_forward(self, x))
+    dpmethods.vocab.warn_once.reset()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dp(x)
+    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("DataParallel(workers='processes'): tests.helpers.processes.PatchedChild.forward "
+                              "is the function "), said[0]
+    assert "but not set on the class (it inherits one) in the worker processes" in said[0]
 
 
 def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holder: tuple[Holder, Any]) -> None:
