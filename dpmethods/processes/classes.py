@@ -250,15 +250,19 @@ def check(state: ClassState, model: nn.Module) -> None:
 
 def _yours(described: Any) -> bool:
     """Whether a described method's code is the user's: not in an installed library
-    (``site-packages``) or the standard library."""
+    (``site-packages``) or the standard library, nor code a library generated
+    (``<eval_with_key>``); code typed in the main module (``python -c``, an interactive
+    session: ``<string>``, ``<stdin>``) is the user's."""
     kind, *rest = described
     if kind in ("staticmethod", "classmethod", "property"):
         return any(part is not None and _yours(part) for part in rest)
     if kind != "function":
         return False
-    parts = Path(rest[2]).parts
-    return not ("site-packages" in parts or "dist-packages" in parts or rest[2].startswith(_STDLIB)
-                or rest[2].startswith("<"))
+    module, _, filename, _ = rest
+    if filename.startswith("<"):
+        return module == "__main__"
+    parts = Path(filename).parts
+    return not ("site-packages" in parts or "dist-packages" in parts or filename.startswith(_STDLIB))
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]

@@ -35,6 +35,7 @@ from dpmethods.extending import mark_batch_coupled, register_process_rule
 from dpmethods.processes import executor as executor_module
 from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
+from dpmethods.processes.classes import apply, class_state, classes_of
 from dpmethods.processes.state import Watch
 from dpmethods.testing import assert_close_to_reference
 from tests.helpers import WORKERS
@@ -1111,6 +1112,23 @@ def test_an_override_the_workers_cannot_import_on_a_subclass_is_a_warning(
     assert said[0].startswith("DataParallel(workers='processes'): tests.helpers.processes.PatchedChild.forward "
                               "is the function "), said[0]
     assert "but not set on the class (it inherits one) in the worker processes" in said[0]
+
+
+def test_a_patch_typed_in_the_main_module_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Code of `python -c` or an interactive session has no file ("<string>", "<stdin>"):
+    # the workers cannot import it, so it is compared as the user's, where only code a
+    # library generates ("<eval_with_key>.N") is not. apply() as a worker runs it.
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    exec("def fwd(self, x):\n    return x * 100\n", ns)  # as `python -c` defines it
+    monkeypatch.setattr(Patched, "forward", ns["fwd"])
+    sent = class_state(classes_of(Patched().modules()))
+    monkeypatch.undo()  # the worker's class, as its module defines it
+    dpmethods.vocab.warn_once.reset()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        apply(sent, Patched())
+    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    assert len(said) == 1 and "is the function __main__.fwd (<string>:1)" in said[0], said
 
 
 def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holder: tuple[Holder, Any]) -> None:
