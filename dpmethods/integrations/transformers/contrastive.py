@@ -370,9 +370,10 @@ def _segmentation(model: Any, vision: Any, text_embeds: Tensor, hw: Sequence[int
     if not isinstance(hidden, Tensor) or not attentions or not all(isinstance(a, Tensor) for a in attentions):
         return "its vision_model_output holds no group tokens and grouping attentions"
     at = next(projection.parameters()).device  # the model's; the result goes to the texts'
-    groups = projection(hidden.reshape(-1, hidden.shape[-1]).to(at)).to(text_embeds.device)
+    # In the texts' dtype: float32 for the check, the model's (bf16, fp16) for the join.
+    groups = projection(hidden.reshape(-1, hidden.shape[-1]).to(at)).to(text_embeds.device, text_embeds.dtype)
     groups = groups / groups.norm(dim=-1, keepdim=True)
-    grouping = grouping_of(tuple(a.to(text_embeds.device) for a in attentions), tuple(hw))
+    grouping = grouping_of(tuple(a.to(text_embeds.device) for a in attentions), tuple(hw)).to(text_embeds.dtype)
     per_group = scale.apply(torch.matmul(groups, text_embeds.t()), None)
     per_group = per_group.reshape(hidden.shape[0], -1, text_embeds.shape[0]).permute(0, 2, 1)
     seg = scale.apply(torch.matmul(per_group, grouping.reshape(grouping.shape[0], grouping.shape[1], -1)), None)

@@ -185,6 +185,23 @@ def test_groupvit_segmentation_logits_and_gradients_equal_one_device(n: int, dev
     _assert_grads_close({k: got_grads[k] for k in want_grads}, want_grads, scale, "grads: ")
 
 
+def test_groupvit_segmentation_logits_in_bfloat16_equal_one_device() -> None:
+    # The check computes them again in float32 from the replica's text embeddings; a bf16
+    # model's group tokens were multiplied with those as they were (bf16 @ float32 fails).
+    model, inputs = models.groupvit()
+    model = model.to(torch.bfloat16)
+    x = inputs(5)
+    x["pixel_values"] = x["pixel_values"].to(torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        want = model(**x, output_segmentation=True)
+        got = DataParallel(model, device_ids=["cpu"] * 2)(**x, output_segmentation=True)
+    assert _ours(record) == []
+    assert got.segmentation_logits.dtype == torch.bfloat16
+    # The same bf16 arithmetic as one device (equal on this host): a rounding at most.
+    assert_close_to_reference(got.segmentation_logits, want.segmentation_logits, terms=1)
+
+
 def test_a_gather_given_for_forward_is_checked_on_equal_shares() -> None:
     model, inputs = models.clip()
     x = inputs(8)
