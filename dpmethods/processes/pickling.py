@@ -304,11 +304,18 @@ def _from_block(
 def _parametrized_reduction(module: nn.Module) -> Any:
     """A parametrized module (``weight_norm``, ``orthogonal``: Wav2Vec2's, HuBERT's and
     Encodec's convolutions) for a worker. torch refuses to pickle one, its class being
-    made per module (``ParametrizedConv1d``), so it goes as its original class and its
-    state, and the worker makes the class and the parametrized properties again."""
-    state = sent_state(module, lambda: dict(module.__dict__))
-    state = dict(module.__dict__) if state is None else state
-    return (_new_module, (type(module).__bases__[0],), state, None, None, _parametrized_again)
+    made per module (``ParametrizedConv1d``), so it goes as its original class and the
+    state that class gives (its own ``__getstate__``, if it has one), and the worker makes
+    the class and the parametrized properties again."""
+    original = type(module).__bases__[0]
+    getstate: Any = original.__getstate__  # unbound: the class's own, or object's (the __dict__)
+
+    def pickled() -> Any:
+        state = getstate(module)
+        return dict(state) if isinstance(state, dict) else state
+
+    state = sent_state(module, pickled)
+    return (_new_module, (original,), pickled() if state is None else state, None, None, _parametrized_again)
 
 
 def _new_module(cls: type[nn.Module]) -> nn.Module:

@@ -508,6 +508,24 @@ class Parametrized(nn.Module):
         return self.lin(self.conv(x).mean(-1))
 
 
+class LockedLinear(nn.Linear):
+    """A Linear holding a lock that its ``__getstate__`` leaves out, as :class:`Locked`:
+    a test parametrizes its weight (then torch makes its class per module)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.guard = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("guard")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.guard = threading.Lock()
+
+
 _LOCKS: list[Any] = []
 
 

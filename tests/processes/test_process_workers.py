@@ -49,6 +49,7 @@ from tests.helpers.processes import (
     Holder,
     InBatchLoss,
     Locked,
+    LockedLinear,
     MarkedLater,
     Net,
     Parametrized,
@@ -1723,6 +1724,19 @@ def test_a_parametrized_module_is_sent_and_sent_again_when_changed() -> None:
             want = model(x)
             assert_close_to_reference(dp(x), want, terms=terms)
             assert_close_to_reference(torch.cat(list(dp.map("forward", [x[:3], x[3:]]))), want, terms=terms)
+    finally:
+        dp.close()
+
+
+def test_a_parametrized_module_is_sent_as_its_own_getstate_gives_it() -> None:
+    # A parametrized module goes as its original class's state: a lock that class's
+    # __getstate__ leaves out stays out, as for the module unparametrized.
+    model = nn.utils.parametrizations.weight_norm(LockedLinear(4, 3)).eval()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(4))
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers="processes")
+    try:
+        with torch.no_grad():
+            assert_close_to_reference(dp(x), model(x), terms=mlp_terms(4) + 4)  # the Linear, the norm
     finally:
         dp.close()
 
