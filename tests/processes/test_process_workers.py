@@ -1072,15 +1072,20 @@ def test_a_method_patched_on_a_class_runs_in_the_workers(
     assert_close_to_reference(outs[-1], want["patched"], terms=_WATCHED_TERMS)  # sent after the patch
 
 
+@pytest.mark.parametrize("cls,there", [
+    (Patched, "but the function tests.helpers.processes.Patched.forward"),
+    # PatchedChild inherits forward: the workers' class lacks the one set here.
+    (PatchedChild, "but not set on the class (it inherits one)"),
+])
 def test_a_patch_the_workers_cannot_import_is_a_warning(
-    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch,
+    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch, cls: type, there: str,
 ) -> None:
-    # A lambda cannot be sent by reference: the workers would run the class's own method,
-    # another model, so the caller is told once, with what to do.
+    # A lambda cannot be sent by reference: the workers would run the class's own method
+    # (or the one it inherits), another model, so the caller is told once, with what to do.
     h, dp = holder
-    h.model = Patched()
+    h.model = cls()
     x = torch.randn(5, 4)
-    monkeypatch.setattr(Patched, "forward", lambda self, x: patched_forward(self, x))
+    monkeypatch.setattr(cls, "forward", lambda self, x: patched_forward(self, x))
     dpmethods.vocab.warn_once.reset()
     with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -1089,30 +1094,11 @@ def test_a_patch_the_workers_cannot_import_is_a_warning(
     said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
     assert len(said) == 1, said
     assert said[0].startswith(
-        "DataParallel(workers='processes'): tests.helpers.processes.Patched.forward is the function "
+        f"DataParallel(workers='processes'): tests.helpers.processes.{cls.__name__}.forward is the function "
         "tests.processes.test_process_workers.test_a_patch_the_workers_cannot_import_is_a_warning.<locals>.<lambda>"
     ), said[0]
+    assert f"in this process, {there}" in said[0], said[0]
     assert "factory=" in said[0] and "workers='threads'" in said[0]
-
-
-def test_an_override_the_workers_cannot_import_on_a_subclass_is_a_warning(
-    holder: tuple[Holder, Any], monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # PatchedChild inherits forward; a lambda set on it here is a method the workers'
-    # class lacks (they run Patched.forward): told as for a replaced one, never silent.
-    h, dp = holder
-    h.model = PatchedChild()
-    x = torch.randn(5, 4)
-    monkeypatch.setattr(PatchedChild, "forward", lambda self, x: patched_forward(self, x))
-    dpmethods.vocab.warn_once.reset()
-    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        dp(x)
-    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
-    assert len(said) == 1, said
-    assert said[0].startswith("DataParallel(workers='processes'): tests.helpers.processes.PatchedChild.forward "
-                              "is the function "), said[0]
-    assert "but not set on the class (it inherits one) in the worker processes" in said[0]
 
 
 def test_a_patch_typed_in_the_main_module_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
