@@ -1137,6 +1137,20 @@ def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holde
     assert out.logits.shape[0] == 3
 
 
+def test_a_model_with_gradient_checkpointing_enabled_is_sent(holder: tuple[Holder, Any]) -> None:
+    # transformers 5's gradient_checkpointing_enable() hooks the input embeddings with a
+    # local function (make_inputs_require_grads) and keeps its handles on the model: both
+    # stay here, where the model could not be sent at all.
+    h, dp = holder
+    h.model = tiny_gpt2()
+    h.model.gradient_checkpointing_enable()
+    assert h.model.get_input_embeddings()._forward_hooks
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10], [1, 2, 3]])
+    with torch.no_grad():
+        want, got = h(ids), dp(ids)
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+
+
 @pytest.fixture
 def looks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per full look at a module (its fingerprint taken) by a pool."""

@@ -29,7 +29,7 @@ import re
 import sys
 import weakref
 
-from dpmethods.extending import MethodOptions, register_method_finder
+from dpmethods.extending import MethodOptions, register_method_finder, register_process_rule
 from dpmethods.integrations.transformers.arguments import register_forward_delegate
 from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
 from dpmethods.integrations.transformers.contrastive import returns_pairs
@@ -117,3 +117,15 @@ def _methods(cls: type) -> dict[str, MethodOptions]:
 
 register_method_finder(_methods)
 
+
+def _input_grads_hook(hook: object) -> bool:
+    """The forward hook that makes the input embeddings' output require grad, which
+    ``gradient_checkpointing_enable()`` (transformers 5 registers it on every text model)
+    and peft's k-bit and checkpointing preparation register: a local function, which
+    cannot be pickled, for training. A worker process runs inference: it goes without it,
+    and without the model's handles to it."""
+    return (getattr(hook, "__name__", None) in ("make_inputs_require_grads", "make_inputs_require_grad")
+            and str(getattr(hook, "__module__", "")).split(".")[0] in ("transformers", "peft"))
+
+
+register_process_rule(_input_grads_hook, attributes=("_require_grads_hooks", "_require_grads_hook"))
