@@ -1,26 +1,26 @@
-"""The model's classes as the worker processes have them: changes made in the caller.
+"""The model's classes as the worker processes have them: methods patched in the caller.
 
 A worker process imports each class of the model by name, from its module, and runs
-it as that module defines it. A class changed in the caller (``Linear.forward =
-my_forward``, a library's kernel patch applied in the script, ``Attention.scale = 2.0``)
-would run unchanged there: the outputs of another model, with no error. So each model
-sent carries a :class:`ClassState`:
+it as that module defines it. A method replaced on a class in the caller
+(``Linear.forward = my_forward``, a kernel patch applied in the script) would run
+unpatched there: the outputs of another model, with no error. So each model sent
+carries a :class:`ClassState`:
 
-- ``described``: what each method and other behaviour of the model's classes and their
-  bases is in the caller (:func:`describe`: a function by its qualified name and where
-  its code is);
+- ``described``: what each method of the model's classes and their bases is in the
+  caller (:func:`describe`: a function by its qualified name and where its code is);
 - ``values``: the attributes that do not look defined where they are (a function whose
   qualified name is not ``Class.name``: a patch), each pickled on its own, by reference.
 
 The worker sets those values on its own classes (:func:`set_values`, before it
-unpickles the model), then describes its classes the same way (:func:`check`). A method that still differs (a patch with a lambda or a closure,
+unpickles the model), then describes its classes the same way (:func:`check`). A
+method of the user's own code that still differs (a patch with a lambda or a closure,
 which cannot be sent by reference; a function defined under the script's
 ``if __name__ == "__main__":``) is a warning, once, naming it and what to do: the
-worker's outputs would not be the caller's model's. Only your own code is compared: an
-installed library's wrappers (torch's dynamo wraps ``nn.Module.__init__`` and
-``__setstate__`` once it compiles) are made to be transparent. Data set on a class (a number, a
-cache) is neither sent nor compared: libraries set such values on their classes as they
-run, and a worker computes its own.
+worker's outputs would not be the caller's model's. An installed library's wrappers
+(torch's dynamo wraps ``nn.Module.__init__`` and ``__setstate__`` once it compiles) are
+not compared: they are made to be transparent. Neither sent nor compared: data set on
+a class (``Attention.scale = 2.0``, a cache a library keeps there as it runs), a method
+deleted, and functions replaced in a module rather than on a class.
 
 Example:
     >>> from torch import nn
