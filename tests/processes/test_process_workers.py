@@ -35,7 +35,7 @@ from dpmethods.extending import mark_batch_coupled, register_process_rule
 from dpmethods.processes import executor as executor_module
 from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
-from dpmethods.processes.classes import apply, class_state, classes_of
+from dpmethods.processes.classes import check, class_state, classes_of
 from dpmethods.processes.state import Watch
 from dpmethods.testing import assert_close_to_reference
 from tests.helpers import WORKERS
@@ -1104,7 +1104,7 @@ def test_a_patch_the_workers_cannot_import_is_a_warning(
 def test_a_patch_typed_in_the_main_module_is_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     # Code of `python -c` or an interactive session has no file ("<string>", "<stdin>"):
     # the workers cannot import it, so it is compared as the user's, where only code a
-    # library generates ("<eval_with_key>.N") is not. apply() as a worker runs it.
+    # library generates ("<eval_with_key>.N") is not. check() as a worker runs it.
     ns: dict[str, Any] = {"__name__": "__main__"}
     exec("def fwd(self, x):\n    return x * 100\n", ns)  # as `python -c` defines it
     monkeypatch.setattr(Patched, "forward", ns["fwd"])
@@ -1113,7 +1113,7 @@ def test_a_patch_typed_in_the_main_module_is_a_warning(monkeypatch: pytest.Monke
     dpmethods.vocab.warn_once.reset()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        apply(sent, Patched())
+        check(sent, Patched())
     said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
     assert len(said) == 1 and "is the function __main__.fwd (<string>:1)" in said[0], said
 
