@@ -75,6 +75,7 @@ class _Source:
         self.signature: inspect.Signature | None = None
         self.name = method
         self.repeat = 1  # a tensor's rows per item in the batch's output
+        self.beams = 1  # a beam search's rows per item in its per-step outputs (num_beams)
         self.probes = 1 if items.trim else 0
         self.probes_left = _PROBES - 1 if items.trim else 0  # re-arms left after a probe raised
 
@@ -84,6 +85,7 @@ class _Source:
         fn = module.forward if self.method == "forward" else getattr(module, self.method)
         self.name = f"{type(module).__name__}.{self.method}"
         self.repeat = _repeat(module, self.method, self.kwargs)
+        self.beams = _repeat(module, self.method, self.kwargs, "num_beams")
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):  # a builtin without one: nothing to check against
@@ -173,15 +175,16 @@ class _Source:
         return collated, padding
 
 
-def _repeat(module: nn.Module, method: str, kwargs: dict[str, Any]) -> int:
-    """A ``generate`` output's rows per prompt: its ``num_return_sequences``, from the
-    map's keyword arguments, else the generation config it runs with."""
+def _repeat(module: nn.Module, method: str, kwargs: dict[str, Any], name: str = "num_return_sequences") -> int:
+    """A ``generate`` output's rows per prompt: its ``num_return_sequences`` (its sequences),
+    or with ``name="num_beams"`` its beams (the rows of a beam search's per-step outputs),
+    from the map's keyword arguments, else the generation config it runs with."""
     if method != "generate":
         return 1
-    k = kwargs.get("num_return_sequences")
+    k = kwargs.get(name)
     if k is None:
         config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
-        k = getattr(config, "num_return_sequences", None)
+        k = getattr(config, name, None)
     return k if isinstance(k, int) and not isinstance(k, bool) and k > 1 else 1
 
 
@@ -319,7 +322,7 @@ class ItemIterator(MapIterator):
         try:
             return cut_output(out, len(sent.indices), self._source.options, sent.padding,
                               padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt,
-                              repeat=self._source.repeat, entries=self.entries)
+                              repeat=self._source.repeat, beams=self._source.beams, entries=self.entries)
         except ValueError as exc:
             raise add_note(exc, f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
 

@@ -16,7 +16,8 @@ is refused, naming it: an item's row would depend on the items batched with it.
 Two cuts use the batch's padding (:class:`Padding`): a
 ``generate`` output that starts with the batch's left-padded prompt comes back without
 the padding, so equal prompts give equal tokens whatever their batch (with
-``num_return_sequences=k`` each item keeps its k rows, ``repeat``); and ``trim=True``
+``num_return_sequences=k`` each item keeps its k rows, ``repeat``; with beam search the
+per-step outputs its ``num_beams`` rows, ``beams``, and ``beam_indices`` index them); and ``trim=True``
 narrows each item's tensors to its own positions in the dims told to be padding
 (:mod:`dpmethods.items.trim`).
 """
@@ -112,10 +113,11 @@ class _Cutter:
 
     def __init__(self, leaves: list[Any], rows: int, padding: Padding | None,
                  padded: Callable[[str, int], bool] | None, prompt: Tensor | None, repeat: int = 1,
-                 paired: Mapping[Any, str] | None = None, entries: bool = False) -> None:
+                 paired: Mapping[Any, str] | None = None, entries: bool = False, beams: int = 1) -> None:
         self.leaves, self.rows, self.padding, self.padded, self.prompt = leaves, rows, padding, padded, prompt
         self.entries = entries  # wrap each per-item list's entry in Entry
         self.repeat = repeat  # a tensor's rows per item (generate's num_return_sequences)
+        self.beams = beams  # a beam search's rows per item in its per-step outputs (num_beams)
         self.paired = paired or {}  # top-level keys that pair items with each other: what to do instead
 
     def refuse(self, path: str, value: Any, why: str) -> ValueError:
@@ -186,13 +188,17 @@ class _Cutter:
 
     def batched(self, value: Any, dim: int) -> bool:
         return (isinstance(value, Tensor) and -value.dim() <= dim < value.dim()
-                and value.shape[dim] == self.rows * self.repeat)
+                and value.shape[dim] in (self.rows * self.repeat, self.rows * self.beams))
 
     def leaf(self, value: Any, path: str, dim: int) -> list[Any]:
         if value is None:
             return [None] * self.rows
         if self.batched(value, dim):
-            k = self.repeat
+            # generate's sequences have num_return_sequences rows per item, a beam search's
+            # per-step outputs (scores, logits, attentions, encoder outputs) num_beams rows.
+            k = self.repeat if value.shape[dim] == self.rows * self.repeat else self.beams
+            if self.beams > 1 and path.endswith(("beam_indices", "['beam_indices']")):
+                return self.beam_rows(value, dim)
             if self.starts_with_prompt(value, dim):
                 spans = self.padding.spans  # type: ignore[union-attr]
                 if k > 1:
@@ -215,9 +221,21 @@ class _Cutter:
             return list(np.moveaxis(value, dim, 0))
         if isinstance(value, Tensor) or (np is not None and isinstance(value, np.ndarray)):
             each = "one row" if self.repeat == 1 else f"{self.repeat} rows (num_return_sequences)"
+            if self.beams > 1 and self.beams != self.repeat:
+                each += f" or {self.beams} rows (num_beams)"
             why = "one value for the whole batch" if not value.ndim else f"without {each} per item on dim {dim}"
             raise self.refuse(path, _got(value), why)
         raise self.refuse(path, _got(value), "one value for the whole batch")
+
+    def beam_rows(self, value: Tensor, dim: int) -> list[Tensor]:
+        """Each item's rows of a beam search's ``beam_indices``, which index the batch's
+        beam rows (item i's are ``i * beams`` on, -1 past a row's end): rebased to index the
+        item's own beams, as its generate alone gives them."""
+        k, b = self.repeat, self.beams
+        batch_dim = dim % value.dim()
+        rows = [value.narrow(batch_dim, i * k, k) for i in range(self.rows)]
+        rows = [r.where(r < 0, r - i * b) for i, r in enumerate(rows)]
+        return rows if k > 1 else [r.squeeze(batch_dim) for r in rows]
 
     def starts_with_prompt(self, value: Tensor, dim: int) -> bool:
         prompt = self.prompt
@@ -239,7 +257,7 @@ class _Cutter:
 def cut_output(
     out: Any, rows: int, options: MethodOptions, padding: Padding | None = None, *,
     padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None, repeat: int = 1,
-    entries: bool = False,
+    entries: bool = False, beams: int = 1,
 ) -> list[Any]:
     """The output of a batch of ``rows`` items as one output per item.
 
@@ -256,6 +274,10 @@ def cut_output(
             item's output keeps its ``repeat`` rows, with the batch dim.
         entries: each per-item list's entry comes wrapped in :class:`Entry`, told apart
             from the fields of a tuple or dict that is cut field by field.
+        beams: a beam search's rows per item (``generate``'s ``num_beams``) in its per-step
+            outputs (scores, logits, attentions): a tensor of ``rows * beams`` rows gives
+            each item its ``beams`` rows, with the batch dim; ``beam_indices`` (``repeat``
+            rows per item) are rebased to index the item's own beams.
 
     Example:
         >>> import torch
@@ -281,5 +303,5 @@ def cut_output(
     dim: Any = options.dim if options.gather_dim is None else options.gather_dim
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
-    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired, entries)
+    cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired, entries, beams)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

@@ -278,6 +278,49 @@ def test_generate_with_num_return_sequences_gives_each_prompt_its_sequences(work
                               terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
 
 
+def _tiny_t5() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # wide weights: beams part ways and scores differ clearly
+            p.normal_(0, 1.0)
+    return model
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_beam_searchs_scores_and_beam_indices_are_each_prompts_own(workers: str) -> None:
+    pytest.importorskip("transformers")
+    model = _tiny_t5()
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2, 9, 4)]
+    base = {"max_new_tokens": 5, "return_dict_in_generate": True, "output_scores": True}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        for kwargs in ({**base, "num_beams": 2}, {**base, "num_beams": 3, "num_return_sequences": 2}):
+            with torch.no_grad():
+                outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
+                ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
+                                      **kwargs) for p in prompts]
+            k = kwargs.get("num_return_sequences", 1)
+            rows = (lambda t: t) if k > 1 else (lambda t: t[0])  # one sequence: its row, without the batch dim
+            for out, want in zip(outs, ref):
+                assert out.sequences.tolist() == rows(want.sequences).tolist()
+                # beam_indices index the prompt's own beams (0 to num_beams - 1), not the batch's
+                assert out.beam_indices.tolist() == rows(want.beam_indices).tolist()
+                assert len(out.scores) == len(want.scores)
+                # each step's scores are the prompt's num_beams rows
+                assert_close_to_reference(list(out.scores), list(want.scores), terms=transformer_terms(
+                    width=16, ff=32, seq=12, layers=4) + 64)
+                assert_close_to_reference(out.sequences_scores, rows(want.sequences_scores),
+                                          terms=transformer_terms(width=16, ff=32, seq=12, layers=4) + 64)
+    finally:
+        dp.close()
+
+
 @pytest.mark.parametrize("workers", WORKERS)
 def test_generate_with_a_collate_without_attention_mask_needs_lengths_in_tokens(bert_tokenizer: Any,
                                                                                 workers: str) -> None:
