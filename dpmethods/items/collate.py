@@ -2,8 +2,9 @@
 own positions lie in the padded batch.
 
 The default collate pads 1-D tensors (and mappings of them; lists of ints are taken
-as 1-D tensors) with 0 to the batch's longest, on the right, or on the left for
-``generate``, whose prompts must end where generation starts; a mapping with
+as 1-D tensors) with 0 to the batch's longest, on the right, or on the left for a
+decoder-only ``generate``, whose prompts must end where generation starts (an
+encoder-decoder's prompts go to its encoder, padded on the right); a mapping with
 ``input_ids`` and no ``attention_mask`` gets one. A method that takes per-item lists
 (one with ``split=``: sentence-transformers ``encode``, detection models) gets the
 items as a plain list, mapping items as a mapping of per-item lists, and tuples as a
@@ -23,7 +24,7 @@ from torch import Tensor
 from dpmethods.types.cut import Padding
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["as_call", "check_takes", "default_collate", "measure", "padding_of"]
+__all__ = ["as_call", "check_takes", "default_collate", "measure", "padding_of", "pads_left"]
 
 
 def _got(value: Any) -> str:
@@ -111,9 +112,10 @@ def _pad(rows: list[Tensor], left: bool, dim: int, indices: Sequence[int], key: 
 
 
 def default_collate(
-    items: list[Any], indices: Sequence[int], method: str, options: MethodOptions,
+    items: list[Any], indices: Sequence[int], method: str, options: MethodOptions, left: bool | None = None,
 ) -> tuple[Any, Padding | None]:
     """``items`` as one batch of ``method``, and each row's own positions (None: no padding).
+    ``left``: pad on the left (None: for ``generate``, see :func:`pads_left`).
 
     Example:
         >>> batch, padding = default_collate([{"input_ids": [5, 6]}, {"input_ids": [7]}], [0, 1],
@@ -127,7 +129,8 @@ def default_collate(
         if all(type(item) is tuple and len(item) == len(items[0]) for item in items):
             return tuple(list(column) for column in zip(*items)), None
         return list(items), None
-    left = method == "generate"
+    if left is None:
+        left = method == "generate"
     if not isinstance(items[0], Mapping):
         rows = [_sequence(item, index, None) for item, index in zip(items, indices)]
         return _pad(rows, left, options.dim, indices, None), Padding.of([len(r) for r in rows], left)
@@ -145,6 +148,22 @@ def default_collate(
         ones = [torch.ones(n, dtype=torch.long, device=r.device) for n, r in zip(lengths, columns["input_ids"])]
         batch["attention_mask"] = _pad(ones, left, options.dim, indices, "attention_mask")
     return batch, Padding.of(lengths, left)
+
+
+def pads_left(module: Any, method: str) -> bool:
+    """Whether ``method``'s prompts are padded on the left: a ``generate`` that continues
+    them (a decoder-only model), not an encoder-decoder's (``config.is_encoder_decoder``:
+    T5, BART, Whisper), whose encoder reads them where they stand, so left padding
+    would move each prompt's positions (BART's learned positions) away from its own.
+
+    Example:
+        >>> import torch
+        >>> pads_left(torch.nn.Linear(2, 2), "generate"), pads_left(torch.nn.Linear(2, 2), "forward")
+        (True, False)
+    """
+    if method != "generate":
+        return False
+    return not bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
 
 
 def padding_of(batch: Any, lengths: Sequence[int], left: bool, rows: int) -> Padding:

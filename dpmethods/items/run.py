@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.items.batches import read_batches
-from dpmethods.items.collate import as_call, check_takes, default_collate, padding_of
+from dpmethods.items.collate import as_call, check_takes, default_collate, padding_of, pads_left
 from dpmethods.items.options import ItemOptions
 from dpmethods.items.trim import PaddedDims
 from dpmethods.streaming.iterator import MapIterator
@@ -76,6 +76,7 @@ class _Source:
         self.name = method
         self.repeat = 1  # a tensor's rows per item in the batch's output
         self.beams = 1  # a beam search's rows per item in its per-step outputs (num_beams)
+        self.left = method == "generate"  # prompts padded on the left (a decoder-only generate)
         self.probes = 1 if items.trim else 0
         self.probes_left = _PROBES - 1 if items.trim else 0  # re-arms left after a probe raised
 
@@ -86,6 +87,7 @@ class _Source:
         self.name = f"{type(module).__name__}.{self.method}"
         self.repeat = _repeat(module, self.method, self.kwargs)
         self.beams = _repeat(module, self.method, self.kwargs, "num_beams")
+        self.left = pads_left(module, self.method)
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):  # a builtin without one: nothing to check against
@@ -100,7 +102,7 @@ class _Source:
                 spans = padding.spans
                 j = min(range(len(spans)), key=lambda i: spans[i][1] - spans[i][0])
                 shortest = (batch.items[j], batch.indices[j], batch.lengths[j])
-            prompt = _prompt(collated, len(batch.items)) if self.method == "generate" else None
+            prompt = _prompt(collated, len(batch.items)) if self.left else None  # a decoder-only generate's
             if prompt is not None and padding is not None and padding.longest != prompt.shape[1]:
                 # Spans from length= in other units than the prompt's positions (characters,
                 # not tokens): cutting each output's padding by them would cut at random.
@@ -164,13 +166,13 @@ class _Source:
     def _collate(self, items: list[Any], indices: list[int], lengths: list[int]) -> tuple[Any, Padding | None]:
         padding: Padding | None
         if self.items.collate is None:
-            collated, padding = default_collate(items, indices, self.method, self.options)
+            collated, padding = default_collate(items, indices, self.method, self.options, self.left)
         else:
             try:
                 collated = self.items.collate(list(items))
             except Exception as exc:
                 raise add_note(exc, f"dpmethods: DataParallel.map: raised by collate= on items {indices}") from None
-            padding = padding_of(collated, lengths, self.method == "generate", len(items))
+            padding = padding_of(collated, lengths, self.left, len(items))
         check_takes(self.signature, self.name, collated, self.kwargs, indices)
         return collated, padding
 

@@ -322,6 +322,36 @@ def test_a_beam_searchs_scores_and_beam_indices_are_each_prompts_own(workers: st
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_an_encoder_decoders_prompts_are_padded_on_the_right_as_its_encoder_reads_them(workers: str) -> None:
+    """BART's encoder adds learned positions: left padding would move a prompt's tokens."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(
+        vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    model = transformers.BartForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 1.0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2, 9, 4)]
+    kwargs = {"max_new_tokens": 5, "return_dict_in_generate": True, "output_scores": True}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
+            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
+                                  **kwargs) for p in prompts]
+    finally:
+        dp.close()
+    assert [o.sequences.tolist() for o in outs] == [r.sequences[0].tolist() for r in ref]
+    for out, want in zip(outs, ref):  # left padded, the scores were up to 0.07 away
+        assert_close_to_reference(list(out.scores), [s[0] for s in want.scores],
+                                  terms=transformer_terms(width=16, ff=32, seq=12, layers=2) + 64)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 def test_generate_with_a_collate_without_attention_mask_needs_lengths_in_tokens(bert_tokenizer: Any,
                                                                                 workers: str) -> None:
     pytest.importorskip("transformers")
