@@ -17,7 +17,9 @@ Two cuts use the batch's padding (:class:`Padding`): a
 ``generate`` output that starts with the batch's left-padded prompt comes back without
 the padding, so equal prompts give equal tokens whatever their batch (with
 ``num_return_sequences=k`` each item keeps its k rows, ``repeat``; with beam search the
-per-step outputs its ``num_beams`` rows, ``beams``, and ``beam_indices`` index them); and ``trim=True``
+per-step outputs its ``num_beams`` rows, ``beams``, and ``beam_indices`` index them; a
+transformers cache keeps the batch dim (a cache of the item's rows, as alone),
+and a ``generate``'s cache keeps each item's own positions); and ``trim=True``
 narrows each item's tensors to its own positions in the dims told to be padding
 (:mod:`dpmethods.items.trim`).
 """
@@ -118,6 +120,8 @@ class _Cutter:
         self.entries = entries  # wrap each per-item list's entry in Entry
         self.repeat = repeat  # a tensor's rows per item (generate's num_return_sequences)
         self.beams = beams  # a beam search's rows per item in its per-step outputs (num_beams)
+        self.state: set[int] = set()  # leaves of batch state (caches): cut keeping the batch dim
+        self.cross: set[int] = set()  # leaves of an encoder-decoder's cross-attention cache
         self.paired = paired or {}  # top-level keys that pair items with each other: what to do instead
 
     def refuse(self, path: str, value: Any, why: str) -> ValueError:
@@ -150,6 +154,8 @@ class _Cutter:
             raise self.refuse(path, shown, f"gathered with {str(mode)!r}, one value for the whole batch")
         own = dim[None] if isinstance(dim, Mapping) else dim  # a leaf or list at the top: dim
         if spec in _tree.LEAVES:
+            if pos in self.state:
+                return self.state_rows(self.leaves[pos], path, own, pos), pos + 1
             return self.leaf(self.leaves[pos], path, own), pos + 1
         end = pos + _count(spec)
         if self.per_item(spec, pos, mode, own):
@@ -227,6 +233,28 @@ class _Cutter:
             raise self.refuse(path, _got(value), why)
         raise self.refuse(path, _got(value), "one value for the whole batch")
 
+    def state_rows(self, value: Any, path: str, dim: int, pos: int) -> list[Any]:
+        """Each item's rows of a tensor of a type whose tensors are batch state (a
+        transformers cache's keys and values), keeping the batch dim, so the item's
+        object is a batch of its own as its call alone gives it (a cache of one prompt, or
+        of its beams). A ``generate``'s attention cache (``[batch, heads, positions, dim]``)
+        is cut to the item's own positions: a decoder-only prompt's left padding is left
+        out, and an encoder-decoder's cross-attention cache keeps the item's encoder
+        positions."""
+        if not self.batched(value, dim):
+            return self.leaf(value, path, dim)
+        k = self.repeat if value.shape[dim] == self.rows * self.repeat else self.beams
+        batch_dim = dim % value.dim()
+        rows = [value.narrow(batch_dim, i * k, k) for i in range(self.rows)]
+        padding = self.padding
+        if padding is None or value.dim() != 4 or batch_dim != 0:
+            return rows
+        if self.prompt is not None and value.shape[2] >= padding.longest:  # [pad | prompt | generated]
+            return [r.narrow(2, s, r.shape[2] - s) for r, (s, _) in zip(rows, padding.spans)]
+        if pos in self.cross and value.shape[2] == padding.longest:  # the encoder's positions
+            return [r.narrow(2, s, e - s) for r, (s, e) in zip(rows, padding.spans)]
+        return rows
+
     def beam_rows(self, value: Tensor, dim: int) -> list[Tensor]:
         """Each item's rows of a beam search's ``beam_indices``, which index the batch's
         beam rows (item i's are ``i * beams`` on, -1 past a row's end): rebased to index the
@@ -252,6 +280,36 @@ class _Cutter:
         for d in dims:
             row = row.narrow(d, start, end - start)
         return row
+
+
+# Classes whose tensors are batch state, rebuilt per item as a batch of its own (keeping the
+# batch dim), by module: transformers' caches, which generate returns and takes back.
+_STATE_MODULES = ("transformers.cache_utils",)
+
+
+def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int]]:
+    """The leaves inside a cache (:data:`_STATE_MODULES`), and those of each
+    ``EncoderDecoderCache``'s cross-attention cache (its second child), which holds the
+    encoder's positions."""
+    state: set[int] = set()
+    cross: set[int] = set()
+
+    def walk(node: _tree.Spec, start: int, inside: bool, in_cross: bool) -> int:
+        if node in _tree.LEAVES:
+            if inside:
+                state.add(start)
+            if in_cross:
+                cross.add(start)
+            return start + 1
+        cls = node.cls if node.kind == _tree.NODE else None
+        here = inside or str(getattr(cls, "__module__", "")).startswith(_STATE_MODULES)
+        pair = getattr(cls, "__name__", "") == "EncoderDecoderCache"
+        for i, child in enumerate(node.children):
+            start = walk(child, start, here, in_cross or (pair and i == 1))
+        return start
+
+    walk(spec, 0, False, False)
+    return state, cross
 
 
 def cut_output(
@@ -304,4 +362,5 @@ def cut_output(
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
     cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired, entries, beams)
+    cutter.state, cutter.cross = _state_leaves(spec)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

@@ -321,6 +321,36 @@ def test_a_beam_searchs_scores_and_beam_indices_are_each_prompts_own(workers: st
         dp.close()
 
 
+def _cache_tensors(cache: Any) -> list[torch.Tensor]:
+    if hasattr(cache, "self_attention_cache"):
+        return _cache_tensors(cache.self_attention_cache) + _cache_tensors(cache.cross_attention_cache)
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_generates_cache_is_each_prompts_own_as_its_generate_alone_gives_it(workers: str) -> None:
+    """Keys and values [1 (or num_beams), heads, the prompt's own positions, dim]: without the
+    batch's left padding (GPT-2), the encoder's positions of the prompt alone (T5's cross attention)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"input_ids": torch.randint(3, 47, (n,), generator=g)} for n in (1, 7, 3, 12, 5)]
+    for model in (tiny_gpt2(pad_token_id=0).eval(), _tiny_t5()):
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            for kwargs in ({"max_new_tokens": 4}, {"max_new_tokens": 4, "num_beams": 2}):
+                with torch.no_grad():
+                    outs = list(dp.map("generate", prompts, batch_size=3, return_dict_in_generate=True, **kwargs))
+                    ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
+                                          return_dict_in_generate=True, **kwargs) for p in prompts]
+                for out, want in zip(outs, ref):
+                    got, wanted = _cache_tensors(out.past_key_values), _cache_tensors(want.past_key_values)
+                    assert [t.shape for t in got] == [t.shape for t in wanted]
+                    assert_close_to_reference(got, wanted, terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
+        finally:
+            dp.close()
+
+
 @pytest.mark.parametrize("workers", WORKERS)
 def test_an_encoder_decoders_prompts_are_padded_on_the_right_as_its_encoder_reads_them(workers: str) -> None:
     """BART's encoder adds learned positions: left padding would move a prompt's tokens."""
