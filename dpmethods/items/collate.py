@@ -47,8 +47,17 @@ def _default_length(item: Any, index: int) -> Any:
     raise TypeError(
         f"map: length: item {index} is {_got(item)}; the default length is len() of a str or a "
         "sequence, the size of a 1-D tensor, or len(item['input_ids']) of a mapping: pass "
-        "length= (a function of one item that returns its cost, an int)"
+        "length= (a function of one item that returns its cost, an int)" + _IMAGES.get(_is_image(item), "")
     )
+
+
+# Single images (tensors of 2+ dims) have neither a default length nor a default collate:
+# both errors name what maps images of one size.
+_IMAGES = {True: "; images of one size: length=lambda image: 1, collate=torch.stack"}
+
+
+def _is_image(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 2
 
 
 def measure(length: Callable[[Any], Any] | None, item: Any, index: int) -> int:
@@ -83,7 +92,7 @@ def _sequence(value: Any, index: int, key: Any) -> Tensor:
     raise TypeError(
         f"map: collate: item {index}{where} is {_got(value)}; the default collate pads 1-D "
         "tensors (and mappings of them) into a batch: pass collate= (a function of a list of "
-        "items that returns the batch, as a tokenizer call does)"
+        "items that returns the batch, as a tokenizer call does)" + _IMAGES.get(key is None and _is_image(value), "")
     )
 
 

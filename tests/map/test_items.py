@@ -817,7 +817,11 @@ def test_bad_lengths_and_collates_name_the_argument_the_item_and_what_was_got(dp
         (dict(batch_size=2, length=lambda item: -1 if item is items[3] else 1), items, ValueError,
          r"map: length: expected a non-negative int for item 3, got -1"),
         (dict(batch_size=2), [*items[:2], torch.ones(2, 3)], TypeError,
-         r"map: length: item 2 is a tensor of shape \[2, 3\]; .* pass length="),
+         r"map: length: item 2 is a tensor of shape \[2, 3\]; .* pass length=.*; images of one size: "
+         r"length=lambda image: 1, collate=torch.stack$"),
+        (dict(batch_size=2, length=lambda image: 1), [torch.ones(3, 4, 4)] * 3, TypeError,
+         r"map: collate: item \d is a tensor of shape \[3, 4, 4\]; .* pass collate=.*; images of one size: "
+         r"length=lambda image: 1, collate=torch.stack$"),
         (dict(batch_size=2, collate=lambda batch: {"ids": _pad(batch)["input_ids"]}), items, TypeError,
          r"map: collate: the batch of items \[\d, \d\] is a mapping with keys \['ids'\], which Tokens.encode cannot take"),
         (dict(batch_size=2, length=len), ["a", "bb"], TypeError,
