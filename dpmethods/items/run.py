@@ -167,6 +167,10 @@ class _Source:
         padding: Padding | None
         if self.items.collate is None:
             collated, padding = default_collate(items, indices, self.method, self.options, self.left)
+            if padding is None and self.items.trim and self.options.split:
+                # Per-item lists (sentence-transformers' encode): the method pads them itself,
+                # on the right, to their longest; each item's positions are its length=.
+                padding = Padding.of(lengths, self.left)
         else:
             try:
                 collated = self.items.collate(list(items))

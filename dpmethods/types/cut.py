@@ -26,6 +26,7 @@ narrows each item's tensors to its own positions in the dims told to be padding
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -162,7 +163,11 @@ class _Cutter:
             starts = [pos]
             for child in spec.children:
                 starts.append(starts[-1] + _count(child))
-            values = [_tree.unflatten(c, self.leaves[a:b]) for c, a, b in zip(spec.children, starts, starts[1:])]
+            parts = [self.leaves[a:b] for a, b in itertools.pairwise(starts)]
+            if self.padded is not None and self.padding is not None:  # trim: each entry to its item's positions
+                parts = [self.trimmed_entry(c, leaves, path + label, span) for c, leaves, label, span
+                         in zip(spec.children, parts, _labels(spec), self.padding.spans)]
+            values = [_tree.unflatten(c, leaves) for c, leaves in zip(spec.children, parts)]
             return ([Entry(v) for v in values] if self.entries else values), end
         keys = top_keys(spec) if top and (isinstance(mode, Mapping) or isinstance(dim, Mapping) or self.paired) else None
         columns = []
@@ -179,6 +184,21 @@ class _Cutter:
             columns.append(column)
         holder = spec._replace(children=(_tree.OTHER,) * len(spec.children))
         return [_tree.unflatten(holder, [c[r] for c in columns]) for r in range(self.rows)], end
+
+    def trimmed_entry(self, spec: _tree.Spec, leaves: list[Any], path: str, span: tuple[int, int]) -> list[Any]:
+        """The leaves of one item's entry of a per-item list (sentence-transformers'
+        ``encode(output_value=None)``: each text's features, padded to its batch's longest)
+        narrowed to the item's own positions in the dims told to be padding."""
+        padded = self.padded
+        assert padded is not None
+        out = []
+        for leaf, leaf_path in zip(leaves, _tree.leaf_paths(spec, path)):
+            if isinstance(leaf, Tensor):
+                cut = [d for d in range(leaf.dim()) if padded(leaf_path, d)]
+                if cut:
+                    leaf = self.trimmed(leaf, span, cut)
+            out.append(leaf)
+        return out
 
     def per_item(self, spec: _tree.Spec, pos: int, mode: Any, dim: int) -> bool:
         """Whether a list or tuple holds one entry per item (taken whole), not fields."""

@@ -444,6 +444,28 @@ def test_sentence_transformers_encode_of_strings_with_the_default_collate(encode
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_encode_of_every_feature_with_trim_gives_each_text_its_own_positions(encoders: dict[str, Any],
+                                                                           workers: str) -> None:
+    """encode(output_value=None) gives each text's features (ids, mask, token embeddings)
+    padded to its batch's longest: trim=True, with lengths in tokens, cuts each to its own."""
+    dp = encoders[workers]
+    model = dp.module
+
+    def tokens(text: str) -> int:
+        return len(model.tokenizer(text)["input_ids"])
+
+    with torch.no_grad():
+        outs = list(dp.map("encode", TEXTS, batch_size=3, output_value=None, trim=True, length=tokens))
+    ref = [model.encode([t], output_value=None)[0] for t in TEXTS]
+    for out, want in zip(outs, ref):
+        assert set(out) == set(want)
+        for key in ("input_ids", "attention_mask", "token_type_ids"):
+            assert out[key].tolist() == want[key].tolist()
+        assert_close_to_reference([out["token_embeddings"], out["sentence_embedding"]],
+                                  [want["token_embeddings"], want["sentence_embedding"]], terms=ENCODE_TERMS)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("precision", ["int8", "uint8"])
 def test_encode_calibrated_on_the_whole_batch_is_refused_before_any_batch_runs(
         encoders: dict[str, Any], workers: str, precision: str) -> None:
