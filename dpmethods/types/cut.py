@@ -122,6 +122,7 @@ class _Cutter:
         self.repeat = repeat  # a tensor's rows per item (generate's num_return_sequences)
         self.beams = beams  # a beam search's rows per item in its per-step outputs (num_beams)
         self.state: set[int] = set()  # leaves of batch state (caches): cut keeping the batch dim
+        self.positional: set[int] = set()  # of them, keys and values of every position in order
         self.cross: set[int] = set()  # leaves of an encoder-decoder's cross-attention cache
         self.paired = paired or {}  # top-level keys that pair items with each other: what to do instead
 
@@ -257,8 +258,8 @@ class _Cutter:
         """Each item's rows of a tensor of a type whose tensors are batch state (a
         transformers cache's keys and values), keeping the batch dim, so the item's
         object is a batch of its own as its call alone gives it (a cache of one prompt, or
-        of its beams). A ``generate``'s attention cache (``[batch, heads, positions, dim]``)
-        is cut to the item's own positions: a decoder-only prompt's left padding is left
+        of its beams). A ``generate``'s attention cache (``[batch, heads, positions, dim]``
+        of a layer that holds every position, :data:`_POSITIONAL`) is cut to the item's own positions: a decoder-only prompt's left padding is left
         out, and an encoder-decoder's cross-attention cache keeps the item's encoder
         positions."""
         if not self.batched(value, dim):
@@ -267,7 +268,7 @@ class _Cutter:
         batch_dim = dim % value.dim()
         rows = [value.narrow(batch_dim, i * k, k) for i in range(self.rows)]
         padding = self.padding
-        if padding is None or value.dim() != 4 or batch_dim != 0:
+        if padding is None or pos not in self.positional or value.dim() != 4 or batch_dim != 0:
             return rows
         if self.prompt is not None and value.shape[2] >= padding.longest:  # [pad | prompt | generated]
             return [r.narrow(2, s, r.shape[2] - s) for r, (s, _) in zip(rows, padding.spans)]
@@ -307,11 +308,18 @@ class _Cutter:
 _STATE_MODULES = ("transformers.cache_utils",)
 
 
-def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int]]:
-    """The leaves inside a cache (:data:`_STATE_MODULES`), and those of each
-    ``EncoderDecoderCache``'s cross-attention cache (its second child), which holds the
-    encoder's positions."""
+# Cache layers whose keys and values hold every position in order ([batch, heads,
+# positions, dim]): an item's are cut to its own. Others (sliding windows, which drop the
+# oldest positions; linear-attention states) keep the batch's.
+_POSITIONAL = frozenset((layer, name) for layer in ("DynamicLayer", "StaticLayer") for name in ("keys", "values"))
+
+
+def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int], set[int]]:
+    """The leaves inside a cache (:data:`_STATE_MODULES`); those of them that are a
+    :data:`_POSITIONAL` layer's keys or values; and those of each ``EncoderDecoderCache``'s
+    cross-attention cache (its second child), which holds the encoder's positions."""
     state: set[int] = set()
+    positional: set[int] = set()
     cross: set[int] = set()
 
     def walk(node: _tree.Spec, start: int, inside: bool, in_cross: bool) -> int:
@@ -324,12 +332,16 @@ def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int]]:
         cls = node.cls if node.kind == _tree.NODE else None
         here = inside or str(getattr(cls, "__module__", "")).startswith(_STATE_MODULES)
         pair = getattr(cls, "__name__", "") == "EncoderDecoderCache"
+        layers = getattr(node.meta[1], "key", None) if here and cls is not None and not pair else None
+        kinds = [(layer, name) for layer, names in layers for name in names] if isinstance(layers, tuple) else []
         for i, child in enumerate(node.children):
+            if i < len(kinds) and kinds[i] in _POSITIONAL and child == _tree.LEAF:
+                positional.add(start)
             start = walk(child, start, here, in_cross or (pair and i == 1))
         return start
 
     walk(spec, 0, False, False)
-    return state, cross
+    return state, positional, cross
 
 
 def cut_output(
@@ -382,5 +394,5 @@ def cut_output(
     if isinstance(dim, Mapping):
         dim = {**dim, None: options.dim}
     cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired, entries, beams)
-    cutter.state, cutter.cross = _state_leaves(spec)
+    cutter.state, cutter.positional, cutter.cross = _state_leaves(spec)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

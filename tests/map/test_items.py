@@ -352,6 +352,40 @@ def test_generates_cache_is_each_prompts_own_as_its_generate_alone_gives_it(work
 
 
 @pytest.mark.parametrize("workers", WORKERS)
+def test_a_sliding_window_cache_keeps_every_position_of_the_prompt_alone(workers: str) -> None:
+    """A sliding window drops the oldest positions, so the batch's left padding is not where
+    the positions start: the item's cache keeps the batch's window, in which its own
+    positions are the last ones, as alone (none cut away)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "MistralForCausalLM"):
+        pytest.skip("this transformers has no Mistral")
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        sliding_window=8)
+    model = transformers.MistralForCausalLM(config).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 6, 2, 5)]
+    kwargs = {"max_new_tokens": 6, "return_dict_in_generate": True}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("generate", prompts, batch_size=2, **kwargs))
+            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
+                                  **kwargs) for p in prompts]
+    finally:
+        dp.close()
+    for out, want in zip(outs, ref):
+        assert out.sequences.tolist() == want.sequences[0].tolist()
+        for got, wanted in zip(_cache_tensors(out.past_key_values), _cache_tensors(want.past_key_values)):
+            n = wanted.shape[2]
+            assert got.shape[:2] == wanted.shape[:2] and got.shape[2] >= n  # nothing of its own cut away
+            assert_close_to_reference(got[:, :, got.shape[2] - n:], wanted,
+                                      terms=transformer_terms(width=16, ff=32, seq=12, layers=2))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
 def test_an_encoder_decoders_prompts_are_padded_on_the_right_as_its_encoder_reads_them(workers: str) -> None:
     """BART's encoder adds learned positions: left padding would move a prompt's tokens."""
     transformers = pytest.importorskip("transformers")
