@@ -14,7 +14,10 @@ the same ones you have for your own library:
 - :func:`mark_batch_coupled`: a module class whose result couples the batch (an
   in-batch-negatives loss), warned about when it runs on a replica's share;
 - :func:`register_process_rule`: what a library keeps per process with
-  ``workers="processes"`` (hooks that are never sent, state registered again in a worker).
+  ``workers="processes"`` (hooks that are never sent, state registered again in a worker);
+- :func:`register_item_state`: which registered types are batch state (a cache), each
+  item's kept as a batch of its rows in item maps, and which of their positions are its
+  own (:class:`ItemState`).
 
 and what an integration builds with: :class:`MethodOptions`, :func:`gather` (the stage
 function, for a gather mode that joins parts of an output itself), :func:`warn_once`
@@ -40,6 +43,7 @@ from __future__ import annotations
 from dpmethods.parallel import gather
 from dpmethods.processes.state import register_process_rule
 from dpmethods.types.coupled_modules import is_batch_coupled, mark_batch_coupled
+from dpmethods.types.cut import ItemState, register_item_state
 from dpmethods.types.owners import unwrap_compiled
 from dpmethods.types.rules import register_type
 from dpmethods.vocab.call_hooks import Call, CallHooks
@@ -53,6 +57,7 @@ from dpmethods.wrapper.registry import register_method_finder
 __all__ = [
     "CallHooks",
     "Call",
+    "ItemState",
     "MethodOptions",
     "Mode",
     "gather",
@@ -60,6 +65,7 @@ __all__ = [
     "known_modes",
     "mark_batch_coupled",
     "register_gather_mode",
+    "register_item_state",
     "register_method_finder",
     "register_process_rule",
     "register_type",

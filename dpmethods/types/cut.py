@@ -38,7 +38,7 @@ from dpmethods.types.per_item import top_keys
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, mode_pairs
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["Entry", "Padding", "cut_output"]
+__all__ = ["STATE_RULES", "Entry", "ItemState", "Padding", "cut_output", "register_item_state"]
 
 
 class Entry:
@@ -259,7 +259,7 @@ class _Cutter:
         transformers cache's keys and values), keeping the batch dim, so the item's
         object is a batch of its own as its call alone gives it (a cache of one prompt, or
         of its beams). A ``generate``'s attention cache (``[batch, heads, positions, dim]``
-        of a layer that holds every position, :data:`_POSITIONAL`) is cut to the item's own positions: a decoder-only prompt's left padding is left
+        of a layer that holds every position in order, :class:`ItemState`) is cut to the item's own positions: a decoder-only prompt's left padding is left
         out, and an encoder-decoder's cross-attention cache keeps the item's encoder
         positions."""
         if not self.batched(value, dim):
@@ -303,21 +303,50 @@ class _Cutter:
         return row
 
 
-# Classes whose tensors are batch state, rebuilt per item as a batch of its own (keeping the
-# batch dim), by module: transformers' caches, which generate returns and takes back.
-_STATE_MODULES = ("transformers.cache_utils",)
+class ItemState(NamedTuple):
+    """How an item's part of a batch-state object (a cache) is cut: ``positional[i]``,
+    child i holds every position in order along dim 2 (``[batch, heads, positions,
+    dim]``: a decoder-only prompt's left padding is cut away); ``encoder``, the child
+    (a nested state object) that holds the encoder's positions (cut to the item's)."""
+
+    positional: Sequence[bool] = ()
+    encoder: int | None = None
 
 
-# Cache layers whose keys and values hold every position in order ([batch, heads,
-# positions, dim]): an item's are cut to its own. Others (sliding windows, which drop the
-# oldest positions; linear-attention states) keep the batch's.
-_POSITIONAL = frozenset((layer, name) for layer in ("DynamicLayer", "StaticLayer") for name in ("keys", "values"))
+# Tells a registered type's node (its class and flatten context) as batch state, or None:
+# its tensors keep the batch dim in each item's object, as its call alone gives it. Set
+# by integrations (transformers' caches).
+STATE_RULES: list[Callable[[type, Any], ItemState | None]] = []
+
+
+def register_item_state(rule: Callable[[type, Any], ItemState | None]) -> None:
+    """Tell item maps (``map`` with ``batch_size=`` or ``max_tokens=``) which registered
+    types are batch state: ``rule(cls, context)`` (a node's class and its ``flatten``
+    context) returns an :class:`ItemState`, or None for a type it does not know. Each
+    item's object then keeps the batch dim (its rows, as its call alone gives it) where
+    a registered type's tensors lose it, and its positions are cut as the state says.
+
+    Example:
+        >>> register_item_state(lambda cls, context: None)  # knows no type
+        >>> STATE_RULES.pop() is not None
+        True
+    """
+    if not callable(rule):
+        raise TypeError(f"register_item_state: rule: expected a callable, got {type(rule).__name__} {rule!r}"[:300])
+    STATE_RULES.append(rule)
+
+
+def _state_of(cls: Any, context: Any) -> ItemState | None:
+    for rule in STATE_RULES:
+        state = rule(cls, context)
+        if state is not None:
+            return state
+    return None
 
 
 def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int], set[int]]:
-    """The leaves inside a cache (:data:`_STATE_MODULES`); those of them that are a
-    :data:`_POSITIONAL` layer's keys or values; and those of each ``EncoderDecoderCache``'s
-    cross-attention cache (its second child), which holds the encoder's positions."""
+    """The leaves inside a batch-state object (:data:`STATE_RULES`); those of them that
+    hold every position in order; and those of an encoder's positions."""
     state: set[int] = set()
     positional: set[int] = set()
     cross: set[int] = set()
@@ -329,15 +358,12 @@ def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int], set[int]]:
             if in_cross:
                 cross.add(start)
             return start + 1
-        cls = node.cls if node.kind == _tree.NODE else None
-        here = inside or str(getattr(cls, "__module__", "")).startswith(_STATE_MODULES)
-        pair = getattr(cls, "__name__", "") == "EncoderDecoderCache"
-        layers = getattr(node.meta[1], "key", None) if here and cls is not None and not pair else None
-        kinds = [(layer, name) for layer, names in layers for name in names] if isinstance(layers, tuple) else []
+        info = _state_of(node.cls, node.meta[1]) if node.kind == _tree.NODE and STATE_RULES else None
         for i, child in enumerate(node.children):
-            if i < len(kinds) and kinds[i] in _POSITIONAL and child == _tree.LEAF:
+            if info is not None and i < len(info.positional) and info.positional[i] and child == _tree.LEAF:
                 positional.add(start)
-            start = walk(child, start, here, in_cross or (pair and i == 1))
+            encoder = info is not None and info.encoder == i
+            start = walk(child, start, inside or info is not None, in_cross or encoder)
         return start
 
     walk(spec, 0, False, False)

@@ -22,7 +22,14 @@ from typing import Any
 
 from torch import Tensor
 
-from dpmethods.extending import Call, CallHooks, register_type, warn_once
+from dpmethods.extending import (
+    Call,
+    CallHooks,
+    ItemState,
+    register_item_state,
+    register_type,
+    warn_once,
+)
 
 __all__ = ["CACHE_IN_PLACE"]
 
@@ -110,6 +117,24 @@ register_type(
     f"{_CACHE_MODULE}:EncoderDecoderCache", _flatten_encoder_decoder, _unflatten_encoder_decoder,
     per_item=True, missing_ok=True,
 )
+
+# Item maps: a cache is each item's own, a batch of its rows. Layers that hold every
+# position in order have the item's positions cut out; a sliding window drops the oldest
+# (its window keeps the batch's), a linear-attention state has no positions.
+_POSITIONAL = frozenset((layer, name) for layer in ("DynamicLayer", "StaticLayer") for name in ("keys", "values"))
+
+
+def _item_state(cls: Any, context: Any) -> ItemState | None:
+    if not (isinstance(cls, type) and cls.__module__.startswith(_CACHE_MODULE)):
+        return None
+    if cls.__name__ == "EncoderDecoderCache":  # (self-attention cache, cross-attention cache)
+        return ItemState(encoder=1)
+    key = getattr(context, "key", None)
+    kinds = [(layer, name) for layer, names in key for name in names] if isinstance(key, tuple) else []
+    return ItemState(positional=[kind in _POSITIONAL for kind in kinds])
+
+
+register_item_state(_item_state)
 
 
 # --- caches passed in: updated in place ------------------------------------------
