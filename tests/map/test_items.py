@@ -296,7 +296,7 @@ def test_a_beam_searchs_scores_and_beam_indices_are_each_prompts_own(workers: st
     pytest.importorskip("transformers")
     model = _tiny_t5()
     g = torch.Generator().manual_seed(4)
-    prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2, 9, 4)]
+    prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2)]
     base = {"max_new_tokens": 5, "return_dict_in_generate": True, "output_scores": True}
     dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
     try:
