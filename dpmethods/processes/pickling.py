@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import reduce_tensor
 from torch.nn.utils import parametrize
 
+from dpmethods.core.gather.sparse import unchecked
 from dpmethods.processes.state import per_call, sent_state, without_per_call_hooks
 
 __all__: list[str] = []
@@ -126,13 +127,14 @@ _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.spars
 def _rebuild_sparse(layout: torch.layout, parts: tuple[Tensor, ...], size: tuple[int, ...],
                     coalesced: bool) -> Tensor:
     """A sparse tensor sent by :func:`_sparse` as its parts. Invariant checks are off, as
-    torch's own reduction leaves them, but said so: the parts are a valid tensor's, and
-    leaving it unsaid has torch warn (once per process) that they are implicitly off."""
-    if layout == torch.sparse_coo:
-        indices, values = parts
-        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
-    compressed, plain, values = parts
-    return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=False)
+    torch's own reduction leaves them, and quietly (:func:`~dpmethods.core.gather.sparse.unchecked`):
+    the parts are a valid tensor's."""
+    with unchecked():
+        if layout == torch.sparse_coo:
+            indices, values = parts
+            return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
+        compressed, plain, values = parts
+        return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=False)
 
 
 def _sparse(t: Tensor) -> tuple[Any, ...]:

@@ -17,18 +17,36 @@ Each is the tensor one device gives, part for part, as long as the pieces are va
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["join_sparse"]
+__all__ = ["join_sparse", "unchecked"]
 
 # layout -> whether its rows (not its columns) are compressed
 _COMPRESSED = {torch.sparse_csr: True, torch.sparse_bsr: True, torch.sparse_csc: False, torch.sparse_bsc: False}
 _BLOCKED = (torch.sparse_bsr, torch.sparse_bsc)
+
+
+@contextlib.contextmanager
+def unchecked() -> Iterator[None]:
+    """Build sparse tensors with ``check_invariants=False`` and no warning: their parts
+    are a valid tensor's. Torch 2.11 warns that checks are "implicitly disabled" even
+    when the argument says so (later versions take the argument as the opt-out).
+
+    Example:
+        >>> with unchecked():
+        ...     torch.sparse_coo_tensor([[0]], [1.0], (2,), check_invariants=False).shape
+        torch.Size([2])
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+        yield
 
 
 def join_sparse(pieces: Sequence[Tensor], dim: int, device: torch.device, path: str) -> Tensor:
@@ -95,10 +113,10 @@ def _join_compressed(pieces: Sequence[Tensor], dim: int, path: str) -> Tensor:
         parts = _along_plain(pieces, nb, d)
     else:
         parts = _along_dense(pieces, d, path)
-    return torch.sparse_compressed_tensor(
-        *parts, size=shape, layout=layout, dtype=first.dtype, device=first.device,
-        check_invariants=False,  # valid by construction; explicit, or torch warns that checks are off
-    )
+    with unchecked():  # valid by construction
+        return torch.sparse_compressed_tensor(
+            *parts, size=shape, layout=layout, dtype=first.dtype, device=first.device, check_invariants=False,
+        )
 
 
 def _along_batch(pieces: Sequence[Tensor], d: int, path: str) -> tuple[Tensor, Tensor, Tensor]:
