@@ -72,6 +72,12 @@ def dp(wrappers: dict[str, Any], workdir: Path, request: pytest.FixtureRequest) 
     wrapper.module.limit = None
 
 
+def _generate_alone(model: Any, prompts: list[dict[str, torch.Tensor]], **kwargs: Any) -> list[Any]:
+    """What ``model.generate`` gives each prompt alone, unpadded: the item map's reference."""
+    return [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None], **kwargs)
+            for p in prompts]
+
+
 def _alone(model: Tokens, items: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     with torch.no_grad():
         return [model.alone(item["input_ids"]) for item in items]
@@ -242,8 +248,7 @@ def test_generate_of_prompts_of_mixed_lengths_equals_each_prompt_alone(workers: 
     try:
         with torch.no_grad():
             outs = list(dp.map("generate", prompts, batch_size=4, **kwargs))
-            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones(1, len(p["input_ids"]),
-                                  dtype=torch.long), **kwargs)[0] for p in prompts]
+            ref = [r[0] for r in _generate_alone(model, prompts, **kwargs)]
     finally:
         dp.close()
     # Sorted longest first, in batches of 4: every batch pads some of its prompts.
@@ -267,8 +272,7 @@ def test_generate_with_num_return_sequences_gives_each_prompt_its_sequences(work
         with torch.no_grad():
             outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
             ids = list(dp.map("generate", prompts, batch_size=3, **{**kwargs, "return_dict_in_generate": False}))
-            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
-                                  **kwargs) for p in prompts]
+            ref = _generate_alone(model, prompts, **kwargs)
     finally:
         dp.close()
     # Each prompt's 2 sequences (its rows of the batch's 6 or 2), without the batch's padding.
@@ -303,8 +307,7 @@ def test_a_beam_searchs_scores_and_beam_indices_are_each_prompts_own(workers: st
         for kwargs in ({**base, "num_beams": 2}, {**base, "num_beams": 3, "num_return_sequences": 2}):
             with torch.no_grad():
                 outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
-                ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
-                                      **kwargs) for p in prompts]
+                ref = _generate_alone(model, prompts, **kwargs)
             k = kwargs.get("num_return_sequences", 1)
             rows = (lambda t: t) if k > 1 else (lambda t: t[0])  # one sequence: its row, without the batch dim
             for out, want in zip(outs, ref):
@@ -341,8 +344,7 @@ def test_generates_cache_is_each_prompts_own_as_its_generate_alone_gives_it(work
             for kwargs in ({"max_new_tokens": 4}, {"max_new_tokens": 4, "num_beams": 2}):
                 with torch.no_grad():
                     outs = list(dp.map("generate", prompts, batch_size=3, return_dict_in_generate=True, **kwargs))
-                    ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
-                                          return_dict_in_generate=True, **kwargs) for p in prompts]
+                    ref = _generate_alone(model, prompts, return_dict_in_generate=True, **kwargs)
                 for out, want in zip(outs, ref):
                     got, wanted = _cache_tensors(out.past_key_values), _cache_tensors(want.past_key_values)
                     assert [t.shape for t in got] == [t.shape for t in wanted]
@@ -372,8 +374,7 @@ def test_a_sliding_window_cache_keeps_every_position_of_the_prompt_alone(workers
     try:
         with torch.no_grad():
             outs = list(dp.map("generate", prompts, batch_size=2, **kwargs))
-            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
-                                  **kwargs) for p in prompts]
+            ref = _generate_alone(model, prompts, **kwargs)
     finally:
         dp.close()
     for out, want in zip(outs, ref):
@@ -405,8 +406,7 @@ def test_an_encoder_decoders_prompts_are_padded_on_the_right_as_its_encoder_read
     try:
         with torch.no_grad():
             outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
-            ref = [model.generate(input_ids=p["input_ids"][None], attention_mask=torch.ones_like(p["input_ids"])[None],
-                                  **kwargs) for p in prompts]
+            ref = _generate_alone(model, prompts, **kwargs)
     finally:
         dp.close()
     assert [o.sequences.tolist() for o in outs] == [r.sequences[0].tolist() for r in ref]
