@@ -90,30 +90,27 @@ const at::Tensor* plain_tensor(PyObject* obj) {
   return &t;
 }
 
-// The items of a list or tuple (no copy: nothing that reads them calls back into
-// Python, so the sequence cannot change meanwhile), or false for anything else.
-bool items_of(PyObject* seq, PyObject*** items, Py_ssize_t* n) {
-  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
-    return false;
-  }
-  *n = PySequence_Fast_GET_SIZE(seq);
-  *items = PySequence_Fast_ITEMS(seq);
-  return true;
-}
-
-// The arguments (seq[, record]) of a reader; false (a TypeError set) for others.
-bool reader_args(const char* name, PyObject* const* args, Py_ssize_t nargs, PyObject** seq, PyObject** record) {
+// A reader's arguments (seq[, record]): -1 (a TypeError set) for others; 0 when seq is
+// not a list or tuple (the reader returns None); 1 with its items (no copy: nothing that
+// reads them calls back into Python, so the sequence cannot change meanwhile).
+int reader_input(const char* name, PyObject* const* args, Py_ssize_t nargs, PyObject*** items, Py_ssize_t* n,
+                 PyObject** record) {
   if (nargs < 1 || nargs > 2) {
     PyErr_Format(PyExc_TypeError, "%s: expected 1 or 2 arguments (seq[, record]), got %zd", name, nargs);
-    return false;
+    return -1;
   }
-  *seq = args[0];
   *record = nargs == 2 && args[1] != Py_None ? args[1] : nullptr;
   if (*record != nullptr && !PyBytes_CheckExact(*record)) {
     PyErr_Format(PyExc_TypeError, "%s: record: expected bytes or None, got %s", name, Py_TYPE(*record)->tp_name);
-    return false;
+    return -1;
   }
-  return true;
+  PyObject* seq = args[0];
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+    return 0;
+  }
+  *n = PySequence_Fast_GET_SIZE(seq);
+  *items = PySequence_Fast_ITEMS(seq);
+  return 1;
 }
 
 // ``out`` packed in bytes (no record given), or whether it equals ``record``.
@@ -136,13 +133,14 @@ PyObject* packed_or_equal(const std::vector<Word>& out, PyObject* record) {
 // version).
 PyObject* tensor_states(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  PyObject *seq = nullptr, *record = nullptr;
-  if (!reader_args("_tensor_states", args, nargs, &seq, &record)) {
-    return nullptr;
-  }
   PyObject** items = nullptr;
   Py_ssize_t n = 0;
-  if (!items_of(seq, &items, &n)) {
+  PyObject* record = nullptr;
+  const int input = reader_input("_tensor_states", args, nargs, &items, &n, &record);
+  if (input < 0) {
+    return nullptr;
+  }
+  if (input == 0) {
     Py_RETURN_NONE;
   }
   if (record != nullptr) {
@@ -178,17 +176,18 @@ PyObject* tensor_states(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
 // a record, whether they equal it; None where this Python has no per-dict version
 // (3.14 and later) or an item is not a dict.
 PyObject* dict_versions(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  PyObject *seq = nullptr, *record = nullptr;
-  if (!reader_args("_dict_versions", args, nargs, &seq, &record)) {
+  PyObject** items = nullptr;
+  Py_ssize_t n = 0;
+  PyObject* record = nullptr;
+  const int input = reader_input("_dict_versions", args, nargs, &items, &n, &record);
+  if (input < 0) {
     return nullptr;
   }
 #if PY_VERSION_HEX >= 0x030E0000
-  (void)seq;
+  (void)items, (void)n, (void)record;
   Py_RETURN_NONE;
 #else
-  PyObject** items = nullptr;
-  Py_ssize_t n = 0;
-  if (!items_of(seq, &items, &n)) {
+  if (input == 0) {
     Py_RETURN_NONE;
   }
   std::vector<uint64_t> out(static_cast<size_t>(n));
@@ -213,13 +212,14 @@ PyObject* dict_versions(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
 // address, packed in bytes, or with a record, whether they equal it (the caller keeps
 // both alive, so an address is never reused while it compares).
 PyObject* identities(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs) {
-  PyObject *seq = nullptr, *record = nullptr;
-  if (!reader_args("_identities", args, nargs, &seq, &record)) {
-    return nullptr;
-  }
   PyObject** items = nullptr;
   Py_ssize_t n = 0;
-  if (!items_of(seq, &items, &n)) {
+  PyObject* record = nullptr;
+  const int input = reader_input("_identities", args, nargs, &items, &n, &record);
+  if (input < 0) {
+    return nullptr;
+  }
+  if (input == 0) {
     Py_RETURN_NONE;
   }
   std::vector<uintptr_t> out(static_cast<size_t>(2 * n));
