@@ -32,6 +32,40 @@ struct Packer {
   }
 };
 
+// A look at a large model reads thousands of objects scattered in memory, most of them
+// out of cache by the next batch: the readers are bound by cache misses, not by their
+// work per item. So each asks for the memory of the items a few places ahead (a hint,
+// never a read), and the misses of several items overlap.
+constexpr Py_ssize_t kAhead = 8;
+
+inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p);
+#else
+  (void)p;
+#endif
+}
+
+// Before reading tensor i: the Python object 2 * kAhead ahead; the TensorImpl of the
+// one kAhead ahead (its object fetched by then); and what the TensorImpl of the one
+// kAhead / 2 ahead points to (its autograd meta, its storage).
+void prefetch_tensors(PyObject* const* items, Py_ssize_t n, Py_ssize_t i) {
+  if (i + 2 * kAhead < n) {
+    prefetch(items[i + 2 * kAhead]);
+  }
+  if (i + kAhead < n && THPVariable_CheckExact(items[i + kAhead])) {
+    const char* impl = reinterpret_cast<const char*>(THPVariable_Unpack(items[i + kAhead]).unsafeGetTensorImpl());
+    for (size_t line = 0; line < sizeof(c10::TensorImpl); line += 64) {
+      prefetch(impl + line);
+    }
+  }
+  if (i + kAhead / 2 < n && THPVariable_CheckExact(items[i + kAhead / 2])) {
+    const c10::TensorImpl* impl = THPVariable_Unpack(items[i + kAhead / 2]).unsafeGetTensorImpl();
+    prefetch(impl->autograd_meta());
+    prefetch(impl->unsafe_storage().unsafeGetStorageImpl());
+  }
+}
+
 struct Comparer {
   const int64_t* at;
   const int64_t* end;
@@ -147,6 +181,7 @@ PyObject* tensor_states(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
     const auto* at = reinterpret_cast<const int64_t*>(PyBytes_AS_STRING(record));
     Comparer sink{at, at + PyBytes_GET_SIZE(record) / static_cast<Py_ssize_t>(sizeof(int64_t))};
     for (Py_ssize_t i = 0; i < n; ++i) {
+      prefetch_tensors(items, n, i);
       const at::Tensor* t = plain_tensor(items[i]);
       if (t == nullptr) {
         Py_RETURN_NONE;
@@ -161,6 +196,7 @@ PyObject* tensor_states(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
   out.reserve(static_cast<size_t>(n) * 10);
   Packer sink{out};
   for (Py_ssize_t i = 0; i < n; ++i) {
+    prefetch_tensors(items, n, i);
     const at::Tensor* t = plain_tensor(items[i]);
     if (t == nullptr) {
       Py_RETURN_NONE;
@@ -192,6 +228,9 @@ PyObject* dict_versions(PyObject* /*self*/, PyObject* const* args, Py_ssize_t na
   }
   std::vector<uint64_t> out(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      prefetch(items[i + kAhead]);
+    }
     if (!PyDict_Check(items[i])) {
       Py_RETURN_NONE;
     }
@@ -224,6 +263,9 @@ PyObject* identities(PyObject* /*self*/, PyObject* const* args, Py_ssize_t nargs
   }
   std::vector<uintptr_t> out(static_cast<size_t>(2 * n));
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      prefetch(items[i + kAhead]);
+    }
     // The instance's own dict, without looking up the __dict__ attribute on its class.
     PyObject* d = PyObject_GenericGetDict(items[i], nullptr);
     if (d == nullptr) {
