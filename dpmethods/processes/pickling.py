@@ -24,6 +24,7 @@ import dataclasses
 import io
 import pickle
 import types
+import warnings
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, ClassVar
@@ -125,20 +126,34 @@ _COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.spars
 
 
 def _rebuild_sparse(layout: torch.layout, parts: tuple[Tensor, ...], size: tuple[int, ...],
-                    coalesced: bool) -> Tensor:
-    """A sparse tensor sent by :func:`_sparse` as its parts. Invariant checks are off, as
-    torch's own reduction leaves them, and quietly (:func:`~dpmethods.core.gather.sparse.unchecked`):
-    the parts are a valid tensor's."""
-    with unchecked():
+                    coalesced: bool, flags: int = 0) -> Tensor:
+    """A sparse tensor sent by :func:`_sparse` as its parts; ``flags`` as
+    :func:`_rebuild_inline`'s. Invariant checks are off, as torch's own reduction leaves
+    them, and quietly (:func:`~dpmethods.core.gather.sparse.unchecked`): the parts are a
+    valid tensor's. Nor torch's note that compressed layouts are in beta: the tensor's
+    maker had it (the caller, or the worker that made an output), and a worker rebuilding
+    its model's would give it again where a replica thread gives none."""
+    with unchecked(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
         if layout == torch.sparse_coo:
             indices, values = parts
-            return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
-        compressed, plain, values = parts
-        return torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout, check_invariants=False)
+            t = torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=False)
+        else:
+            compressed, plain, values = parts
+            t = torch.sparse_compressed_tensor(compressed, plain, values, size, layout=layout,
+                                               check_invariants=False)
+    grad = bool(flags & _GRAD)
+    if flags & _PARAMETER:
+        return nn.Parameter(t, requires_grad=grad)
+    return t.requires_grad_(True) if grad else t
 
 
 def _sparse(t: Tensor) -> tuple[Any, ...]:
-    """A sparse tensor (COO, CSR, CSC, BSR, BSC) as its parts, each pickled as a tensor."""
+    """A sparse tensor (COO, CSR, CSC, BSR, BSC) as its parts, each pickled as a tensor,
+    and, as :func:`_inline` sends them, whether it is an ``nn.Parameter`` and a leaf that
+    requires grad (torch's own reduction drops both: a model's sparse parameter would
+    arrive as a plain tensor)."""
+    flags = (_GRAD if t.requires_grad and t.is_leaf else 0) | (_PARAMETER if type(t) is nn.Parameter else 0)
     t = t.detach()
     if t.layout == torch.sparse_coo:
         parts: tuple[Tensor, ...] = (t._indices(), t._values())
@@ -147,13 +162,15 @@ def _sparse(t: Tensor) -> tuple[Any, ...]:
     else:
         parts = (t.ccol_indices(), t.row_indices(), t.values())
     coalesced = t.layout == torch.sparse_coo and t.is_coalesced()
-    return (_rebuild_sparse, (t.layout, parts, tuple(t.shape), coalesced))
+    return (_rebuild_sparse, (t.layout, parts, tuple(t.shape), coalesced, flags))
 
 
 def _io_reduce(obj: Any) -> Any:
     if not isinstance(obj, Tensor):
         return NotImplemented
-    if type(obj) in _PLAIN and not obj.requires_grad and obj.layout in (torch.sparse_coo, *_COMPRESSED):
+    if type(obj) in _PLAIN and obj.layout in (torch.sparse_coo, *_COMPRESSED) and (
+        obj.is_leaf or not obj.requires_grad  # else torch's reduction refuses it, saying why
+    ):
         return _sparse(obj)
     if not _plain_cpu(obj):
         return NotImplemented

@@ -494,6 +494,36 @@ class BeyondStorage(nn.Module):
                 "q": self.q.dequantize() * x.real}
 
 
+class SparseHeld(nn.Module):
+    """Sparse parameters, COO and CSR, frozen, a trained one, and a sparse buffer.
+    ``described`` says, per row, what the module holds as its replica or worker sees it:
+    the frozen ones (a replica thread's trained parameters are torch's broadcast tensors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        w = torch.randn(3, 3, generator=g) * torch.eye(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's CSR support is in beta
+            self.csr = nn.Parameter(w.to_sparse_csr(), requires_grad=False)
+        self.coo = nn.Parameter(w.to_sparse(), requires_grad=False)
+        self.trained = nn.Parameter(w.to_sparse())
+        self.register_buffer("held", (2 * w).to_sparse())
+
+    @dpmethods.parallel_method
+    def described(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        frozen = [p for name, p in self.named_parameters() if name in ("csr", "coo")]
+        kept = self.state_dict(keep_vars=True)
+        facts = [len(list(self.parameters())), len(frozen), *(isinstance(p, nn.Parameter) for p in frozen), *(p.requires_grad for p in frozen),
+                 *(isinstance(kept[k], nn.Parameter) for k in ("csr", "coo", "held")),
+                 isinstance(self.coo, nn.Parameter)]
+        y = sum(torch.sparse.mm(t, x.T).T for t in (self.coo, self.trained, self.held))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            y = y + (self.csr @ x.T).T
+        return {"y": y, "facts": torch.tensor(facts).expand(x.shape[0], -1)}
+
+
 class Parametrized(nn.Module):
     """torch's parametrizations, whose modules torch refuses to pickle: a weight-normed
     Conv1d (as Wav2Vec2's, HuBERT's and Encodec's) and an orthogonal Linear."""
