@@ -16,7 +16,10 @@ unpickles the model), then describes its classes the same way (:func:`check`). A
 method of the user's own code that still differs (a patch with a lambda or a closure,
 which cannot be sent by reference; a function defined under the script's
 ``if __name__ == "__main__":``) is a warning, once, naming it and what to do: the
-worker's outputs would not be the caller's model's. An installed library's wrappers
+worker's outputs would not be the caller's model's. A function the caller's class has
+and no class of the worker has (one a library adds as it runs, wherever the library is
+installed) is not compared: the worker puts an :class:`_Unsent` in its place, absent
+as it was, which warns once where the model looks it up. An installed library's wrappers
 (torch's dynamo wraps ``nn.Module.__init__`` and ``__setstate__`` once it compiles) are
 not compared: they are made to be transparent. Neither sent nor compared: data set on
 a class (``Attention.scale = 2.0``, a cache a library keeps there as it runs), a method
@@ -228,24 +231,49 @@ def set_values(state: ClassState) -> None:
 
 def check(state: ClassState, model: nn.Module) -> None:
     """In a worker, once the model is built: warn once for each method of ``model``'s
-    classes that still differs from the caller's (see the module docstring).
+    classes that still differs from the caller's (see the module docstring), and put an
+    :class:`_Unsent` in the place of each one that no class of this process has.
 
     Example:
         >>> check(class_state([nn.Linear, nn.Module]), nn.Linear(1, 1))
     """
-    # Only the user's code: a library adds functions to classes as it runs (transformers
-    # gives nn.Module a smart_apply when it initializes weights), which this process's
-    # copy of the model, unpickled, never made. A user's method the caller set where the
-    # class only inherited one (a subclass's override) is compared too: this process's
-    # class lacks it and runs what it inherits. Nor how a class makes an instance: a
-    # worker's model is unpickled, never constructed. Nor a library's own wrapper (torch's
-    # dynamo wraps nn.Module.__init__ and __setstate__ once it compiles, with closures):
-    # made to be transparent, and made again wherever that library does the same.
-    mine = _described(classes_of(model.modules()))
+    # A user's method the caller set where the class only inherited one (a subclass's
+    # override) is compared: this process's class lacks it and runs what it inherits. Only
+    # the user's code is compared: an installed library's wrapper (torch's dynamo wraps
+    # nn.Module.__init__ and __setstate__ once it compiles, with closures) is made to be
+    # transparent, and made again wherever that library does the same. Nor how a class
+    # makes an instance: a worker's model is unpickled, never constructed. A name no class
+    # of this process has (a function a library adds as it runs: transformers gives
+    # nn.Module a smart_apply when it initializes weights, wherever transformers is
+    # installed) is not compared but watched: the model here cannot run something else
+    # in its place, only miss it, and the warning comes where it looks it up.
+    classes = classes_of(model.modules())
+    mine, owners = _described(classes), {_key(cls, "")[:2]: cls for cls in classes}
     for key in sorted(state.described.keys()):
         theirs, here = state.described[key], mine.get(key)
-        if key[2] not in _CONSTRUCTION and theirs != here and _yours(theirs):
+        if key[2] in _CONSTRUCTION or theirs == here:
+            continue
+        cls = owners.get(key[:2])
+        if here is None and cls is not None and not any(key[2] in vars(c) for c in cls.__mro__):
+            _REPLACED.setdefault((cls, key[2]), _ABSENT)  # taken away before the next model's values
+            setattr(cls, key[2], _Unsent(_differs(key, theirs, _LACKED)))
+        elif _yours(theirs):
             warn_once(_differs(key, theirs, here), stacklevel=2)
+
+
+class _Unsent:
+    """In a worker, in the place of a method the caller's class has and no class here has:
+    absent, as it would be (a lookup raises ``AttributeError``, so ``hasattr`` is False
+    and ``nn.Module.__getattr__`` answers), and a warning once where an instance looks
+    it up: the model's code reached for what only the caller has."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is not None:
+            warn_once(self.message, stacklevel=2)
+        raise AttributeError(self.message)
 
 
 def _yours(described: Any) -> bool:
@@ -278,13 +306,20 @@ def _said(described: Any) -> str:
     return f"the {kind} {rest[0]}.{rest[1]}"
 
 
+_LACKED = "lacked"  # _differs' worker value for a method no class of the worker has
+
+
 def _differs(key: Key, caller: Hashable, worker: Hashable | None) -> str:
     module, qualname, name = key
-    there = "not set on the class (it inherits one)" if worker is None else _said(worker)
+    looked = ""
+    if worker == _LACKED:
+        there, looked = "absent from the class and its bases", ", and the model looked it up there"
+    else:
+        there = "not set on the class (it inherits one)" if worker is None else _said(worker)
     return (
         f"DataParallel(workers='processes'): {module}.{qualname}.{name} is {_said(caller)} in this "
         f"process, but {there} in the worker processes, which import the class from its "
-        f"module: they would not run this process's model. Make the change where the workers "
+        f"module{looked}: they would not run this process's model. Make the change where the workers "
         f"make it too (at the top level of a module they import: the model's own module, or the "
         f"script outside `if __name__ == '__main__':`, with a function defined at a module's top "
         f"level), or build the model with factory= and make it there; or use workers='threads'"

@@ -249,6 +249,31 @@ def patched_forward(self: Patched, x: torch.Tensor) -> torch.Tensor:
     return self.second(self.first(x).tanh() * 3)  # type: ignore[no-any-return]
 
 
+class Grown(nn.Module):
+    """A ``Linear(4, 3)`` whose forward takes a ``fast_path`` where its class has one (as
+    libraries look for an optional method): tests add methods to the class at run time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fast = getattr(self, "fast_path", None)
+        return self.lin(x) if fast is None else fast(x)  # type: ignore[no-any-return]
+
+
+def library_addition() -> Any:
+    """A function made as a library runs, to add to a class (a closure, as transformers'
+    ``smart_apply``), from a file outside site-packages: a library installed from its
+    source checkout."""
+
+    def tidy(module: nn.Module, fn: Any) -> None:
+        for child in module.children():
+            fn(child)
+
+    return tidy
+
+
 class Holder(nn.Module):
     """Runs ``self.model``: a test puts a fresh model in it (the workers get it) and
     changes that one, on one pool of workers for every case."""

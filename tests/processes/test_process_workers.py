@@ -46,6 +46,7 @@ from tests.helpers.processes import (
     DoubledLinear,
     EnvProbe,
     GcProbe,
+    Grown,
     Holder,
     InBatchLoss,
     Locked,
@@ -65,6 +66,7 @@ from tests.helpers.processes import (
     build_net_doubled,
     count_calls,
     gone,
+    library_addition,
     patched_forward,
     tiny_gpt2,
     wait_for,
@@ -1136,6 +1138,64 @@ def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holde
     said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
     assert said == []
     assert out.logits.shape[0] == 3
+
+
+def _class_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_function_a_library_from_its_source_checkout_adds_is_no_false_alarm(
+    holder: tuple[Holder, Any], workers: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A library outside site-packages (pip install -e, a sys.path entry) adds a closure
+    # to a class as it runs: the workers' class lacks it, and the model never uses it.
+    h, dp = _on(holder, workers)
+    h.model = Grown()
+    x = torch.randn(5, 4)  # 3 + 2 rows
+    monkeypatch.setattr(Grown, "tidy", library_addition(), raising=False)
+    dpmethods.vocab.warn_once.reset()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = [dp(x), *dp.map("forward", [x[:3], x[3:]])]
+        want = [h(x), h(x[:3]), h(x[3:])]
+    assert _class_warnings(seen) == []
+    assert_close_to_reference(got, want, terms=5)  # Linear(4, 3)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_method_added_in_the_caller_that_the_model_looks_up_is_a_warning(
+    holder: tuple[Holder, Any], workers: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The other side: a lambda added to the class, which the model takes where its class
+    # has one. The workers cannot import it, and run without it: the caller is told once,
+    # when the model looks it up, with what to do.
+    h, dp = _on(holder, workers)
+    h.model = Grown()
+    x = torch.randn(5, 4)
+    with torch.no_grad():
+        dp(x)  # the workers hold the model before the method is added
+        monkeypatch.setattr(Grown, "fast_path", lambda self, x: self.lin(x) * 3, raising=False)
+        dpmethods.vocab.warn_once.reset()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = [dp(x), dp(x), *dp.map("forward", [x[:3], x[3:]])]
+        want = [h(x), h(x), h(x[:3]), h(x[3:])]
+    said = _class_warnings(seen)
+    if workers == "threads":
+        assert said == []
+        assert_close_to_reference(got, want, terms=5 + 1)  # Linear(4, 3), then the scaling
+        return
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "DataParallel(workers='processes'): tests.helpers.processes.Grown.fast_path is the function "
+        "tests.processes.test_process_workers.test_a_method_added_in_the_caller_that_the_model_looks_up_is_a_warning"
+        ".<locals>.<lambda>"), said[0]
+    assert ("but absent from the class and its bases in the worker processes, which import the class from its "
+            "module, and the model looked it up there") in said[0], said[0]
+    assert "factory=" in said[0] and "workers='threads'" in said[0]
+    # What the warning is about: the workers ran the class as its module defines it.
+    assert_close_to_reference(got, [r / 3 for r in want], terms=5 + 1)
 
 
 def test_a_model_with_gradient_checkpointing_enabled_is_sent(holder: tuple[Holder, Any]) -> None:
