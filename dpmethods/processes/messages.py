@@ -6,17 +6,18 @@
 
     Load(kind, what, marks,      -- pickled -->      load(): builds the model
          classes)
-                                 <-- pickled --      Done(output=the worker's pid, warned)
+                                 <-- pickled --      Done(output=the worker's pid, warned, logged)
     Request(method, args, kwargs, state,
             seed, part_of_batch, oom) -------->     run(): one map batch or call share
-                                 <--------------     Done(output, warned)
-                                                     or Failed(error, traceback, warned)
+                                 <--------------     Done(output, warned, logged)
+                                                     or Failed(error, traceback, warned, logged)
 
 Each record is pickled by :func:`~dpmethods.processes.pickling.dumps` (tensors inline
 or in shared memory) as its class and the tuple of its fields, and is the whole
 message: a failure is a reply, never an exception of the executor, so any exception
 comes back with its type, notes and traceback text. :class:`Warned` is one warning a
-job raised, given again in the caller (:meth:`~dpmethods.processes.pool.Worker.reply`).
+job raised, and :class:`Logged` one record it logged, each given again in the caller
+(:meth:`~dpmethods.processes.pool.Worker.reply`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from dpmethods.types.coupled_modules import Mark
 
-__all__ = ["Done", "Failed", "Load", "Request", "Split", "Warned"]
+__all__ = ["Done", "Failed", "Load", "Logged", "Request", "Split", "Warned"]
 
 
 class _Record:
@@ -52,6 +53,27 @@ class Warned(_Record):
     lineno: int
     module: str | None  # the warning's module, whose registry the caller's filters use
     once: bool  # a dpmethods warn-once warning: given once per caller process
+
+
+@dataclasses.dataclass(frozen=True)
+class Logged(_Record):
+    """One record a job logged (a library's ``logger.warning``), as the caller handles it
+    again: its message formatted, its exception's traceback as text.
+
+    Example:
+        >>> Logged("lib", 30, "slow", "lib.py", 3, "run", None, None, once=False).levelno
+        30
+    """
+
+    name: str
+    levelno: int
+    message: str
+    pathname: str
+    lineno: int
+    func: str | None
+    exc_text: str | None
+    stack_info: str | None
+    once: bool  # logged by a ``*_once`` function (transformers' ``warning_once``): once per caller
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +132,8 @@ class Request(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class Done(_Record):
-    """A job's result: a batch's ``output`` (a load's: the worker's pid) and what it warned.
+    """A job's result: a batch's ``output`` (a load's: the worker's pid), what it warned
+    and what it logged.
 
     Example:
         >>> Done(3, ()).output
@@ -119,12 +142,14 @@ class Done(_Record):
 
     output: Any
     warned: tuple[Warned, ...]
+    logged: tuple[Logged, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Failed(_Record):
     """A job's failure: its exception pickled on its own (``error``: one that cannot be
-    rebuilt comes as a RuntimeError with its text), the worker's traceback, what it warned.
+    rebuilt comes as a RuntimeError with its text), the worker's traceback, what it warned
+    and logged.
 
     Example:
         >>> Failed(b"", "Traceback ...", ()).traceback
@@ -134,3 +159,4 @@ class Failed(_Record):
     error: bytes
     traceback: str
     warned: tuple[Warned, ...]
+    logged: tuple[Logged, ...] = ()

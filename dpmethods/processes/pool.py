@@ -50,7 +50,7 @@ from dpmethods.core.replicate import fingerprint
 from dpmethods.processes import worker as process_worker
 from dpmethods.processes.classes import ClassState, class_state, classes_of
 from dpmethods.processes.executor import NotStarted, WorkerExecutor
-from dpmethods.processes.messages import Done, Load, Request, Warned
+from dpmethods.processes.messages import Done, Load, Logged, Request, Warned
 from dpmethods.processes.pickling import check_factory as check_factory  # for DataParallel
 from dpmethods.processes.pickling import dumps, loads, model_payloads
 from dpmethods.processes.state import Watch, state_digest
@@ -289,6 +289,7 @@ class Worker:
                 where = f"while running {running}"
             raise add_note(died, f"dpmethods: {where}; the next map or call starts a fresh worker") from None
         msg = loads(data)
+        give_records(msg.logged)
         try:
             give_warnings(msg.warned)
         except Exception as warned:  # a warning the caller's filters make an error (-W error)
@@ -314,6 +315,27 @@ def give_warnings(warned: Sequence[Warned]) -> None:
         globals_ = vars(sys.modules[w.module]) if w.module in sys.modules else None
         registry = globals_.setdefault("__warningregistry__", {}) if globals_ is not None else None
         warnings.warn_explicit(w.text, w.category, w.filename, w.lineno, module=w.module, registry=registry)
+
+
+def give_records(logged: Sequence[Logged]) -> None:
+    """Handle, in the caller, the records a worker's job logged: through the caller's
+    level, filters and handlers of the logger that logged them, as a replica thread's
+    would be; one logged by a ``*_once`` function (transformers' ``warning_once``), which
+    each worker gives once, once per caller process.
+
+    Example:
+        >>> give_records([])
+    """
+    for r in logged:
+        logger = logging.getLogger(None if r.name == "root" else r.name)
+        if not logger.isEnabledFor(r.levelno):
+            continue
+        if r.once and not warn_once.first_time(f"dpmethods-logged {r.name} {r.levelno} {r.message}"):
+            continue
+        record = logger.makeRecord(r.name, r.levelno, r.pathname, r.lineno, r.message, (), None,
+                                   func=r.func, sinfo=r.stack_info)
+        record.exc_text = r.exc_text
+        logger.handle(record)
 
 
 def received(obj: Any, device: torch.device | None) -> Any:

@@ -12,8 +12,11 @@ in shared memory): the records of :mod:`~dpmethods.processes.messages` (a
 :class:`~dpmethods.processes.messages.Done` or a
 :class:`~dpmethods.processes.messages.Failed` back).
 
-The warnings a method raises are recorded and given again in the caller
-(:meth:`dpmethods.processes.pool.Worker.reply`).
+The warnings a method raises, and the records it logs (a library's ``logger.warning``),
+are recorded and given again in the caller (:meth:`dpmethods.processes.pool.Worker.reply`),
+through the caller's filters, levels and handlers, as a replica thread's would be: a
+library the caller silenced stays silent, and a record the caller's log file takes is
+in it.
 An output holding a tensor that requires grad, inside any object, is an error (autograd
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
 Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
@@ -32,6 +35,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import gc
+import logging
 import multiprocessing
 import os
 import pickle
@@ -50,7 +54,7 @@ from torch import nn
 
 from dpmethods.core.oom import Fit, split_on_oom
 from dpmethods.processes import classes
-from dpmethods.processes.messages import Done, Failed, Load, Request, Warned
+from dpmethods.processes.messages import Done, Failed, Load, Logged, Request, Warned
 from dpmethods.processes.pickling import OutputRequiresGrad, dumps, loads
 from dpmethods.processes.state import rebuilt
 from dpmethods.types.coupled_modules import mark_batch_coupled, part_of_batch
@@ -63,6 +67,7 @@ __all__ = ["Terminated", "init", "load", "run"]
 _model: nn.Module | None = None
 _device = torch.device("cpu")
 _MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
+_LOGGED: list[logging.LogRecord] | None = None  # the records the running job logged; None between jobs
 _FITS: dict[tuple[str, Any], Fit] = {}  # on_oom='split': the memory records, while the model lives
 _loads = 0  # models built in this process
 _in_job = False  # a load or a batch is running (SIGTERM then ends the job, and the worker replies before it leaves)
@@ -137,6 +142,7 @@ def init(device: str, threads: int, environ: dict[str, str] | None = None) -> No
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_watch_parent, name="dpmethods-parent-watch", daemon=True).start()
     torch.set_num_threads(max(1, threads))
+    _record_logging()
     _device = torch.device(device)
     if _device.type == "cuda":
         torch.cuda.set_device(_device)
@@ -195,6 +201,38 @@ def _module_of(filename: str) -> str | None:
     return _MODULES[filename]
 
 
+def _record_logging() -> None:
+    """In a job, a record a logger of this process passed (its level and filters) goes
+    to the job's reply instead of this process's handlers: the caller's handle it."""
+    handlers = logging.Logger.callHandlers
+
+    def call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
+        sink = _LOGGED
+        if sink is None:
+            handlers(self, record)
+        else:
+            sink.append(record)
+
+    logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
+
+
+def _logged() -> tuple[Logged, ...]:
+    """What the running job logged, for the caller."""
+    return tuple(_sent_record(r) for r in list(_LOGGED or ()))
+
+
+def _sent_record(r: logging.LogRecord) -> Logged:
+    try:
+        message = r.getMessage()
+    except Exception as exc:  # its arguments do not fit its format: as logging reports it
+        message = f"{r.msg!r} % {r.args!r} could not be formatted: {type(exc).__name__}: {exc}"
+    exc_text = r.exc_text
+    if exc_text is None and r.exc_info:
+        exc_text = logging.Formatter().formatException(r.exc_info)
+    once = isinstance(r.funcName, str) and r.funcName.endswith("_once")
+    return Logged(r.name, r.levelno, message, r.pathname, r.lineno, r.funcName, exc_text, r.stack_info, once)
+
+
 def _warned(seen: list[warnings.WarningMessage]) -> tuple[Warned, ...]:
     """What a job warned, for the caller; a dpmethods warn-once warning is forgotten
     here (the caller keeps that record)."""
@@ -223,17 +261,19 @@ def _failure(exc: BaseException, warned: tuple[Warned, ...]) -> bytes:
         loads(error)  # some exceptions pickle but can't be rebuilt (their __init__ args)
     except Exception:
         error = dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return dumps(Failed(error, text, warned))
+    return dumps(Failed(error, text, warned, _logged()))
 
 
 def _job(data: bytes, body: Any) -> bytes:
-    global _in_job, _terminated
+    global _in_job, _terminated, _LOGGED
     _terminated = False
     _in_job = True
+    _LOGGED = []
     try:
         return _recorded(data, body)
     finally:
         _in_job = False
+        _LOGGED = None
 
 
 def _recorded(data: bytes, body: Any) -> bytes:
@@ -292,7 +332,7 @@ def load(data: bytes) -> bytes:
     def body(msg: Load, seen: list[Any]) -> bytes:
         global _model
         _model = _build(msg)
-        return dumps(Done(os.getpid(), _warned(seen)))
+        return dumps(Done(os.getpid(), _warned(seen), _logged()))
 
     _model = None  # the old one's memory goes first
     _FITS.clear()
@@ -337,7 +377,7 @@ def run(data: bytes) -> bytes:
                 out = split_on_oom(_model, method, oom.options, fn, _device, fit, args, kwargs,
                                    names=getattr(_model, method), prepared=oom.prepared)
         try:
-            return dumps(Done(out, _warned(seen)), output=True, grad=msg.state.grad)
+            return dumps(Done(out, _warned(seen), _logged()), output=True, grad=msg.state.grad)
         except OutputRequiresGrad as exc:
             raise RuntimeError(grad_error(method) + f" ({exc})") from None
         except Exception as exc:

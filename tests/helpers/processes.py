@@ -6,7 +6,9 @@ is on the sys.path that spawn hands to its children), so everything here is modu
 
 from __future__ import annotations
 
+import functools
 import gc
+import logging
 import os
 import signal
 import threading
@@ -438,6 +440,15 @@ class Box:
         self.t = t
 
 
+_LOG = logging.getLogger("tests.helpers.processes.contract")
+
+
+@functools.lru_cache(None)
+def note_once(text: str) -> None:
+    """Log ``text`` once per process, as transformers' ``logger.warning_once`` does."""
+    _LOG.warning(text)
+
+
 class Contract(nn.Module):
     """One model for the thread/process contract tests: a tiny GPT-2, a conv, options."""
 
@@ -479,6 +490,17 @@ class Contract(nn.Module):
         warnings.warn("contract: a plain warning", UserWarning, stacklevel=1)
         dpmethods.vocab.warn_once.warn_once("contract: a warn-once warning")
         return self.lin(x)
+
+    @dpmethods.parallel_method
+    def logs(self, x: torch.Tensor) -> torch.Tensor:
+        _LOG.warning("contract: logged %d rows", x.shape[0])  # once per share
+        note_once("contract: logged once")  # once per process, as transformers' warning_once
+        try:
+            raise ValueError("contract: the logged error")
+        except ValueError:
+            _LOG.exception("contract: logged with its traceback")
+        _LOG.debug("contract: a debug record")  # under the logger's level: never made
+        return x * 2
 
     @dpmethods.parallel_method
     def views(self, z: torch.Tensor) -> dict[str, torch.Tensor]:

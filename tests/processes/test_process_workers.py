@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import copy
 import gc
+import logging
 import multiprocessing
 import os
 import random
@@ -67,6 +68,7 @@ from tests.helpers.processes import (
     count_calls,
     gone,
     library_addition,
+    note_once,
     patched_forward,
     tiny_gpt2,
     wait_for,
@@ -1694,6 +1696,37 @@ def test_worker_warnings_reach_the_caller_once(contract: dict[str, Any], workers
         assert_close_to_reference(per_share, contract["threads"].coupled(a, b), terms=3 + 4 + 4 + 2)
         assert not torch.allclose(per_share, dp.module.loss(a, b))  # what the warning is about
     assert_close_to_reference(again, per_share, terms=3 + 4 + 4 + 2)  # the same computation again
+
+
+@_KINDS
+def test_records_a_method_logs_reach_the_callers_loggers(
+    contract: dict[str, Any], workers: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A library logs (transformers' logger.warning and warning_once): the caller's level,
+    # filters and handlers decide, as for a replica thread's; a *_once record once.
+    dp, x = contract[workers], torch.randn(5, 4)  # 3 + 2 rows
+    name = "tests.helpers.processes.contract"
+    dpmethods.vocab.warn_once.reset()
+    note_once.cache_clear()  # this process's: each worker has its own
+    with torch.no_grad():
+        with caplog.at_level(logging.WARNING, logger=name):
+            dp.logs(x)
+            list(dp.map("logs", [x[:3], x[3:]]))
+        logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == name]
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger=name):  # the caller silences its warnings
+            dp.logs(x)
+        silenced = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == name]
+    messages = [m for _, m in logged]
+    shares = ["contract: logged 3 rows", "contract: logged 2 rows"] * 2
+    assert sorted(m for m in messages if "rows" in m) == sorted(shares), logged
+    assert messages.count("contract: logged with its traceback") == 4, logged  # a record per share
+    assert messages.count("contract: logged once") == 1, logged  # once per worker, given once here
+    assert {lvl for lvl, _ in logged} == {"WARNING", "ERROR"}, logged  # no debug record
+    assert silenced == [("ERROR", "contract: logged with its traceback")] * 2, silenced
+    [traced] = [r for r in caplog.records if r.name == name][:1]
+    text = traced.exc_text or logging.Formatter().formatException(traced.exc_info)
+    assert "ValueError: contract: the logged error" in text, text
 
 
 @_KINDS
