@@ -16,7 +16,7 @@ from dpmethods.core.parallel_apply import ThreadState
 from dpmethods.core.seeding import draw_seed, replica_seed
 from dpmethods.processes.messages import Request, Split
 from dpmethods.processes.pickling import unsendable_options
-from dpmethods.processes.pool import ProcessPool, Unsendable, drain, received
+from dpmethods.processes.pool import ProcessPool, Unsendable, drain, logging_levels, received
 from dpmethods.vocab.options import MethodOptions
 
 __all__ = ["call_shares", "check_sendable"]
@@ -47,11 +47,12 @@ def call_shares(
     ``oom``: the method's options, to split a share that runs out of memory."""
     pool.prepare(module)
     state, seed, part = ThreadState.capture(), draw_seed(), len(inputs) > 1
+    levels = logging_levels()  # the caller's, as its loggers judge the workers' records
     futures = []
     try:
         for w, a, k in zip(pool.workers, inputs, kwargs):
             request = Request(name, tuple(a), dict(k), state, replica_seed(seed, w.index), part,
-                              None if oom is None else Split("calls", oom, prepared=True))
+                              None if oom is None else Split("calls", oom, prepared=True), levels)
             try:
                 futures.append((w, pool.submit(w.index, request)))
             except Unsendable as exc:

@@ -8,7 +8,8 @@
          classes)
                                  <-- pickled --      Done(output=the worker's pid, warned, logged)
     Request(method, args, kwargs, state,
-            seed, part_of_batch, oom) -------->     run(): one map batch or call share
+            seed, part_of_batch, oom,
+            levels) ------------------------->     run(): one map batch or call share
                                  <--------------     Done(output, warned, logged)
                                                      or Failed(error, traceback, warned, logged)
 
@@ -114,7 +115,8 @@ class Split(_Record):
 class Request(_Record):
     """Run ``method(*args, **kwargs)`` on the worker's model under the caller's thread
     ``state``, seeded with ``seed`` (None: not seeded); ``part_of_batch``: a scattered
-    call's share (batch-coupled modules warn); ``oom``: how to split a batch out of memory.
+    call's share (batch-coupled modules warn); ``oom``: how to split a batch out of memory;
+    ``levels``: the caller's logging levels (:func:`~dpmethods.processes.pool.logging_levels`).
 
     Example:
         >>> Request("forward", (1,), {}, None, None, False, None).method
@@ -128,6 +130,7 @@ class Request(_Record):
     seed: int | None
     part_of_batch: bool
     oom: Split | None
+    levels: Any = None  # (logging.disable's level, the root's, ((name, level), ...))
 
 
 @dataclasses.dataclass(frozen=True)

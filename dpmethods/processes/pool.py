@@ -317,6 +317,34 @@ def give_warnings(warned: Sequence[Warned]) -> None:
         warnings.warn_explicit(w.text, w.category, w.filename, w.lineno, module=w.module, registry=registry)
 
 
+_PROBE = 3  # a level no logger uses: the root's cached answer for it marks levels unchanged
+_levels: Any = None
+
+
+def logging_levels() -> tuple[Any, ...]:
+    """This process's logging levels, for the workers to set on their loggers: what
+    ``logging.disable`` turned off, the root's level and each named logger's that is set.
+
+    Taken again only after a level changed: ``setLevel`` and ``logging.disable`` clear
+    every logger's cached answers, the root's answer for :data:`_PROBE` among them.
+
+    Example:
+        >>> logging_levels()[1] == logging.getLogger().level
+        True
+    """
+    global _levels
+    root = logging.getLogger()
+    if _levels is not None and _PROBE in getattr(root, "_cache", ()):
+        return _levels  # type: ignore[no-any-return]
+    named = tuple(sorted(
+        (name, logger.level) for name, logger in list(logging.root.manager.loggerDict.items())
+        if isinstance(logger, logging.Logger) and logger.level != logging.NOTSET
+    ))
+    _levels = (logging.root.manager.disable, root.level, named)
+    root.isEnabledFor(_PROBE)  # cached until a level changes
+    return _levels  # type: ignore[no-any-return]
+
+
 def give_records(logged: Sequence[Logged]) -> None:
     """Handle, in the caller, the records a worker's job logged: through the caller's
     level, filters and handlers of the logger that logged them, as a replica thread's

@@ -16,7 +16,8 @@ The warnings a method raises, and the records it logs (a library's ``logger.warn
 are recorded and given again in the caller (:meth:`dpmethods.processes.pool.Worker.reply`),
 through the caller's filters, levels and handlers, as a replica thread's would be: a
 library the caller silenced stays silent, and a record the caller's log file takes is
-in it.
+in it. Each job sets the caller's logging levels first (:func:`_set_levels`), so that
+the worker makes the records the caller's loggers would show.
 An output holding a tensor that requires grad, inside any object, is an error (autograd
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
 Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
@@ -68,6 +69,8 @@ _model: nn.Module | None = None
 _device = torch.device("cpu")
 _MODULES: dict[str, str | None] = {}  # a warning's file -> its module's name
 _LOGGED: list[logging.LogRecord] | None = None  # the records the running job logged; None between jobs
+_LEVELS: Any = None  # the caller's logging levels, as last set here
+_SET: set[str] = set()  # the loggers whose level the caller's set here
 _FITS: dict[tuple[str, Any], Fit] = {}  # on_oom='split': the memory records, while the model lives
 _loads = 0  # models built in this process
 _in_job = False  # a load or a batch is running (SIGTERM then ends the job, and the worker replies before it leaves)
@@ -214,6 +217,27 @@ def _record_logging() -> None:
             sink.append(record)
 
     logging.Logger.callHandlers = call_handlers  # type: ignore[method-assign]
+
+
+def _set_levels(levels: Any) -> None:
+    """Set the caller's logging levels (:func:`dpmethods.processes.pool.logging_levels`)
+    on this process's loggers, so that they make the records the caller's would (an
+    ``info`` where the caller shows it), and no others; a logger the caller no longer
+    sets a level on has its level unset again."""
+    global _LEVELS
+    if levels is None or levels == _LEVELS:
+        return
+    disable, root, named = levels
+    logging.disable(disable)
+    logging.getLogger().setLevel(root)
+    names = {name for name, _ in named}
+    for name in _SET - names:
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    for name, level in named:
+        logging.getLogger(name).setLevel(level)
+    _SET.clear()
+    _SET.update(names)
+    _LEVELS = levels
 
 
 def _logged() -> tuple[Logged, ...]:
@@ -368,6 +392,7 @@ def run(data: bytes) -> bytes:
             args, kwargs = move((args, kwargs), _device)
         if seed is not None:
             _seed(seed)
+        _set_levels(msg.levels)
         fn = _model if method == "forward" else getattr(_model, method)
         with msg.state.applied(), part_of_batch(msg.part_of_batch):
             if oom is None:

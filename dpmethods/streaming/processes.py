@@ -21,7 +21,14 @@ from dpmethods.core.parallel_apply import ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
 from dpmethods.processes.executor import wait_replies
 from dpmethods.processes.messages import Request, Split
-from dpmethods.processes.pool import ProcessPool, Unsendable, WorkerDiedError, drain, received
+from dpmethods.processes.pool import (
+    ProcessPool,
+    Unsendable,
+    WorkerDiedError,
+    drain,
+    logging_levels,
+    received,
+)
 from dpmethods.streaming.scheduler import Batch
 from dpmethods.vocab.options import MethodOptions
 
@@ -49,6 +56,7 @@ class ProcessBackend:
         self.pool, self.module, self.method, self.output_device = pool, module, method, output_device
         self.width = len(pool.workers)  # slots
         self.state = ThreadState.capture()  # the caller's modes at map(), as on threads
+        self.levels = logging_levels()  # and its logging levels
         self.seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
         # on_oom="split": a memory record per map, as on threads
         self.oom = None if oom is None else Split(self.seed, oom, prepared=False)
@@ -58,7 +66,7 @@ class ProcessBackend:
 
     def submit(self, slot: int, batch: Batch) -> cf.Future[Any]:
         request = Request(self.method, batch.args, batch.kwargs, self.state,
-                          replica_seed(self.seed, batch.index), False, self.oom)
+                          replica_seed(self.seed, batch.index), False, self.oom, self.levels)
         try:
             # A module changed in the loop over this map is sent again, to the batches after.
             return self.pool.submit(slot, request, self.module)

@@ -42,6 +42,7 @@ from dpmethods.testing import assert_close_to_reference
 from tests.helpers import WORKERS
 from tests.helpers.models import random_sentences, tiny_sentence_transformer
 from tests.helpers.processes import (
+    NOTED,
     BeyondStorage,
     Contract,
     DoubledLinear,
@@ -68,7 +69,6 @@ from tests.helpers.processes import (
     count_calls,
     gone,
     library_addition,
-    note_once,
     patched_forward,
     tiny_gpt2,
     wait_for,
@@ -1703,28 +1703,35 @@ def test_records_a_method_logs_reach_the_callers_loggers(
     contract: dict[str, Any], workers: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
     # A library logs (transformers' logger.warning and warning_once): the caller's level,
-    # filters and handlers decide, as for a replica thread's; a *_once record once.
+    # filters and handlers decide, as for a replica thread's; a *_once record once. The
+    # workers make the records the caller's levels let through (an info it shows).
     dp, x = contract[workers], torch.randn(5, 4)  # 3 + 2 rows
     name = "tests.helpers.processes.contract"
     dpmethods.vocab.warn_once.reset()
-    note_once.cache_clear()  # this process's: each worker has its own
+    NOTED.clear()  # this process's: each worker has its own
     with torch.no_grad():
         with caplog.at_level(logging.WARNING, logger=name):
             dp.logs(x)
             list(dp.map("logs", [x[:3], x[3:]]))
-        logged = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == name]
+        records = [r for r in caplog.records if r.name == name]
+        logged = [(r.levelname, r.getMessage()) for r in records]
         caplog.clear()
         with caplog.at_level(logging.ERROR, logger=name):  # the caller silences its warnings
             dp.logs(x)
         silenced = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == name]
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=name):  # and shows its info, a level under the default
+            list(dp.map("logs", [x[:3], x[3:]]))
+        informed = [r.getMessage() for r in caplog.records if r.name == name and r.levelno == logging.INFO]
     messages = [m for _, m in logged]
     shares = ["contract: logged 3 rows", "contract: logged 2 rows"] * 2
     assert sorted(m for m in messages if "rows" in m) == sorted(shares), logged
     assert messages.count("contract: logged with its traceback") == 4, logged  # a record per share
     assert messages.count("contract: logged once") == 1, logged  # once per worker, given once here
-    assert {lvl for lvl, _ in logged} == {"WARNING", "ERROR"}, logged  # no debug record
+    assert {lvl for lvl, _ in logged} == {"WARNING", "ERROR"}, logged  # no info record under WARNING
+    assert informed == ["contract: an info record"] * 2, informed  # a record per batch
     assert silenced == [("ERROR", "contract: logged with its traceback")] * 2, silenced
-    [traced] = [r for r in caplog.records if r.name == name][:1]
+    traced = next(r for r in records if r.getMessage() == "contract: logged with its traceback")
     text = traced.exc_text or logging.Formatter().formatException(traced.exc_info)
     assert "ValueError: contract: the logged error" in text, text
 
