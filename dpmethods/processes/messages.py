@@ -150,8 +150,8 @@ class Done(_Record):
 
 @dataclasses.dataclass(frozen=True)
 class Failed(_Record):
-    """A job's failure: its exception pickled on its own (``error``: one that cannot be
-    rebuilt comes as a RuntimeError with its text), the worker's traceback, what it warned
+    """A job's failure: its exception pickled on its own (``error``: as its own class, or
+    where the caller cannot import it, a RuntimeError with its text), the worker's traceback, what it warned
     and logged.
 
     Example:

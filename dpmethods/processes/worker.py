@@ -63,7 +63,7 @@ from dpmethods.types.tree import move
 from dpmethods.vocab import warn_once as warn_once
 from dpmethods.vocab.loading import load_pending
 
-__all__ = ["Terminated", "init", "load", "run"]
+__all__ = ["Terminated", "init", "load", "rebuilt_error", "run"]
 
 _model: nn.Module | None = None
 _device = torch.device("cpu")
@@ -280,12 +280,52 @@ def _sendable(text: str, category: type[Warning]) -> tuple[str, type[Warning]]:
 
 def _failure(exc: BaseException, warned: tuple[Warned, ...]) -> bytes:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        error = dumps(exc)
-        loads(error)  # some exceptions pickle but can't be rebuilt (their __init__ args)
-    except Exception:
-        error = dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
-    return dumps(Failed(error, text, warned, _logged()))
+    return dumps(Failed(_error(exc), text, warned, _logged()))
+
+
+def _error(exc: BaseException) -> bytes:
+    """``exc`` pickled for the caller, as its own class wherever the caller can import it:
+    one whose ``__init__`` takes other arguments than its ``args`` (keyword-only ones,
+    a message built from two), which pickle rebuilds by calling it with ``args``, goes
+    as its class, ``args`` and attributes, set on an instance made without ``__init__``;
+    else a RuntimeError with its text."""
+    for sent in (exc, _Copied(exc)):
+        try:
+            error = dumps(sent)
+            loads(error)  # some exceptions pickle but can't be rebuilt (their __init__ args)
+        except Exception:
+            continue
+        return error
+    return dumps(RuntimeError(f"{type(exc).__name__}: {exc}"))
+
+
+class _Copied:
+    """An exception pickled as its class, ``args`` and ``__dict__`` (its notes among them)."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return rebuilt_error, (type(self.exc), self.exc.args, dict(vars(self.exc)))
+
+
+def rebuilt_error(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    """An exception of ``cls`` with ``args`` and attributes ``state``, made without its
+    ``__init__`` (see :func:`_error`).
+
+    Example:
+        >>> class Coded(ValueError):
+        ...     def __init__(self, *, code):
+        ...         super().__init__(f"code {code}")
+        ...         self.code = code
+        >>> e = rebuilt_error(Coded, ("code 3",), {"code": 3})
+        >>> type(e).__name__, str(e), e.code
+        ('Coded', 'code 3', 3)
+    """
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 def _job(data: bytes, body: Any) -> bytes:

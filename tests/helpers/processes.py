@@ -442,6 +442,15 @@ class Box:
 _LOG = logging.getLogger("tests.helpers.processes.contract")
 
 
+class CodedError(ValueError):
+    """An exception whose ``__init__`` takes a keyword-only argument, not its message
+    (as many libraries' do): pickle cannot rebuild it by calling it with its ``args``."""
+
+    def __init__(self, *, code: int) -> None:
+        super().__init__(f"contract: failed with code {code}")
+        self.code = code
+
+
 NOTED: set[str] = set()  # what note_once logged in this process
 _NOTING = threading.Lock()
 
@@ -508,6 +517,10 @@ class Contract(nn.Module):
             _LOG.exception("contract: logged with its traceback")
         _LOG.info("contract: an info record")  # made where the caller's level lets it be
         return x * 2
+
+    @dpmethods.parallel_method
+    def fails(self, x: torch.Tensor) -> torch.Tensor:
+        raise CodedError(code=x.shape[0])
 
     @dpmethods.parallel_method
     def views(self, z: torch.Tensor) -> dict[str, torch.Tensor]:

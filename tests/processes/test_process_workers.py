@@ -44,6 +44,7 @@ from tests.helpers.models import random_sentences, tiny_sentence_transformer
 from tests.helpers.processes import (
     NOTED,
     BeyondStorage,
+    CodedError,
     Contract,
     DoubledLinear,
     EnvProbe,
@@ -1734,6 +1735,24 @@ def test_records_a_method_logs_reach_the_callers_loggers(
     traced = next(r for r in records if r.getMessage() == "contract: logged with its traceback")
     text = traced.exc_text or logging.Formatter().formatException(traced.exc_info)
     assert "ValueError: contract: the logged error" in text, text
+
+
+@_KINDS
+def test_an_exception_whose_init_takes_other_arguments_is_raised_as_its_own_class(
+    contract: dict[str, Any], workers: str,
+) -> None:
+    # Pickle rebuilds an exception by calling its class with its args: one with a
+    # keyword-only argument fails to, and must not come back as another class (an
+    # `except CodedError` would miss it), nor lose its attributes.
+    dp, x = contract[workers], torch.randn(5, 4)  # 3 + 2 rows
+    with pytest.raises(CodedError) as called:
+        dp.fails(x)
+    with pytest.raises(CodedError) as mapped:
+        list(dp.map("fails", [x[3:]]))
+    assert str(called.value) in ("contract: failed with code 3", "contract: failed with code 2")
+    assert str(mapped.value) == "contract: failed with code 2"
+    assert called.value.code in (3, 2) and mapped.value.code == 2
+    assert any("on " in n for n in mapped.value.__notes__), mapped.value.__notes__  # where it ran
 
 
 @_KINDS
