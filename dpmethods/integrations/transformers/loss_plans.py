@@ -17,6 +17,11 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   replicas' means are weighted by each replica's counted labels,
   ``sum_r count_r / total * mean_r``, a replica with none contributing 0;
 - question answering: see :mod:`~dpmethods.integrations.transformers.spans`;
+- a mean over a mask, ``(loss * mask).sum() / mask.sum()`` (masked image modelling:
+  ViTMAE, whose forward returns the mask it drew, and ViT's, Swin's, DeiT's and
+  FocalNet's, whose mask is ``bool_masked_pos`` made into pixels): the replicas' means
+  are weighted by each replica's part of the mask, read from its output or from its
+  share of the argument;
 - anything else, a router's auxiliary loss added (``output_router_logits``) too: no
   plan, and the loss stays one per replica, with a one-time warning.
 """
@@ -47,21 +52,25 @@ class LossPlan:
     Attributes:
         mode: ``"sum"`` (shares of the full loss), ``"mean"`` (weighted by rows),
             ``"tokens"`` (weighted by counted labels), ``"spans"`` (question answering's
-            start and end losses, weighted by counted positions) or ``"cat"`` (one loss
-            per row, joined along the batch).
+            start and end losses, weighted by counted positions), ``"masked"`` (weighted
+            by each replica's part of a mask) or ``"cat"`` (one loss per row, joined
+            along the batch).
         count: the ``num_items_in_batch`` every replica is given, if any.
         shift: with ``"tokens"``, the labels that count are ``labels[..., 1:]``.
         ignore: with ``"tokens"``, the label that does not count.
+        mask: with ``"masked"``, the argument (its rows' share on each replica) or else
+            the output field that holds the mask.
 
     Example:
         >>> LossPlan("tokens", shift=True)
-        LossPlan(mode='tokens', count=None, shift=True, ignore=-100)
+        LossPlan(mode='tokens', count=None, shift=True, ignore=-100, mask=None)
     """
 
     mode: str
     count: Tensor | None = None
     shift: bool = False
     ignore: int = -100
+    mask: str | None = None
 
 
 _SOURCES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
@@ -205,6 +214,83 @@ def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
     return None
 
 
+# `name = (... * mask).sum() / mask.sum()`, the divisor maybe `(mask.sum() + eps)` (an eps
+# far below a mask's count, as 1e-5 is: the weights stay exact to float precision), then
+# maybe divided by a constant of the config or a number (the same on every replica).
+_MASKED_MEAN = re.compile(
+    r"^[ \t]*(\w+)\s*=\s*\((?:[^()]|\([^()]*\))*\*\s*([\w.]+)\s*\)\.sum\(\)\s*/\s*"
+    r"(?:\(\s*\2\.sum\(\)\s*\+\s*[\d.eE+-]+\s*\)|\2\.sum\(\))"
+    r"(?:\s*/\s*(?:self\.config\.\w+|[\d.]+))*[ \t]*(?:#.*)?$",
+    re.M,
+)
+# Calls that change a mask's shape or type, not which elements it holds (each element of
+# the argument becomes the same number of elements of the mask).
+_RESHAPES = frozenset({
+    "repeat_interleave", "repeat", "unsqueeze", "reshape", "view", "contiguous", "expand",
+    "flatten", "float", "to", "type_as", "bool",
+})
+
+
+def _mask_argument(source: str, mask: str, parameters: set[str]) -> str | None:
+    """The argument ``mask`` is made from by reshaping alone (``bool_masked_pos`` made
+    into pixels), or None."""
+    made = re.search(rf"^[ \t]*{re.escape(mask)}\s*=\s*", source, re.M)
+    if made is None:
+        return None
+    text, depth = source[made.end():], 0
+    end = len(text)
+    for i, ch in enumerate(text):  # the expression: to the end of its line, outside brackets
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "\n" and depth <= 0:
+            end = i
+            break
+    expr = re.sub(r"\s+", "", text[:end])
+    if expr.startswith("(") and expr.endswith(")"):
+        expr = expr[1:-1]
+    first = re.match(r"\w+", expr)
+    if first is None or first.group(0) not in parameters:
+        return None
+    calls = re.sub(r"\((?:[^()]|\([^()]*\))*\)", "()", expr[first.end():])
+    if not re.fullmatch(r"(?:\.\w+\(\))*", calls):
+        return None  # an operator or an index: not the argument's elements alone
+    if any(name not in _RESHAPES for name in re.findall(r"\.(\w+)\(\)", calls)):
+        return None
+    return first.group(0)
+
+
+def _masked_mean_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
+    """The plan of a loss that is a mean over a mask (see the module doc), or None."""
+    source = _source(type(model))
+    found = list(_MASKED_MEAN.finditer(source))
+    if len(found) != 1:
+        return None
+    loss, mask = found[0].groups()
+    if "." in mask:
+        return None  # an attribute of another module's output (PatchTST's): not traced
+    after = source[found[0].end():]
+    # A statement (indented no deeper than the mean's; a keyword argument, loss=loss, is
+    # inside a call) that changes the loss after (another term added).
+    indent = len(found[0].group(0)) - len(found[0].group(0).lstrip(" \t"))
+    changed = rf"^[ \t]{{0,{indent}}}{loss}\s*[-+*/]?=[^=]"
+    if re.search(changed, after, re.M) or not re.search(rf"\bloss\s*=\s*{loss}\b", after):
+        return None  # or not the loss returned
+    try:
+        parameters = set(inspect.signature(inspect.unwrap(type(model).forward)).parameters)
+    except (TypeError, ValueError):
+        return None
+    argument = _mask_argument(source, mask, parameters)
+    if argument is not None:
+        return LossPlan("masked", mask=argument) if isinstance(given.get(argument), Tensor) else None
+    # Or a mask the forward returns as one of its fields (ViTMAE draws it there).
+    field = re.search(rf"(\w+)\s*=\s*{mask}\s*[,)]", after)
+    if field is None or field.group(1) in parameters:
+        return None
+    wanted = given.get("return_dict")
+    if wanted is False or (wanted is None and not getattr(getattr(model, "config", None), "return_dict", True)):
+        return None  # a tuple: the field is not found by name
+    return LossPlan("masked", mask=field.group(1))
+
+
 def _adds_router_loss(model: Any, given: dict[str, Any]) -> bool:
     """Whether the loss adds a router's auxiliary loss, computed on each replica's tokens."""
     if "router_aux_loss_coef" not in _source(type(model)):
@@ -227,14 +313,16 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2)}) is None
         True
         >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2), "num_items_in_batch": 5})
-        LossPlan(mode='sum', count=None, shift=False, ignore=-100)
+        LossPlan(mode='sum', count=None, shift=False, ignore=-100, mask=None)
     """
     model, args, kwargs = forward_call(model, args, kwargs)
     given = bound_arguments(model.forward, args, kwargs)
     labels = given.get("labels")
     if not isinstance(labels, Tensor):
         # Question answering: a mean of two means, weighted per call (see spans).
-        return LossPlan("spans") if is_span_loss(model, _source(type(model)), given) else None
+        if is_span_loss(model, _source(type(model)), given):
+            return LossPlan("spans")
+        return _masked_mean_plan(model, given)
     if _adds_router_loss(model, given):
         return None  # a mixture of experts' load-balancing term: neither a sum nor a mean
     if given.get("num_items_in_batch") is not None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -101,14 +101,24 @@ def _weights(plan: LossPlan, call: Call, sizes: list[int] | None, outputs: list[
         if sizes is None or length is None:
             return None
         return span_weights(_given(call), length, sizes)
-    if plan.mode == "sum" or sizes is None:
+    if plan.mode == "masked":
+        given = _given(call).get(plan.mask)  # type: ignore[arg-type]
+        if isinstance(given, Tensor):  # the argument: each replica's share of its rows
+            masks: list[Any] = list(given.split(sizes, call.options.dim)) if sizes else []
+        else:  # the mask each replica returned
+            masks = [o.get(plan.mask) if isinstance(o, Mapping) else None for o in outputs]
+        if len(masks) != n or not all(isinstance(m, Tensor) for m in masks):
+            return None
+        counts = torch.stack([m.sum().double().cpu() for m in masks]).tolist()
+    elif plan.mode == "sum" or sizes is None:
         return [1.0] * n if plan.mode == "sum" else [1.0 / n] * n
-    if plan.mode == "mean":
+    elif plan.mode == "mean":
         return [s / sum(sizes) for s in sizes] if sum(sizes) else [1.0 / n] * n
-    labels = _labels(call)
-    counted = labels[..., 1:] if plan.shift else labels
-    parts = counted.split(sizes, call.options.dim)
-    counts = torch.stack([(part != plan.ignore).sum() for part in parts]).tolist()  # one sync
+    else:
+        labels = _labels(call)
+        counted = labels[..., 1:] if plan.shift else labels
+        parts = counted.split(sizes, call.options.dim)
+        counts = torch.stack([(part != plan.ignore).sum() for part in parts]).tolist()  # one sync
     total = sum(counts)
     return [c / total for c in counts] if total else [1.0 / n] * n
 

@@ -20,7 +20,7 @@ from dpmethods import DataParallel, parallel_methods
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
 from dpmethods.wrapper.registry import resolve_methods
-from tests.helpers import SPLITS
+from tests.helpers import SPLITS, WORKERS
 from tests.helpers.models import batch_sizes_seen, shares, tiny_qwen2_vl
 from tests.helpers.terms import transformer_terms
 
@@ -441,6 +441,78 @@ def test_question_answering_positions_ignored_by_one_loss_only_are_said() -> Non
             "positions are not both inside the sequence" in w and "one value per replica" in w]
     assert not [w for w in warned if "gather='mean'" in w], warned  # not the full-batch loss
     assert_close_to_reference(got.start_logits, want.start_logits, terms=TERMS)
+
+
+_VIT = dict(image_size=16, patch_size=4, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _uneven_pixels(n: int) -> torch.Tensor:
+    """Images whose magnitude grows down the batch: the replicas' reconstruction losses differ."""
+    g = torch.Generator().manual_seed(n)
+    return torch.randn(n, 3, 16, 16, generator=g) * torch.linspace(0.2, 3.0, n)[:, None, None, None]
+
+
+@pytest.mark.parametrize("norm_pix_loss", [False, True])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_vit_mae_loss_is_the_mean_over_the_masked_patches_of_the_full_batch(workers: str, norm_pix_loss: bool) -> None:
+    # ViTMAE's loss is (loss * mask).sum() / mask.sum() over the mask its forward draws and
+    # returns: each replica's mean is weighted by its part of that mask.
+    torch.manual_seed(0)
+    config = transformers.ViTMAEConfig(
+        **_VIT, decoder_hidden_size=16, decoder_num_hidden_layers=1, decoder_num_attention_heads=2,
+        decoder_intermediate_size=32, mask_ratio=0.5, norm_pix_loss=norm_pix_loss,
+    )
+    model = transformers.ViTMAEForPreTraining(config).eval()
+    noise = torch.rand(7, 16, generator=torch.Generator().manual_seed(1))  # the masks, as on one device
+    kwargs = dict(pixel_values=_uneven_pixels(7), noise=noise)
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers)  # 3, 2, 2 rows
+    try:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            want, got = model(**kwargs), dp(**kwargs)
+    finally:
+        dp.close()
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert list(got.keys()) == list(want.keys())
+    assert got.loss.dim() == 0
+    scale = float(want.logits.abs().max()) ** 2  # a squared error of the logits
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=scale)
+    assert_close_to_reference((got.logits, got.mask), (want.logits, want.mask), terms=TERMS)
+
+
+@pytest.mark.parametrize("name", ["ViT", "Swin"])
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_masked_image_modeling_loss_weighs_each_replica_by_its_masked_patches(n: int, devices: int, name: str) -> None:
+    # ViT's and Swin's loss is a mean over the pixels of the patches bool_masked_pos masks:
+    # the rows mask 1 to 10 patches, the last share none, so each replica's mean is weighted
+    # by its rows' masked patches (the empty replica adds 0).
+    torch.manual_seed(0)
+    if name == "ViT":
+        model = transformers.ViTForMaskedImageModeling(transformers.ViTConfig(**_VIT, encoder_stride=4))
+    else:
+        config = transformers.SwinConfig(image_size=16, patch_size=4, embed_dim=8, depths=[1], num_heads=[1],
+                                          window_size=2, encoder_stride=4, hidden_dropout_prob=0.0,
+                                          attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+        model = transformers.SwinForMaskedImageModeling(config)
+    g = torch.Generator().manual_seed(n)
+    masked = torch.zeros(n, 16, dtype=torch.bool)
+    for row in range(n):
+        masked[row, torch.randperm(16, generator=g)[: 1 + row * 9 // n]] = True
+    masked[n - dpmethods.chunk_sizes(n, devices)[-1]:] = False
+    kwargs = dict(pixel_values=_uneven_pixels(n), bool_masked_pos=masked)
+    got, want, warned = _loss_call(model, kwargs, devices)
+    assert warned == []
+    assert got.loss.dim() == 0
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=float(kwargs["pixel_values"].abs().max()))
+    assert_close_to_reference(got.reconstruction, want.reconstruction, terms=TERMS)
+    # Gradients too: the weighted join is differentiable.
+    model(**kwargs).loss.backward()
+    weight = next(model.parameters())
+    want_grad, weight.grad = weight.grad.clone(), None
+    model.zero_grad()
+    DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
+    assert_close_to_reference(weight.grad, want_grad, terms=GRAD_TERMS)
 
 
 @pytest.mark.parametrize("n,devices", SPLITS)
