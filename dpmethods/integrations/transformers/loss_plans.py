@@ -22,7 +22,9 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   FocalNet's, whose mask is ``bool_masked_pos`` made into pixels): the replicas' means
   are weighted by each replica's part of the mask, read from its output or from its
   share of the argument;
-- anything else, a router's auxiliary loss added (``output_router_logits``) too: no
+- anything else, and a loss that adds another term to the one it computes when this
+  call's conditions on the way to it hold or can't be told (a router's auxiliary loss
+  with ``output_router_logits``, Bamba's z-loss with ``z_loss_coefficient > 0``): no
   plan, and the loss stays one per replica, with a one-time warning.
 """
 
@@ -291,14 +293,96 @@ def _masked_mean_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
     return LossPlan("masked", mask=field.group(1))
 
 
-def _adds_router_loss(model: Any, given: dict[str, Any]) -> bool:
-    """Whether the loss adds a router's auxiliary loss, computed on each replica's tokens."""
-    if "router_aux_loss_coef" not in _source(type(model)):
-        return False
-    wanted = given.get("output_router_logits")
-    if wanted is None:
-        wanted = getattr(getattr(model, "config", None), "output_router_logits", False)
-    return bool(wanted)
+# A statement that adds a term to the loss once it is computed: `loss += ...` or
+# `loss = loss + ...` (a router's auxiliary loss, a z-loss, one per codebook).
+_ADDED = re.compile(r"^([ \t]*)loss\s*(?:\+=|=\s*loss\s*\+)", re.M)
+
+
+_MISSING = object()
+
+
+def _attribute(model: Any, path: str) -> Any:
+    """``model``'s attribute at ``self.a.b`` (``_MISSING`` if it has none)."""
+    value = model
+    for part in path.split(".")[1:]:
+        value = getattr(value, part, _MISSING)
+        if value is _MISSING:
+            break
+    return value
+
+
+def _default(model: Any, name: str) -> Any:
+    """The value the forward takes for its argument ``name`` when not given: the
+    signature's default, else its fallback (``x if x is not None else self.config.x``),
+    else its config's ``name`` (``_MISSING`` if none)."""
+    try:
+        parameter = inspect.signature(inspect.unwrap(type(model).forward)).parameters.get(name)
+    except (TypeError, ValueError):
+        parameter = None
+    if parameter is not None and parameter.default not in (None, inspect.Parameter.empty):
+        return parameter.default
+    fallback = re.search(rf"\b{name}\s+if\s+{name}\s+is\s+not\s+None\s+else\s+(self\.[\w.]+)", _source(type(model)))
+    if fallback is not None:
+        return _attribute(model, fallback.group(1))
+    return getattr(getattr(model, "config", None), name, _MISSING)
+
+
+def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
+    """The value of one condition of the forward (``labels is not None``,
+    ``output_router_logits``, ``self.z_loss_coefficient > 0``), or None if unknown."""
+    atom = atom.strip().strip("()").strip()
+    if atom.startswith("not "):
+        value = _truth(atom[4:], model, given)
+        return None if value is None else not value
+    compared = re.fullmatch(r"([\w.]+)\s*(is not|is|>|!=)\s*(None|0(?:\.0)?)", atom)
+    name = compared.group(1) if compared else atom
+    if not re.fullmatch(r"[\w.]+", name) or (re.match(r"\w+\.", name) and not name.startswith("self.")):
+        return None
+    if name.startswith("self."):
+        value = _attribute(model, name)
+    elif given.get(name) is not None or name == "labels":
+        value = given.get(name)
+    else:
+        value = _default(model, name)
+    if value is _MISSING:
+        return None
+    if compared is None:
+        return None if isinstance(value, Tensor) else bool(value)
+    op = compared.group(2)
+    if op in ("is not", "is"):
+        return (value is not None) == (op == "is not")
+    if not isinstance(value, (int, float)):
+        return None
+    return value > 0 if op == ">" else value != 0
+
+
+def _adds_terms(model: Any, given: Mapping[str, Any]) -> bool:
+    """Whether this call's loss adds a term to the loss it computes (a router's
+    auxiliary loss on each replica's tokens, a z-loss over its rows): a statement that
+    does, none of whose enclosing ``if`` conditions is false for this call."""
+    source = _source(type(model))
+    lines = source.splitlines()
+    for added in _ADDED.finditer(source):
+        indent, taken = len(added.group(1)), True
+        for line in reversed(lines[: source.count("\n", 0, added.start())]):
+            text = line.strip()
+            depth = len(line) - len(line.lstrip())
+            if not text or text[0] in "#)]}" or depth >= indent:
+                continue  # inside the block, or a bracket closing a line above
+            indent = depth  # the statement that encloses the block: if, for, with, ...
+            head = re.match(r"(if|def)\b(.*?):?\s*(?:#.*)?$", text)
+            if head is None:
+                continue  # elif, else, for, with: no condition told here
+            if head.group(1) == "def":
+                break
+            condition = head.group(2)
+            atoms = [condition] if re.search(r"\bor\b", condition) else re.split(r"\s+and\s+", condition)
+            if False in [_truth(atom, model, given) for atom in atoms]:
+                taken = False
+                break
+        if taken:
+            return True
+    return False
 
 
 def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LossPlan | None:
@@ -323,8 +407,8 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         if is_span_loss(model, _source(type(model)), given):
             return LossPlan("spans")
         return _masked_mean_plan(model, given)
-    if _adds_router_loss(model, given):
-        return None  # a mixture of experts' load-balancing term: neither a sum nor a mean
+    if _adds_terms(model, given):
+        return None  # another term (a router's load-balancing loss): neither a sum nor a mean
     if given.get("num_items_in_batch") is not None:
         return LossPlan("sum")  # the caller's count (the Trainer's): shares of the full loss
     ignore = int(given.get("ignore_index", -100))

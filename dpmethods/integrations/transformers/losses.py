@@ -147,7 +147,7 @@ def _warn_unknown(call: Call) -> None:
         f"DataParallel: {type(call.module).__name__}.forward computes its loss in a way "
         "dpmethods can't join as the full-batch loss (neither transformers' loss_function "
         "with num_items_in_batch nor one token-averaged CrossEntropyLoss over labels, or it "
-        "adds a router's auxiliary loss): it "
+        "adds another term to it, such as a router's auxiliary loss or a z-loss): it "
         "comes back as one value per replica. methods={'forward': {'gather': {'loss': "
         "'mean'}}} weights them by rows, which is the full-batch loss only when every row "
         "counts as many tokens (no padding, no -100 labels); for the exact value compute "

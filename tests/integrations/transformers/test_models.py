@@ -547,21 +547,57 @@ def test_a_loss_dpmethods_cannot_identify_keeps_per_replica_losses_with_a_warnin
     assert_close_to_reference(got.prediction_logits, want.prediction_logits, terms=TERMS)
 
 
-def test_a_router_auxiliary_loss_keeps_per_replica_losses_with_a_warning() -> None:
-    # Mixtral adds a load-balancing loss computed on each replica's tokens to its loss.
+def _mixtral(**options: Any) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
         vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1, **options,
     )
+    return transformers.MixtralForCausalLM(config)
+
+
+def _jetmoe(**options: Any) -> nn.Module:  # its coefficient is aux_loss_coef
+    torch.manual_seed(0)
+    config = transformers.JetMoeConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_key_value_heads=1, kv_channels=8,
+        intermediate_size=32, num_local_experts=2, num_experts_per_tok=1, **options,
+    )
+    return transformers.JetMoeForCausalLM(config)
+
+
+def _bamba(**options: Any) -> nn.Module:  # adds a z-loss, a mean over rows, when its coefficient is set
+    torch.manual_seed(0)
+    config = transformers.BambaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=8,
+        mamba_expand=2, attn_layer_indices=[0], **options,
+    )
+    return transformers.BambaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "build,added,name",
+    [
+        (_mixtral, dict(output_router_logits=True), "MixtralForCausalLM"),
+        (_jetmoe, dict(output_router_logits=True), "JetMoeForCausalLM"),
+        (_bamba, dict(z_loss_coefficient=0.1), "BambaForCausalLM"),
+    ],
+    ids=["mixtral-router", "jetmoe-router", "bamba-z-loss"],
+)
+def test_a_term_added_to_the_loss_keeps_per_replica_losses_with_a_warning(build: Any, added: dict[str, Any], name: str) -> None:
+    # A router's load-balancing loss over each replica's tokens, or a z-loss over its rows,
+    # added to the token-averaged loss: neither a sum of shares nor a weighted mean.
     ids, labels = _tokens(7)
-    kwargs = dict(input_ids=ids, labels=labels, output_router_logits=True)
-    got, want, warned = _loss_call(transformers.MixtralForCausalLM(config), kwargs, 3)
+    options = {k: v for k, v in added.items() if k != "output_router_logits"}
+    kwargs = dict(input_ids=ids, labels=labels, **{k: v for k, v in added.items() if k == "output_router_logits"})
+    got, want, warned = _loss_call(build(**options), kwargs, 3)
     assert got.loss.shape == (3,)
-    assert any("or it adds a router's auxiliary loss" in w for w in warned), warned
+    assert any(f"{name}.forward computes its loss in a way dpmethods can't join" in w
+               and "or it adds another term to it" in w for w in warned), warned
     assert_close_to_reference(got.logits, want.logits, terms=TERMS)
-    got, want, warned = _loss_call(transformers.MixtralForCausalLM(config), dict(input_ids=ids, labels=labels), 3)
-    assert warned == []  # without the router's loss: shares of the full-batch loss
+    # Without the added term: shares of the full-batch loss, with no warning.
+    got, want, warned = _loss_call(build(), dict(input_ids=ids, labels=labels), 3)
+    assert warned == []
     assert_close_to_reference(got.loss, want.loss, terms=TERMS)
 
 
