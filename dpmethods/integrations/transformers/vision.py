@@ -7,7 +7,8 @@ replica whole (they are in ``broadcast``), and :data:`VISION_SHARES` keeps, for 
 replica, the patches and grid rows of the images whose tokens are in its rows of
 ``input_ids`` (videos likewise), and gives a replica whose rows have no images none, as
 a text-only batch. Per-image outputs (``image_outputs``) are joined in
-image order by :func:`take_per_image`.
+image order by :func:`take_per_image`: per-image sequences extended, tensors and the
+per-layer tuples of them joined along dim 0.
 """
 
 from __future__ import annotations
@@ -130,5 +131,26 @@ def take_per_image(outputs: list[Any], device: torch.device) -> dict[str, Any]:
         for o in outputs:
             if o.get(key) is not None:
                 o[key] = None
-        taken[key] = gather(present, device, 0, mode="extend")
+        taken[key] = _join_images(present, device)
     return taken
+
+
+def _per_layer(name: str) -> bool:
+    # transformers' name for a tuple with one entry per layer, each batched as the output.
+    return name.endswith(("hidden_states", "attentions"))
+
+
+def _join_images(present: list[Any], device: torch.device) -> Any:
+    """The replicas' per-image outputs in image order: a sequence with one entry per
+    image (a tower's ``pooler_output``) extended; tensors (a row or patches per image)
+    and the per-layer tuples of them (``hidden_states``, ``attentions``) joined along
+    dim 0, layer by layer."""
+    first = present[0]
+    if not isinstance(first, Mapping):
+        return gather(present, device, 0, mode="extend")
+    modes = {k: "cat" if _per_layer(k) else "extend" for k in first}
+    joined = gather(present, device, 0, mode=modes)
+    for key, value in first.items():
+        if type(value) is tuple and type(joined[key]) is list:
+            joined[key] = tuple(joined[key])  # as the tower returns it (Qwen2-VL's pooler_output)
+    return joined

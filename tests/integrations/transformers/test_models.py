@@ -759,7 +759,40 @@ def test_qwen2_vl_patches_of_all_images_split_by_row_with_no_configuration(devic
         want, got = model(**inputs), dp(**inputs)
         want_tokens, got_tokens = model.generate(**inputs, **kwargs), dp.generate(**inputs, **kwargs)
     assert_close_to_reference(got.logits, want.logits, terms=TERMS)
+    assert type(got.image_outputs.pooler_output) is type(want.image_outputs.pooler_output)
     assert len(got.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 7
     for g, w in zip(got.image_outputs.pooler_output, want.image_outputs.pooler_output):
         assert_close_to_reference(g, w, terms=TERMS)
     assert torch.equal(got_tokens, want_tokens)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_llava_vision_towers_per_layer_hidden_states_join_as_one_device(workers: str) -> None:
+    # image_outputs is the vision tower's output, one row per image: its hidden_states, a
+    # tuple with one entry per layer, join entry by entry (each layer's rows in image
+    # order), and its pooler_output, a list with one entry per image, is extended.
+    torch.manual_seed(0)
+    vision = transformers.CLIPVisionConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2, intermediate_size=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=transformers.LlamaConfig(**{**_LLAMA, "vocab_size": 60}),
+                                      image_token_index=55, projector_hidden_act="gelu", vision_feature_layer=-1)
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.cat([torch.full((7, 4), 55), torch.randint(5, 50, (7, 6), generator=g)], 1)  # 4 image tokens a row
+    kwargs = dict(input_ids=ids, pixel_values=torch.randn(7, 3, 16, 16, generator=g))
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers)  # 3, 2, 2 images
+    try:
+        with torch.no_grad():
+            want, got = model(**kwargs), dp(**kwargs)
+    finally:
+        dp.close()
+    assert type(got.image_outputs.hidden_states) is tuple
+    assert len(got.image_outputs.hidden_states) == len(want.image_outputs.hidden_states)
+    for g_layer, w_layer in zip(got.image_outputs.hidden_states, want.image_outputs.hidden_states):
+        assert (g_layer is None) == (w_layer is None)
+        if w_layer is not None:
+            assert_close_to_reference(g_layer, w_layer, terms=TERMS)
+    assert len(got.image_outputs.pooler_output) == len(want.image_outputs.pooler_output) == 7
+    assert_close_to_reference(list(got.image_outputs.pooler_output), list(want.image_outputs.pooler_output), terms=TERMS)
+    assert_close_to_reference(got.image_outputs.last_hidden_state, want.image_outputs.last_hidden_state, terms=TERMS)
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
