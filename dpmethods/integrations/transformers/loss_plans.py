@@ -4,7 +4,9 @@ A loss averaged over the tokens that count (labels other than -100, shifted by o
 causal LMs) weighs replicas by their counted tokens, not their rows. :func:`loss_plan`
 tells, for one call, from the model's ``loss_function`` and its ``forward``'s source:
 
-- a model that hands ``**kwargs`` to transformers' ``self.loss_function``: each replica
+- a model that hands ``**kwargs`` to transformers' ``self.loss_function``, called once
+  on its ``labels`` (a causal LM's ``shift_labels``: the caller's, or the forward's made
+  from the labels, unshifted or ``labels[..., 1:]``): each replica
   is given the full batch's ``num_items_in_batch`` (transformers' own mechanism, the
   Trainer's), so its loss is its share of the full-batch loss, and the shares are
   summed; one that calls ``self.loss_function`` without them (Llama's classification
@@ -124,19 +126,82 @@ def _counted(counted: Tensor, ignore: int, shares: bool, shift: bool = False) ->
     return LossPlan("tokens", shift=shift, ignore=ignore)
 
 
+def _loss_call(source: str) -> tuple[list[str], dict[str, str]] | None:
+    """The positional and keyword arguments of the forward's one ``self.loss_function``
+    call (None if it makes none or several: HiggsAudio's, one per codebook)."""
+    calls = list(re.finditer(r"self\.loss_function\(", source))
+    if len(calls) != 1:
+        return None
+    start = end = calls[0].end()
+    depth = 1
+    while depth and end < len(source):
+        depth += (source[end] == "(") - (source[end] == ")")
+        end += 1
+    positional, keywords = [], {}
+    for part in _arguments(source[start : end - 1]):
+        named = re.match(r"(\w+)\s*=(?!=)(.*)", part, re.S)
+        if named:
+            keywords[named.group(1)] = " ".join(named.group(2).split())
+        elif not part.startswith("*"):
+            positional.append(part)
+    return positional, keywords
+
+
+def _causal_target(source: str, expr: str, given: Mapping[str, Any], labels: Tensor) -> tuple[Tensor, bool] | None:
+    """What ``ForCausalLMLoss`` counts when the forward passes it ``shift_labels=expr``:
+    the tensor, and whether it is ``labels[..., 1:]`` (None if not told)."""
+    fallback = re.fullmatch(r"(\w+) if \1 is not None else (\w+)", expr)
+    if fallback is not None:  # Moonshine's: the caller's shift_labels, else labels unshifted
+        if isinstance(given.get(fallback.group(1)), Tensor):
+            return given[fallback.group(1)], False
+        expr = fallback.group(2)
+    if expr == "labels":  # Florence-2's: the labels as they are, aligned with the logits
+        return labels, False
+    if not re.fullmatch(r"\w+", expr):
+        return None
+    if isinstance(given.get(expr), Tensor):
+        return given[expr], False  # the caller's (GIT's shift_labels argument)
+    # Its assignments (a line ending in a comma is a keyword argument, not one), less
+    # the caller's shift_labels taken from **kwargs (not given: checked above).
+    made = [m for m in re.findall(rf"^[ \t]*{expr}\s*=\s*(.+?)\s*$", source, re.M)
+            if not m.endswith(",") and not re.fullmatch(r"kwargs\.pop\(\s*[\"']shift_labels[\"']\s*,\s*None\s*\)", m)]
+    if len(made) != 1:
+        return None
+    if re.fullmatch(r"kwargs\.pop\(\s*[\"']shift_labels[\"']\s*,\s*labels\s*\)", made[0]):
+        return labels, False  # Canary's: the caller's shift_labels (given above), else labels
+    if re.fullmatch(r"labels\[(?:\.\.\.|:),\s*1:\](?:\.contiguous\(\))?", made[0]):
+        return labels[..., 1:], True  # GIT's and CSM's depth decoder's
+    return None
+
+
 def _loss_function_plan(
-    model: Any, given: dict[str, Any], labels: Tensor, ignore: int, shares: bool
+    model: Any, given: Mapping[str, Any], labels: Tensor, ignore: int, shares: bool
 ) -> LossPlan | None:
-    """The plan of a model whose loss is transformers' ``loss_function``."""
+    """The plan of a model whose loss is transformers' ``loss_function``, called once, on
+    the forward's ``labels`` (or, for a causal LM, ``shift_labels`` made from them)."""
     losses = sys.modules.get("transformers.loss.loss_utils")
     fn = getattr(model, "loss_function", None)
-    if losses is None:
+    source = _source(type(model))
+    call = _loss_call(source)
+    if losses is None or call is None:
         return None
+    positional, keywords = call
     if fn is getattr(losses, "ForCausalLMLoss", None):
-        shift = given.get("shift_labels")
-        if isinstance(shift, Tensor):
-            return _counted(shift, ignore, shares)
-        return _counted(labels[..., 1:], ignore, shares, shift=True)
+        passed = keywords.get("labels", positional[1] if len(positional) > 1 else None)
+        if "shift_labels" in keywords:
+            target = _causal_target(source, keywords["shift_labels"], given, labels)
+        elif passed == "labels":  # shifted by the loss, or the caller's shift_labels
+            shift = given.get("shift_labels")
+            target = (shift, False) if isinstance(shift, Tensor) else (labels[..., 1:], True)
+        else:
+            target = None  # labels made in the forward (CSM's first codebook)
+        if target is None:
+            return None
+        if shares:
+            return _counted(target[0], ignore, shares)
+        return LossPlan("tokens", shift=target[1], ignore=ignore) if target[0] is labels or target[1] else None
+    if "labels" not in positional and keywords.get("labels") != "labels":
+        return None  # labels made in the forward: not what the given labels count
     if fn in (getattr(losses, "ForMaskedLMLoss", None), getattr(losses, "ForTokenClassification", None)):
         return _counted(labels, ignore, shares)
     if fn is getattr(losses, "ForSequenceClassificationLoss", None):

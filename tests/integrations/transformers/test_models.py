@@ -174,6 +174,52 @@ def test_masked_lm_loss_with_ignored_labels_equals_the_full_batch_loss(n: int, d
     assert_close_to_reference(got.loss, want.loss, terms=TERMS)
 
 
+def _moonshine() -> nn.Module:  # passes labels=None, shift_labels=labels: counted unshifted
+    torch.manual_seed(0)
+    config = transformers.MoonshineConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, encoder_num_hidden_layers=1,
+        decoder_num_hidden_layers=1, encoder_num_attention_heads=2, decoder_num_attention_heads=2,
+        encoder_num_key_value_heads=2, decoder_num_key_value_heads=2, max_position_embeddings=64,
+        decoder_start_token_id=1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return transformers.MoonshineForConditionalGeneration(config)
+
+
+def _git() -> nn.Module:  # passes labels=None, shift_labels=labels[:, 1:]: counted shifted
+    torch.manual_seed(0)
+    vision = dict(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32)
+    config = transformers.GitConfig(vision_config=vision, vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, intermediate_size=32, max_position_embeddings=64)
+    return transformers.GitForCausalLM(config)
+
+
+@pytest.mark.parametrize("name", ["moonshine", "git"])
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_a_causal_lm_loss_given_shift_labels_by_the_forward_counts_what_it_is_given(n: int, devices: int, name: str) -> None:
+    # Moonshine's logits are aligned with its labels: it hands ForCausalLMLoss
+    # shift_labels=labels, and the loss counts every label other than -100, the first
+    # column's too (GIT hands it labels[:, 1:]). The first column counts in rows 0, 3
+    # and 5 only: a count of labels[..., 1:] gives Moonshine's replicas wrong shares.
+    g = torch.Generator().manual_seed(n)
+    ids, _ = _tokens(n)
+    labels = _uneven_labels(ids, devices)
+    labels[:, 0] = -100
+    labels[[0, 3, 5], 0] = ids[[0, 3, 5], 0]
+    if name == "moonshine":
+        model = _moonshine()
+        kwargs: dict[str, Any] = dict(input_values=torch.randn(n, 1200, generator=g), labels=labels)
+    else:
+        model = _git()
+        kwargs = dict(input_ids=ids, pixel_values=torch.randn(n, 3, 16, 16, generator=g), labels=labels)
+    _far_from_uniform(model, kwargs)  # tokens' losses differ
+    got, want, warned = _loss_call(model, kwargs, devices)
+    assert warned == []
+    assert got.loss.dim() == 0
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=float(want.logits.abs().max()))
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
+
+
 def _wav2vec2(reduction: str) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.Wav2Vec2Config(
