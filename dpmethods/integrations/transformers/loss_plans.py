@@ -82,6 +82,14 @@ _LOSS_CALL = re.compile(r"self\.loss_function\((?:[^()]|\([^()]*\))*\*\*kwargs",
 _MADE_CE = re.compile(r"(\w+)\s*=\s*(?:torch\.)?(?:nn\.)?CrossEntropyLoss\(([^()]*)\)")
 
 
+# Calls that change a tensor's shape or type, not which elements it holds (each element
+# becomes the same number of elements: labels.view(-1), a mask made into pixels).
+_RESHAPES = frozenset({
+    "repeat_interleave", "repeat", "unsqueeze", "reshape", "view", "contiguous", "expand",
+    "flatten", "float", "to", "type_as", "bool", "long",
+})
+
+
 def _source(cls: type) -> str:
     """The source of ``cls.forward`` ('' when it has none: compiled, built at runtime)."""
     found = _SOURCES.get(cls)
@@ -273,12 +281,24 @@ def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
     calls = re.findall(rf"(?<![\w.]){re.escape(fn)}\((.*)\)\s*$", scope, re.M)
     if len(calls) != 1 or len(_arguments(calls[0])) != 2:
         return None
-    name = re.match(r"\w*", _arguments(calls[0])[1]).group(0)  # type: ignore[union-attr]
+    name = _reshaped(_arguments(calls[0])[1])
     if name == "labels":
         return LossPlan("tokens")
-    if name and re.search(rf"\b{name}\s*=\s*labels\[(?:\.\.\.|:),\s*1:\]", source):
+    shifted = re.findall(rf"^[ \t]*{name}\s*=\s*labels\[(?:\.\.\.|:),\s*1:\](.*)$", source, re.M) if name else []
+    if len(shifted) == 1 and _reshaped(f"x{shifted[0]}") == "x":
         return LossPlan("tokens", shift=True)
     return None
+
+
+def _reshaped(expr: str) -> str | None:
+    """The name ``expr`` reshapes alone (``labels.view(-1)``), or None: indexed
+    (``labels.view(-1)[mask]``, BROS's, keeps some of them) or computed."""
+    found = re.fullmatch(r"(\w+)((?:\.\w+\([^()]*\))*)", re.sub(r"\s+", "", expr))
+    if found is None:
+        return None
+    if any(call not in _RESHAPES for call in re.findall(r"\.(\w+)\(", found.group(2))):
+        return None
+    return found.group(1)
 
 
 # `name = (... * mask).sum() / mask.sum()`, the divisor maybe `(mask.sum() + eps)` (an eps
@@ -290,12 +310,6 @@ _MASKED_MEAN = re.compile(
     r"(?:\s*/\s*(?:self\.config\.\w+|[\d.]+))*[ \t]*(?:#.*)?$",
     re.M,
 )
-# Calls that change a mask's shape or type, not which elements it holds (each element of
-# the argument becomes the same number of elements of the mask).
-_RESHAPES = frozenset({
-    "repeat_interleave", "repeat", "unsqueeze", "reshape", "view", "contiguous", "expand",
-    "flatten", "float", "to", "type_as", "bool",
-})
 
 
 def _mask_argument(source: str, mask: str, parameters: set[str]) -> str | None:

@@ -593,6 +593,34 @@ def test_a_loss_dpmethods_cannot_identify_keeps_per_replica_losses_with_a_warnin
     assert_close_to_reference(got.prediction_logits, want.prediction_logits, terms=TERMS)
 
 
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_a_cross_entropy_over_labels_a_mask_selects_keeps_per_replica_losses_with_a_warning(n: int, devices: int) -> None:
+    # BROS's entity linking averages over labels.view(-1)[mask], the rows of its
+    # bbox_first_token_mask: not the labels other than -100 (here all of them), which a
+    # weight per replica would count.
+    torch.manual_seed(0)
+    config = transformers.BrosConfig(**_BERT, dim_bbox=8, dim_bbox_sinusoid_emb_2d=64, dim_bbox_sinusoid_emb_1d=8,
+                                     dim_bbox_projection=8)
+    model = transformers.BrosSpadeELForTokenClassification(config)
+    g = torch.Generator().manual_seed(n)
+    width = 8
+    first = torch.rand(n, width, generator=g) < torch.linspace(0.9, 0.2, n)[:, None]  # uneven per row
+    first[:, 0] = True
+    labels = torch.full((n, width), width)  # "no link": the last column, never masked
+    for row in range(n):
+        for i in range(width):
+            links = [j for j in range(width) if first[row, j] and j != i]
+            if links and i % 3:
+                labels[row, i] = links[(row + i) % len(links)]
+    kwargs = dict(input_ids=torch.randint(5, 50, (n, width), generator=g), bbox=torch.rand(n, width, 8, generator=g),
+                  attention_mask=torch.ones(n, width, dtype=torch.long), bbox_first_token_mask=first, labels=labels)
+    got, want, warned = _loss_call(model, kwargs, devices)
+    assert got.loss.shape == (devices,)  # one value per replica
+    assert any("BrosSpadeELForTokenClassification.forward computes its loss in a way dpmethods can't join" in w
+               for w in warned), warned
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
+
+
 def _mixtral(**options: Any) -> nn.Module:
     torch.manual_seed(0)
     config = transformers.MixtralConfig(
