@@ -366,9 +366,7 @@ def _masked_mean_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
     field = re.search(rf"(\w+)\s*=\s*{mask}\s*[,)]", after)
     if field is None or field.group(1) in parameters:
         return None
-    wanted = given.get("return_dict")
-    if wanted is False or (wanted is None and not getattr(getattr(model, "config", None), "return_dict", True)):
-        return None  # a tuple: the field is not found by name
+    # (With return_dict=False the call is made with return_dict=True, the tuple after.)
     return LossPlan("masked", mask=field.group(1))
 
 

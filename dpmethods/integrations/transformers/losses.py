@@ -52,6 +52,11 @@ def _count_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) ->
     if plan is not None and plan.count is not None:
         # A 0-dim tensor: every replica gets it whole.
         kwargs = {**kwargs, "num_items_in_batch": plan.count}
+    if plan is not None and plan.mask is not None and _wants_tuple(call, args, kwargs):
+        model, inner_args, inner_kwargs = forward_call(call.module, args, kwargs)
+        if not isinstance(bound_arguments(model.forward, inner_args, inner_kwargs).get(plan.mask), Tensor):
+            # The mask is an output field, found by its name: the tuple is made after the gather.
+            return args, {**kwargs, "return_dict": True}, _as_tuple
     return args, kwargs, None
 
 
@@ -63,16 +68,23 @@ def _as_tuple(out: Any) -> Any:
     return out.to_tuple() if hasattr(out, "to_tuple") else out
 
 
+def _wants_tuple(call: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the call asks for a tuple (``return_dict=False``, given as a keyword or in
+    the config) that ``return_dict=True`` in ``kwargs`` can turn into fields."""
+    model = forward_call(call.module, args, kwargs)[0]  # under a peft wrapper, its base
+    wanted = kwargs.get("return_dict")
+    wanted = getattr(getattr(model, "config", None), "return_dict", True) if wanted is None else wanted
+    called = unwrap_compiled(call.module).forward  # the method the arguments are given to
+    return wanted is False and "return_dict" not in bound_arguments(called, args, {})
+
+
 def _pairs_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
     model = forward_call(call.module, args, kwargs)[0]  # under a peft wrapper, its base
     if not returns_pairs(type(model)):
         return args, kwargs, None  # a wrapper's base that returns no logits_per_*
     if call.options.gather != FORWARD_MODE:
         return args, kwargs, functools.partial(check_pairs, name=type(model).__name__)
-    wanted = kwargs.get("return_dict")
-    wanted = getattr(getattr(model, "config", None), "return_dict", True) if wanted is None else wanted
-    called = unwrap_compiled(call.module).forward  # the method the arguments are given to
-    if wanted is False and "return_dict" not in bound_arguments(called, args, {}):
+    if _wants_tuple(call, args, kwargs):
         # The gather joins the pairs by their fields' names; the tuple is made after it.
         return args, {**kwargs, "return_dict": True}, _as_tuple
     return args, kwargs, None
