@@ -11,6 +11,9 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   Trainer's), so its loss is its share of the full-batch loss, and the shares are
   summed; one that calls ``self.loss_function`` without them (Llama's classification
   heads) gets each replica's mean, weighted by its counted labels as below;
+- semantic segmentation (``ForSemanticSegmentationLoss``, or one
+  ``CrossEntropyLoss(ignore_index=self.config.semantic_loss_ignore_index)`` made in
+  ``forward``): as above, its labels other than that index counted;
 - CTC follows the model's ``ctc_loss_reduction`` (``"sum"`` adds, ``"mean"`` averages
   per row); regression and multi-label losses are means over rows;
 - a model that computes one token-averaged cross-entropy itself (``CrossEntropyLoss()``
@@ -218,6 +221,12 @@ def _loss_function_plan(
         if _problem_type(model.config, labels) == "single_label_classification":
             return _counted(labels, ignore, shares)
         return LossPlan("mean")
+    if fn is getattr(losses, "ForSemanticSegmentationLoss", None):
+        # A cross-entropy over the labels' pixels other than its ignore_index (255 unless
+        # given), its auxiliary head's too, each divided by num_items_in_batch if given.
+        named = keywords.get("ignore_index")
+        pixels = _ignored(model, named) if named is not None else 255
+        return None if pixels is None else _counted(labels, pixels, shares)
     if fn is getattr(losses, "ForCTCLoss", None):
         # CTC's own reductions: "sum" adds the rows' losses, "mean" averages them per row
         # (each divided by its target length), so a row-weighted mean is exact; "none"
@@ -250,11 +259,22 @@ def _default_cross_entropy(module: Any) -> bool:
     )
 
 
-def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
+def _ignored(model: Any, expr: str) -> int | None:
+    """The label an ``ignore_index=expr`` argument names: a number, or an attribute of
+    the model or its config (``self.config.semantic_loss_ignore_index``); None if not told."""
+    expr = expr.strip()
+    if re.fullmatch(r"-?\d+", expr):
+        return int(expr)
+    value = _attribute(model, expr) if re.fullmatch(r"self(?:\.\w+)+", expr) else _MISSING
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _direct_plan(model: Any, labels: Tensor, given: Mapping[str, Any]) -> LossPlan | None:
     """The plan of a model that computes one token-averaged cross-entropy itself, or None.
 
-    Identified from ``forward``'s source: one ``CrossEntropyLoss()`` (mean, ignoring
-    -100) made there, or a child module that is one, called once, on ``labels`` or on a
+    Identified from ``forward``'s source: one ``CrossEntropyLoss()`` (mean, ignoring -100
+    or the ``ignore_index`` it is given: semantic segmentation's) made there where this
+    call may run it, or a child module that is one, called once, on ``labels`` or on a
     ``labels[..., 1:]`` shift of them.
     """
     source = _source(type(model))
@@ -267,11 +287,19 @@ def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
              if _default_cross_entropy(m) and f"self.{name}(" in source]
     if len(made) + len(owned) != 1:
         return None
+    ignore = -100
     if owned:
         fn, scope = owned[0], source
-    elif made[0].group(2).replace(" ", "") not in ("", "ignore_index=-100"):
-        return None
+    elif not _may_run(source, made[0].start(), model, given):
+        return None  # another branch computes the loss (Segformer's one-label BCE)
     else:
+        option = made[0].group(2).strip()
+        if option:
+            named = re.fullmatch(r"ignore_index\s*=\s*(.+)", option)
+            found = _ignored(model, named.group(1)) if named else None
+            if found is None:
+                return None
+            ignore = found
         # The calls of the name while it is bound to the cross-entropy: classification
         # heads bind one name (loss_fct) to MSELoss, CrossEntropyLoss and
         # BCEWithLogitsLoss in turn, one per problem type, and call it in each branch.
@@ -283,10 +311,10 @@ def _direct_plan(model: Any, labels: Tensor) -> LossPlan | None:
         return None
     name = _reshaped(_arguments(calls[0])[1])
     if name == "labels":
-        return LossPlan("tokens")
+        return LossPlan("tokens", ignore=ignore)
     shifted = re.findall(rf"^[ \t]*{name}\s*=\s*labels\[(?:\.\.\.|:),\s*1:\](.*)$", source, re.M) if name else []
     if len(shifted) == 1 and _reshaped(f"x{shifted[0]}") == "x":
-        return LossPlan("tokens", shift=True)
+        return LossPlan("tokens", shift=True, ignore=ignore)
     return None
 
 
@@ -411,7 +439,7 @@ def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
     if atom.startswith("not "):
         value = _truth(atom[4:], model, given)
         return None if value is None else not value
-    compared = re.fullmatch(r"([\w.]+)\s*(is not|is|>|!=)\s*(None|0(?:\.0)?)", atom)
+    compared = re.fullmatch(r"([\w.]+)\s*(is not|is|>=|<=|==|!=|>|<)\s*(None|-?\d+(?:\.\d+)?)", atom)
     name = compared.group(1) if compared else atom
     if not re.fullmatch(r"[\w.]+", name) or (re.match(r"\w+\.", name) and not name.startswith("self.")):
         return None
@@ -425,41 +453,48 @@ def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
         return None
     if compared is None:
         return None if isinstance(value, Tensor) else bool(value)
-    op = compared.group(2)
-    if op in ("is not", "is"):
-        return (value is not None) == (op == "is not")
-    if not isinstance(value, (int, float)):
+    op, other = compared.group(2), compared.group(3)
+    if other == "None":
+        if op in ("is", "is not", "==", "!="):
+            return (value is None) == (op in ("is", "=="))
         return None
-    return value > 0 if op == ">" else value != 0
+    if op in ("is", "is not") or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    number = float(other)
+    return {">": value > number, "<": value < number, ">=": value >= number, "<=": value <= number,
+            "==": value == number, "!=": value != number}[op]
+
+
+def _may_run(source: str, at: int, model: Any, given: Mapping[str, Any]) -> bool:
+    """Whether the statement at offset ``at`` of ``source`` may run for this call: none of
+    the ``if`` conditions that enclose it is false (an unknown one may hold)."""
+    lines = source.splitlines()
+    row = source.count("\n", 0, at)
+    indent = len(lines[row]) - len(lines[row].lstrip())
+    for line in reversed(lines[:row]):
+        text = line.strip()
+        depth = len(line) - len(line.lstrip())
+        if not text or text[0] in "#)]}" or depth >= indent:
+            continue  # inside the block, or a bracket closing a line above
+        indent = depth  # the statement that encloses the block: if, for, with, ...
+        head = re.match(r"(if|def)\b(.*?):?\s*(?:#.*)?$", text)
+        if head is None:
+            continue  # elif, else, for, with: no condition told here
+        if head.group(1) == "def":
+            break
+        condition = head.group(2)
+        atoms = [condition] if re.search(r"\bor\b", condition) else re.split(r"\s+and\s+", condition)
+        if False in [_truth(atom, model, given) for atom in atoms]:
+            return False
+    return True
 
 
 def _adds_terms(model: Any, given: Mapping[str, Any]) -> bool:
     """Whether this call's loss adds a term to the loss it computes (a router's
     auxiliary loss on each replica's tokens, a z-loss over its rows): a statement that
-    does, none of whose enclosing ``if`` conditions is false for this call."""
+    does and may run for this call."""
     source = _source(type(model))
-    lines = source.splitlines()
-    for added in _ADDED.finditer(source):
-        indent, taken = len(added.group(1)), True
-        for line in reversed(lines[: source.count("\n", 0, added.start())]):
-            text = line.strip()
-            depth = len(line) - len(line.lstrip())
-            if not text or text[0] in "#)]}" or depth >= indent:
-                continue  # inside the block, or a bracket closing a line above
-            indent = depth  # the statement that encloses the block: if, for, with, ...
-            head = re.match(r"(if|def)\b(.*?):?\s*(?:#.*)?$", text)
-            if head is None:
-                continue  # elif, else, for, with: no condition told here
-            if head.group(1) == "def":
-                break
-            condition = head.group(2)
-            atoms = [condition] if re.search(r"\bor\b", condition) else re.split(r"\s+and\s+", condition)
-            if False in [_truth(atom, model, given) for atom in atoms]:
-                taken = False
-                break
-        if taken:
-            return True
-    return False
+    return any(_may_run(source, added.start(), model, given) for added in _ADDED.finditer(source))
 
 
 def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LossPlan | None:
@@ -496,4 +531,4 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         # Called without **kwargs (Llama's classification heads), so without
         # num_items_in_batch: each replica's loss is a mean over its counted labels.
         plan = _loss_function_plan(model, {}, labels, ignore, shares=False)
-    return plan if plan is not None else _direct_plan(model, labels)
+    return plan if plan is not None else _direct_plan(model, labels, given)

@@ -566,6 +566,58 @@ def test_masked_image_modeling_loss_weighs_each_replica_by_its_masked_patches(n:
     assert_close_to_reference(weight.grad, want_grad, terms=GRAD_TERMS)
 
 
+def _segmenter(name: str, labels: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    if name == "segformer":  # CrossEntropyLoss(ignore_index=config.semantic_loss_ignore_index) itself
+        config = transformers.SegformerConfig(
+            num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16],
+            patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
+            decoder_hidden_size=16, num_labels=labels,
+        )
+        return transformers.SegformerForSemanticSegmentation(config)
+    # transformers' ForSemanticSegmentationLoss, with its auxiliary head's term.
+    config = transformers.BeitConfig(
+        image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+        intermediate_size=32, out_indices=[1, 2, 3, 4], num_labels=labels, use_auxiliary_head=True,
+        pool_scales=[1, 2], auxiliary_channels=8, auxiliary_num_convs=1, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BeitForSemanticSegmentation(config)
+
+
+def _pixel_labels(model: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """Each pixel's label: the most likely class in the first rows (a small loss), the
+    least likely in the others (a large one), 255 (ignored) for a share of the pixels
+    growing down the batch."""
+    n = pixels.shape[0]
+    logits = _far_from_uniform(model, dict(pixel_values=pixels))
+    logits = nn.functional.interpolate(logits, size=pixels.shape[-2:], mode="bilinear", align_corners=False)
+    labels = torch.where((torch.arange(n) >= n // 2)[:, None, None], logits.argmin(1), logits.argmax(1))
+    g = torch.Generator().manual_seed(n)
+    return labels.masked_fill(torch.rand(labels.shape, generator=g) < torch.linspace(0.0, 0.95, n)[:, None, None], 255)
+
+
+@pytest.mark.parametrize("name", ["segformer", "beit"])
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_semantic_segmentation_loss_is_the_full_batch_mean_over_its_labelled_pixels(n: int, devices: int, name: str) -> None:
+    # A cross-entropy over the pixels whose label is not the config's ignore index (255):
+    # the replicas' means are weighted by their labelled pixels (BEiT's auxiliary head's
+    # term likewise), with no warning.
+    model = _segmenter(name)
+    pixels = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(n))
+    kwargs = dict(pixel_values=pixels, labels=_pixel_labels(model, pixels))
+    got, want, warned = _loss_call(model, kwargs, devices)
+    assert warned == []
+    assert got.loss.dim() == 0
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS + 32 * 32, scale=float(want.logits.abs().max()))
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
+    # Segformer with one label computes a binary cross-entropy over every pixel instead.
+    binary = _segmenter("segformer", labels=1)
+    got, _, warned = _loss_call(binary, dict(pixel_values=pixels, labels=kwargs["labels"].clamp(max=1)), devices)
+    assert got.loss.shape == (devices,)
+    assert any("SegformerForSemanticSegmentation.forward computes its loss" in w for w in warned), warned
+
+
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_a_weighted_loss_with_return_dict_false_is_the_first_element(n: int, devices: int) -> None:
     model = _bert_mlm()
