@@ -144,8 +144,8 @@ MUTATIONS: tuple[Mutation, ...] = (
         "causal-count-unshifted",
         "A causal LM's num_items_in_batch counts all its labels, where the loss counts labels[..., 1:].",
         _PLANS,
-        "return _counted(labels[..., 1:], ignore, shares, shift=True)",
-        "return _counted(labels, ignore, shares, shift=True)",
+        "else (labels[..., 1:], True)",
+        "else (labels, True)",
         (_TF + "test_gpt2_left_padded_loss_equals_the_full_batch_loss",),
     ),
     Mutation(
