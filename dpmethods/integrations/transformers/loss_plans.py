@@ -9,8 +9,10 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   from the labels, unshifted or ``labels[..., 1:]``): each replica
   is given the full batch's ``num_items_in_batch`` (transformers' own mechanism, the
   Trainer's), so its loss is its share of the full-batch loss, and the shares are
-  summed; one that calls ``self.loss_function`` without them (Llama's classification
-  heads) gets each replica's mean, weighted by its counted labels as below;
+  summed (a ``num_items_in_batch`` the caller gives, the Trainer's, is handed on
+  instead); one that calls ``self.loss_function`` without them (Llama's classification
+  heads) gets each replica's mean, weighted by its counted labels as below, as does one
+  that computes its loss itself, a ``num_items_in_batch`` given or not;
 - semantic segmentation (``ForSemanticSegmentationLoss``, or one
   ``CrossEntropyLoss(ignore_index=self.config.semantic_loss_ignore_index)`` made in
   ``forward``): as above, its labels other than that index counted;
@@ -508,25 +510,30 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         >>> import torch
         >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2)}) is None
         True
-        >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2), "num_items_in_batch": 5})
-        LossPlan(mode='sum', count=None, shift=False, ignore=-100, mask=None)
+        >>> loss_plan(torch.nn.Linear(2, 2), (), {"labels": torch.zeros(2), "num_items_in_batch": 5}) is None
+        True
     """
     model, args, kwargs = forward_call(model, args, kwargs)
     given = bound_arguments(model.forward, args, kwargs)
     labels = given.get("labels")
+    # The caller's num_items_in_batch (the Trainer's) reaches a loss only through the
+    # **kwargs handed to transformers' loss_function: a loss the forward computes itself
+    # (BertForMaskedLM's, T5's) ignores it and is a mean on each replica.
+    counts = given.get("num_items_in_batch") is not None and _passes_kwargs_to_loss(type(model))
     if not isinstance(labels, Tensor):
-        # Question answering: a mean of two means, weighted per call (see spans).
+        # Question answering: a mean of two means, weighted per call (see spans), or
+        # with the caller's count, shares of the full loss.
         if is_span_loss(model, _source(type(model)), given):
-            return LossPlan("spans")
+            return LossPlan("sum") if counts else LossPlan("spans")
         return _masked_mean_plan(model, given)
     if _adds_terms(model, given):
         return None  # another term (a router's load-balancing loss): neither a sum nor a mean
-    if given.get("num_items_in_batch") is not None:
-        return LossPlan("sum")  # the caller's count (the Trainer's): shares of the full loss
     ignore = int(given.get("ignore_index", -100))
     plan = None
     if _passes_kwargs_to_loss(type(model)):
         plan = _loss_function_plan(model, given, labels, ignore, shares=True)
+        if plan is not None and plan.mode == "sum" and counts:
+            plan = LossPlan("sum")  # the caller's count, every replica given it: shares of its loss
     elif "self.loss_function(" in _source(type(model)):
         # Called without **kwargs (Llama's classification heads), so without
         # num_items_in_batch: each replica's loss is a mean over its counted labels.

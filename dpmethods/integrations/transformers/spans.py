@@ -34,8 +34,6 @@ def is_span_loss(model: Any, source: str, given: Mapping[str, Any]) -> bool:
     """
     if not all(isinstance(given.get(k), Tensor) for k in _POSITIONS):
         return False
-    if given.get("num_items_in_batch") is not None:
-        return False  # summed by its count instead: not the mean this module weights
     losses = sys.modules.get("transformers.loss.loss_utils")
     qa_loss = getattr(losses, "ForQuestionAnsweringLoss", None)
     return "ignored_index" in source or (

@@ -312,6 +312,13 @@ def _distilbert_mlm() -> nn.Module:  # its CrossEntropyLoss is a child module, m
     return transformers.DistilBertForMaskedLM(config)
 
 
+def _gpt2_lm() -> nn.Module:  # hands **kwargs to self.loss_function
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=32)
+    )
+
+
 def _llama_tokens() -> nn.Module:  # calls self.loss_function without **kwargs
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**_LLAMA, num_labels=50, classifier_dropout=0.0)
@@ -347,6 +354,29 @@ def test_a_token_averaged_cross_entropy_computed_by_the_model_equals_the_full_ba
     model.zero_grad()
     DataParallel(model, device_ids=["cpu"] * devices)(**kwargs).loss.backward()
     assert_close_to_reference(weight.grad, want_grad, terms=GRAD_TERMS)
+
+
+@pytest.mark.parametrize(
+    "build", [_bert_mlm, _t5, _llama_tokens, _gpt2_lm],
+    ids=["bert-mlm", "t5", "llama-token-classification", "gpt2"],
+)
+def test_a_num_items_in_batch_given_joins_as_the_loss_that_uses_or_ignores_it(build: Any) -> None:
+    # The Trainer passes num_items_in_batch to any forward that takes **kwargs. GPT-2 hands
+    # it to transformers' loss_function (each replica's loss a share of the full loss); BERT
+    # and T5 compute their own cross-entropy and Llama's token classification calls
+    # loss_function without it: each replica's loss is a mean, and the means are weighted
+    # by counted labels, not summed.
+    model = build()
+    ids, _ = _tokens(7)
+    labels = _uneven_labels(ids, 3)
+    shifted = isinstance(model, transformers.GPT2LMHeadModel)
+    count = (labels[..., 1:] if shifted else labels).ne(-100).sum()  # the Trainer's count
+    kwargs = dict(input_ids=ids, labels=labels, num_items_in_batch=count)
+    _far_from_uniform(model, dict(input_ids=ids, labels=labels))  # tokens' losses differ
+    got, want, warned = _loss_call(model, kwargs, 3)
+    assert warned == []
+    assert got.loss.dim() == 0
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS, scale=float(want.logits.abs().max()))
 
 
 _BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
