@@ -29,17 +29,21 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   FocalNet's, whose mask is ``bool_masked_pos`` made into pixels): the replicas' means
   are weighted by each replica's part of the mask, read from its output or from its
   share of the argument;
-- anything else, and a loss that adds another term to the one it computes when this
-  call's conditions on the way to it hold or can't be told (a router's auxiliary loss
-  with ``output_router_logits``, Bamba's z-loss with ``z_loss_coefficient > 0``): no
-  plan, and the loss stays one per replica, with a one-time warning.
+- anything else, and a loss the forward changes once computed (``loss += ...``, or
+  ``loss = ...`` of it and more) where this call's conditions on the way hold or can't
+  be told (a router's auxiliary loss with ``output_router_logits``, Bamba's z-loss with
+  ``z_loss_coefficient > 0``, VibeVoice's weighted diffusion loss): no plan, and the
+  loss stays one per replica, with a one-time warning.
 """
 
 from __future__ import annotations
 
 import inspect
+import io
 import re
 import sys
+import textwrap
+import tokenize
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -292,7 +296,7 @@ def _direct_plan(model: Any, labels: Tensor, given: Mapping[str, Any]) -> LossPl
     ignore = -100
     if owned:
         fn, scope = owned[0], source
-    elif not _may_run(source, made[0].start(), model, given):
+    elif not _may_run(source, source.count("\n", 0, made[0].start()), model, given):
         return None  # another branch computes the loss (Segformer's one-label BCE)
     else:
         option = made[0].group(2).strip()
@@ -400,9 +404,43 @@ def _masked_mean_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
     return LossPlan("masked", mask=field.group(1))
 
 
-# A statement that adds a term to the loss once it is computed: `loss += ...` or
-# `loss = loss + ...` (a router's auxiliary loss, a z-loss, one per codebook).
-_ADDED = re.compile(r"^([ \t]*)loss\s*(?:\+=|=\s*loss\s*\+)", re.M)
+def _expression(text: str) -> str:
+    """The expression ``text`` starts with: to the end of its line, outside brackets."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "\n" and depth <= 0:
+            return text[:i]
+    return text
+
+
+def _updates(source: str) -> list[int]:
+    """The lines where the forward changes the loss it computed: ``loss += ...``, or
+    ``loss = ...`` of an expression of ``loss`` and more (``loss + aux_loss``,
+    ``(1 - w) * loss + w * diffusion_loss``, ``router_loss if loss is None else loss +
+    router_loss``); statements only, read with Python's tokenizer (not ``loss=loss``,
+    a keyword argument, nor text in strings)."""
+    text = textwrap.dedent(source)
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    except (tokenize.TokenError, SyntaxError):
+        return []
+    lines, found, depth = text.splitlines(keepends=True), [], 0
+    starts = (tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.COMMENT)
+    for i, tok in enumerate(tokens[:-1]):
+        if tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        after = tokens[i + 1]
+        if (depth or tok.string != "loss" or tok.type != tokenize.NAME or (i and tokens[i - 1].type not in starts)
+                or after.type != tokenize.OP or after.string not in ("=", "+=", "-=", "*=", "/=")):
+            continue
+        row, col = after.end
+        value = " ".join(_expression("".join(lines[row - 1 :])[col:]).split())
+        if after.string != "=" or (re.search(r"(?<![\w.])loss(?!\w)", value) and _reshaped(value) != "loss"):
+            found.append(tok.start[0] - 1)
+    return found
 
 
 _MISSING = object()
@@ -421,7 +459,8 @@ def _attribute(model: Any, path: str) -> Any:
 def _default(model: Any, name: str) -> Any:
     """The value the forward takes for its argument ``name`` when not given: the
     signature's default, else its fallback (``x if x is not None else self.config.x``),
-    else its config's ``name`` (``_MISSING`` if none)."""
+    else its config's ``name`` (filled in by a decorator), else the signature's None
+    (``_MISSING`` if not told)."""
     try:
         parameter = inspect.signature(inspect.unwrap(type(model).forward)).parameters.get(name)
     except (TypeError, ValueError):
@@ -431,7 +470,10 @@ def _default(model: Any, name: str) -> Any:
     fallback = re.search(rf"\b{name}\s+if\s+{name}\s+is\s+not\s+None\s+else\s+(self\.[\w.]+)", _source(type(model)))
     if fallback is not None:
         return _attribute(model, fallback.group(1))
-    return getattr(getattr(model, "config", None), name, _MISSING)
+    value = getattr(getattr(model, "config", None), name, _MISSING)
+    if value is _MISSING and parameter is not None and parameter.default is None:
+        return None
+    return value
 
 
 def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
@@ -467,27 +509,56 @@ def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
             "==": value == number, "!=": value != number}[op]
 
 
-def _may_run(source: str, at: int, model: Any, given: Mapping[str, Any]) -> bool:
-    """Whether the statement at offset ``at`` of ``source`` may run for this call: none of
-    the ``if`` conditions that enclose it is false (an unknown one may hold)."""
+def _holds(lines: list[str], k: int, model: Any, given: Mapping[str, Any]) -> bool | None:
+    """The value of the condition of the ``if`` or ``elif`` on line ``k`` for this call
+    (over several lines when bracketed: ``if (\n a\n and b\n):``), None if unknown."""
+    head = re.match(r"(?:el)?if\b(.*)", lines[k].strip())
+    if head is None:
+        return None
+    condition = " ".join(_expression("\n".join([head.group(1), *lines[k + 1 :]])).split())
+    condition = re.sub(r":\s*(?:#.*)?$", "", condition).strip()
+    if condition.startswith("(") and condition.endswith(")"):
+        condition = condition[1:-1].strip()
+    if re.search(r"\bor\b", condition):
+        return None
+    values = [_truth(atom, model, given) for atom in re.split(r"\s+and\s+", condition)]
+    return False if False in values else (True if all(values) else None)
+
+
+def _may_run(source: str, row: int, model: Any, given: Mapping[str, Any]) -> bool:
+    """Whether the statement on line ``row`` (from 0) of ``source`` may run for this call:
+    no ``if`` that encloses it is false, and no ``if`` or ``elif`` before the ``elif`` or
+    ``else`` that encloses it is true (an unknown condition may go either way)."""
     lines = source.splitlines()
-    row = source.count("\n", 0, at)
     indent = len(lines[row]) - len(lines[row].lstrip())
-    for line in reversed(lines[:row]):
+    for k in range(row - 1, -1, -1):
+        line = lines[k]
         text = line.strip()
         depth = len(line) - len(line.lstrip())
         if not text or text[0] in "#)]}" or depth >= indent:
             continue  # inside the block, or a bracket closing a line above
         indent = depth  # the statement that encloses the block: if, for, with, ...
-        head = re.match(r"(if|def)\b(.*?):?\s*(?:#.*)?$", text)
-        if head is None:
-            continue  # elif, else, for, with: no condition told here
-        if head.group(1) == "def":
+        kind = re.match(r"(if|elif|else|def)\b", text)
+        if kind is None:
+            continue  # for, with, try: no condition
+        if kind.group(1) == "def":
             break
-        condition = head.group(2)
-        atoms = [condition] if re.search(r"\bor\b", condition) else re.split(r"\s+and\s+", condition)
-        if False in [_truth(atom, model, given) for atom in atoms]:
+        if kind.group(1) in ("if", "elif") and _holds(lines, k, model, given) is False:
             return False
+        if kind.group(1) == "if":
+            continue
+        # An elif or else runs only where every if and elif before it in the chain is false.
+        for j in range(k - 1, -1, -1):
+            above = lines[j]
+            if not above.strip() or above.strip()[0] in "#)]}" or len(above) - len(above.lstrip()) != depth:
+                continue  # a deeper line of a block of the chain, or a bracket closing a condition
+            sibling = re.match(r"(if|elif)\b", above.strip())
+            if sibling is None:
+                break  # the chain's own blocks are deeper; another statement ends the search
+            if _holds(lines, j, model, given) is True:
+                return False
+            if sibling.group(1) == "if":
+                break
     return True
 
 
@@ -496,7 +567,7 @@ def _adds_terms(model: Any, given: Mapping[str, Any]) -> bool:
     auxiliary loss on each replica's tokens, a z-loss over its rows): a statement that
     does and may run for this call."""
     source = _source(type(model))
-    return any(_may_run(source, added.start(), model, given) for added in _ADDED.finditer(source))
+    return any(_may_run(source, row, model, given) for row in _updates(source))
 
 
 def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> LossPlan | None:

@@ -736,21 +736,42 @@ def _bamba(**options: Any) -> nn.Module:  # adds a z-loss, a mean over rows, whe
     return transformers.BambaForCausalLM(config)
 
 
+class _MixedLossLM(transformers.LlamaForCausalLM):
+    """A causal LM that mixes its token-averaged loss with a z-loss over its rows when
+    asked, written as VibeVoice mixes its diffusion loss: ``(1 - w) * loss + w * other``."""
+
+    def forward(self, input_ids: Any = None, labels: Any = None, z_weight: float | None = None, **kwargs: Any) -> Any:
+        logits = super().forward(input_ids=input_ids, **kwargs).logits
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        if z_weight is not None and loss is not None:
+            loss = (1 - z_weight) * loss + z_weight * logits.logsumexp(-1).pow(2).mean()
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def _mixed(**options: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return _MixedLossLM(transformers.LlamaConfig(**_LLAMA))
+
+
 @pytest.mark.parametrize(
     "build,added,name",
     [
         (_mixtral, dict(output_router_logits=True), "MixtralForCausalLM"),
         (_jetmoe, dict(output_router_logits=True), "JetMoeForCausalLM"),
         (_bamba, dict(z_loss_coefficient=0.1), "BambaForCausalLM"),
+        (_mixed, dict(z_weight=0.3), "_MixedLossLM"),
     ],
-    ids=["mixtral-router", "jetmoe-router", "bamba-z-loss"],
+    ids=["mixtral-router", "jetmoe-router", "bamba-z-loss", "mixed"],
 )
 def test_a_term_added_to_the_loss_keeps_per_replica_losses_with_a_warning(build: Any, added: dict[str, Any], name: str) -> None:
     # A router's load-balancing loss over each replica's tokens, or a z-loss over its rows,
     # added to the token-averaged loss: neither a sum of shares nor a weighted mean.
     ids, labels = _tokens(7)
-    options = {k: v for k, v in added.items() if k != "output_router_logits"}
-    kwargs = dict(input_ids=ids, labels=labels, **{k: v for k, v in added.items() if k == "output_router_logits"})
+    passed = ("output_router_logits", "z_weight")  # arguments of the call, the others the config's
+    options = {k: v for k, v in added.items() if k not in passed}
+    kwargs = dict(input_ids=ids, labels=labels, **{k: v for k, v in added.items() if k in passed})
     got, want, warned = _loss_call(build(**options), kwargs, 3)
     assert got.loss.shape == (3,)
     assert any(f"{name}.forward computes its loss in a way dpmethods can't join" in w
