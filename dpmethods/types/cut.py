@@ -184,7 +184,12 @@ class _Cutter:
             column, pos = self.node(child, pos, path + label, child_mode, child_dim, False)
             columns.append(column)
         holder = spec._replace(children=(_tree.OTHER,) * len(spec.children))
-        return [_tree.unflatten(holder, [c[r] for c in columns]) for r in range(self.rows)], end
+        values = [_tree.unflatten(holder, [c[r] for c in columns]) for r in range(self.rows)]
+        info = _state_of(spec.cls, spec.meta[1]) if spec.kind == _tree.NODE and STATE_RULES else None
+        if info is not None and info.narrow is not None and self.prompt is not None and self.padding is not None:
+            # A decoder-only prompt's left padding: the positions before the item's own.
+            values = [info.narrow(v, s) for v, (s, _) in zip(values, self.padding.spans)]
+        return values, end
 
     def trimmed_entry(self, spec: _tree.Spec, leaves: list[Any], path: str, span: tuple[int, int]) -> list[Any]:
         """The leaves of one item's entry of a per-item list (sentence-transformers'
@@ -307,10 +312,15 @@ class ItemState(NamedTuple):
     """How an item's part of a batch-state object (a cache) is cut: ``positional[i]``,
     child i holds every position in order along dim 2 (``[batch, heads, positions,
     dim]``: a decoder-only prompt's left padding is cut away); ``encoder``, the child
-    (a nested state object) that holds the encoder's positions (cut to the item's)."""
+    (a nested state object) that holds the encoder's positions (cut to the item's);
+    ``narrow(obj, start)``, the item's object from the one rebuilt of its rows (its
+    positional children already cut), given the ``start`` positions of left padding
+    the batch had before the item's own: what the children cannot say (a count of the
+    positions seen, a sliding window's last positions)."""
 
     positional: Sequence[bool] = ()
     encoder: int | None = None
+    narrow: Callable[[Any, int], Any] | None = None
 
 
 # Tells a registered type's node (its class and flatten context) as batch state, or None:

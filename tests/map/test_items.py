@@ -353,37 +353,56 @@ def test_generates_cache_is_each_prompts_own_as_its_generate_alone_gives_it(work
             dp.close()
 
 
+def _sliding_models() -> list[Any]:
+    """Mistral (every layer a sliding window) and Gemma 2 (sliding and full layers), a window of 4."""
+    import transformers
+
+    shared = {"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 64,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": None, "sliding_window": 4}
+    torch.manual_seed(0)
+    models = [transformers.MistralForCausalLM(transformers.MistralConfig(**shared))]
+    if hasattr(transformers, "Gemma2ForCausalLM"):
+        models.append(transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shared, head_dim=8)))
+    return [m.eval() for m in models]
+
+
+def _filled(layer: Any) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A cache layer's count of positions seen and its keys and values; a static layer's
+    without the positions not written yet (its size follows the cache generate reused)."""
+    seen, keys, values = int(layer.get_seq_length()), layer.keys, layer.values
+    if "Static" in type(layer).__name__:
+        keys, values = keys[:, :, :seen], values[:, :, :seen]
+    return seen, keys, values
+
+
 @pytest.mark.parametrize("workers", WORKERS)
-def test_a_sliding_window_cache_keeps_every_position_of_the_prompt_alone(workers: str) -> None:
-    """A sliding window drops the oldest positions, so the batch's left padding is not where
-    the positions start: the item's cache keeps the batch's window, in which its own
-    positions are the last ones, as alone (none cut away)."""
+def test_a_sliding_window_cache_is_each_prompts_own_window_as_alone(workers: str) -> None:
+    """A sliding window holds the last positions the batch saw: an item's keeps those of
+    its own that its window holds alone, and counts its own positions (not the batch's
+    left padding), dynamic and static."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "MistralForCausalLM"):
         pytest.skip("this transformers has no Mistral")
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=None,
-        sliding_window=8)
-    model = transformers.MistralForCausalLM(config).eval()
     g = torch.Generator().manual_seed(3)
     prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 6, 2, 5)]
-    kwargs = {"max_new_tokens": 6, "return_dict_in_generate": True}
-    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
-    try:
-        with torch.no_grad():
-            outs = list(dp.map("generate", prompts, batch_size=2, **kwargs))
-            ref = _generate_alone(model, prompts, **kwargs)
-    finally:
-        dp.close()
-    for out, want in zip(outs, ref):
-        assert out.sequences.tolist() == want.sequences[0].tolist()
-        for got, wanted in zip(_cache_tensors(out.past_key_values), _cache_tensors(want.past_key_values)):
-            n = wanted.shape[2]
-            assert got.shape[:2] == wanted.shape[:2] and got.shape[2] >= n  # nothing of its own cut away
-            assert_close_to_reference(got[:, :, got.shape[2] - n:], wanted,
-                                      terms=transformer_terms(width=16, ff=32, seq=12, layers=2))
+    for model in _sliding_models():
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            for kwargs in ({"max_new_tokens": 5}, {"max_new_tokens": 5, "num_beams": 2},
+                           {"max_new_tokens": 5, "cache_implementation": "static"}):
+                with torch.no_grad():
+                    outs = list(dp.map("generate", prompts, batch_size=2, return_dict_in_generate=True, **kwargs))
+                    ref = _generate_alone(model, prompts, return_dict_in_generate=True, **kwargs)
+                for out, want in zip(outs, ref):
+                    assert out.sequences.tolist() == want.sequences[0].tolist()
+                    for got, wanted in zip(out.past_key_values.layers, want.past_key_values.layers):
+                        (n, *kv), (m, *wkv) = _filled(got), _filled(wanted)
+                        assert n == m
+                        assert [t.shape for t in kv] == [t.shape for t in wkv]
+                        assert_close_to_reference(kv, wkv, terms=transformer_terms(width=16, ff=32, seq=12, layers=2))
+        finally:
+            dp.close()
 
 
 @pytest.mark.parametrize("workers", WORKERS)

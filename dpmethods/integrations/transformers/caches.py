@@ -119,9 +119,73 @@ register_type(
 )
 
 # Item maps: a cache is each item's own, a batch of its rows. Layers that hold every
-# position in order have the item's positions cut out; a sliding window drops the oldest
-# (its window keeps the batch's), a linear-attention state has no positions.
+# position in order have the item's positions cut out (and their counts of positions
+# lessened by the batch's left padding before the item's own); a sliding window keeps
+# the last of the item's own positions that its window holds alone; a linear-attention
+# state has no positions.
 _POSITIONAL = frozenset((layer, name) for layer in ("DynamicLayer", "StaticLayer") for name in ("keys", "values"))
+
+
+def _names(layer: Any) -> set[str]:
+    return {c.__name__ for c in type(layer).__mro__}
+
+
+def _narrow_dynamic_window(layer: Any, start: int) -> None:
+    # It holds the last min(seen, window - 1) positions; alone the item has seen its own.
+    own = int(layer.cumulative_length) - start
+    keep = min(int(layer.keys.shape[2]), own)
+    layer.keys, layer.values = layer.keys[:, :, layer.keys.shape[2] - keep:], layer.values[:, :, layer.values.shape[2] - keep:]
+    layer.cumulative_length = own
+
+
+def _narrow_static_window(layer: Any, start: int, longest: int | None) -> None:
+    """A static sliding layer: ``[batch, heads, size, dim]``, size min(window, the cache's
+    length), positions in order from 0 until they fill it, then the last ones. The item's
+    size is min(window, ``longest - start``), ``longest`` the batch cache's length, or the
+    batch's size where that length is unknown (the window was smaller and no full layer
+    says it; a static cache's size is not the item's own anyway: ``generate`` reuses a
+    large enough one)."""
+    size, seen = int(layer.max_cache_len), int(layer.cumulative_length_int)
+    croppable = bool(layer.is_croppable)
+    if croppable:  # the cache's length was within the window: it is the size
+        longest = size
+    own = seen - start
+    mine = size if longest is None else min(size, longest - start)
+    first = max(0, seen - size)  # the first position the batch's layer holds
+    keep = min(own, mine)
+    parts = []
+    for t in (layer.keys, layer.values):
+        new = t.new_zeros((*t.shape[:2], mine, t.shape[3]))
+        new[:, :, :keep] = t[:, :, seen - keep - first: seen - first]
+        parts.append(new)
+    layer.keys, layer.values = parts
+    layer.max_cache_len = mine
+    layer._is_croppable = croppable or (longest is not None and longest - start <= size)
+    layer.cumulative_length_int = own
+    # The tensor count is read only while the layer is not full: then it is the int's.
+    layer.cumulative_length = layer.cumulative_length.new_tensor(min(own, mine))
+
+
+def _narrow_cache(cache: Any, start: int) -> Any:
+    """The cache of an item whose prompt had ``start`` positions of the batch's left
+    padding before it, as its ``generate`` alone leaves it."""
+    if not start:
+        return cache
+    layers = list(getattr(cache, "layers", ()))
+    full = [layer for layer in layers if "StaticLayer" in _names(layer) and not getattr(layer, "is_sliding", False)]
+    longest = int(full[0].max_cache_len) if full else None  # the batch cache's length
+    for layer in layers:
+        names = _names(layer)
+        if not getattr(layer, "is_initialized", False) or not isinstance(getattr(layer, "keys", None), Tensor):
+            continue
+        if "DynamicSlidingWindowLayer" in names:
+            _narrow_dynamic_window(layer, start)
+        elif "StaticSlidingWindowLayer" in names:
+            _narrow_static_window(layer, start, longest)
+        elif "StaticLayer" in names:  # its keys were cut from start (_POSITIONAL)
+            layer.max_cache_len = int(layer.max_cache_len) - start
+            layer.cumulative_length = layer.cumulative_length - start
+    return cache
 
 
 def _item_state(cls: Any, context: Any) -> ItemState | None:
@@ -131,7 +195,7 @@ def _item_state(cls: Any, context: Any) -> ItemState | None:
         return ItemState(encoder=1)
     key = getattr(context, "key", None)
     kinds = [(layer, name) for layer, names in key for name in names] if isinstance(key, tuple) else []
-    return ItemState(positional=[kind in _POSITIONAL for kind in kinds])
+    return ItemState(positional=[kind in _POSITIONAL for kind in kinds], narrow=_narrow_cache)
 
 
 register_item_state(_item_state)
