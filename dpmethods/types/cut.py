@@ -220,7 +220,13 @@ class _Cutter:
 
     def batched(self, value: Any, dim: int) -> bool:
         return (isinstance(value, Tensor) and -value.dim() <= dim < value.dim()
-                and value.shape[dim] in (self.rows * self.repeat, self.rows * self.beams))
+                and value.shape[dim] in (self.rows, self.rows * self.repeat, self.rows * self.beams))
+
+    def group(self, value: Tensor, dim: int) -> int:
+        """A batched tensor's rows per item: ``repeat`` (generate's sequences), ``beams`` (a
+        beam search's per-step outputs), or one (an encoder's outputs beside both)."""
+        n = value.shape[dim]
+        return self.repeat if n == self.rows * self.repeat else self.beams if n == self.rows * self.beams else 1
 
     def leaf(self, value: Any, path: str, dim: int) -> list[Any]:
         if value is None:
@@ -228,7 +234,7 @@ class _Cutter:
         if self.batched(value, dim):
             # generate's sequences have num_return_sequences rows per item, a beam search's
             # per-step outputs (scores, logits, attentions, encoder outputs) num_beams rows.
-            k = self.repeat if value.shape[dim] == self.rows * self.repeat else self.beams
+            k = self.group(value, dim)
             if self.beams > 1 and path.endswith(("beam_indices", "['beam_indices']")):
                 return self.beam_rows(value, dim)
             if self.starts_with_prompt(value, dim):
@@ -239,22 +245,24 @@ class _Cutter:
             batch_dim = dim % value.dim()
             if k > 1:  # each item's k rows, as a group that keeps the batch dim
                 rows = [value.narrow(batch_dim, i * k, k) for i in range(self.rows)]
-                dims = [d for d in range(value.dim()) if d != batch_dim]
+                dims = list(range(value.dim()))
             else:
                 rows = list(value.unbind(dim))
                 dims = [j + (j >= batch_dim) for j in range(value.dim() - 1)]
             if self.padded is None or self.padding is None:
                 return rows
             # dims[j] is the batch output's dim that is the item output's dim j.
-            cut = [j for j, d in enumerate(dims) if self.padded(path, d)]
-            return [self.trimmed(r, span, cut) for r, span in zip(rows, self.padding.spans)] if cut else rows
+            cut = [j for j, d in enumerate(dims) if d != batch_dim and self.padded(path, d)]
+            if cut:
+                rows = [self.trimmed(r, span, cut) for r, span in zip(rows, self.padding.spans)]
+            return rows
         np = sys.modules.get("numpy")  # never imported here: an output can only hold arrays if it is
         if np is not None and isinstance(value, np.ndarray) and -value.ndim <= dim < value.ndim and value.shape[dim] == self.rows:
             return list(np.moveaxis(value, dim, 0))
         if isinstance(value, Tensor) or (np is not None and isinstance(value, np.ndarray)):
-            each = "one row" if self.repeat == 1 else f"{self.repeat} rows (num_return_sequences)"
-            if self.beams > 1 and self.beams != self.repeat:
-                each += f" or {self.beams} rows (num_beams)"
+            groups = ["one row"] + [f"{self.repeat} rows (num_return_sequences)"] * (self.repeat > 1)
+            groups += [f"{self.beams} rows (num_beams)"] * (self.beams > 1 and self.beams != self.repeat)
+            each = " or ".join(groups)
             why = "one value for the whole batch" if not value.ndim else f"without {each} per item on dim {dim}"
             raise self.refuse(path, _got(value), why)
         raise self.refuse(path, _got(value), "one value for the whole batch")
@@ -269,7 +277,7 @@ class _Cutter:
         positions."""
         if not self.batched(value, dim):
             return self.leaf(value, path, dim)
-        k = self.repeat if value.shape[dim] == self.rows * self.repeat else self.beams
+        k = self.group(value, dim)
         batch_dim = dim % value.dim()
         rows = [value.narrow(batch_dim, i * k, k) for i in range(self.rows)]
         padding = self.padding

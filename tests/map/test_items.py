@@ -353,6 +353,36 @@ def test_generates_cache_is_each_prompts_own_as_its_generate_alone_gives_it(work
             dp.close()
 
 
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_beam_searchs_hidden_states_with_trim_are_each_prompts_own_beams_and_positions(workers: str) -> None:
+    """With num_beams=b each item keeps its b rows with the batch dim, so trim cuts the dims
+    after it (not one dim early: the beams); an encoder's outputs, one row per item, are the
+    item's row also when num_return_sequences > 1."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"input_ids": torch.randint(3, 47, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2)]
+    base = {"max_new_tokens": 3, "return_dict_in_generate": True, "output_hidden_states": True, "num_beams": 3}
+    cases = [(tiny_gpt2(pad_token_id=0).eval(), base, "hidden_states"),
+             (_tiny_t5(), {**base, "num_return_sequences": 2}, "encoder_hidden_states")]
+    for model, kwargs, field in cases:
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            with torch.no_grad():
+                outs = list(dp.map("generate", prompts, batch_size=3, trim=True, **kwargs))
+                ref = _generate_alone(model, prompts, **kwargs)
+        finally:
+            dp.close()
+        for out, want in zip(outs, ref):
+            got, wanted = list(getattr(out, field)), list(getattr(want, field))
+            if field == "hidden_states":  # per step, per layer: [beams, positions, width]
+                got, wanted = [h for step in got for h in step], [h for step in wanted for h in step]
+            else:  # per layer: the prompt's one row, [positions, width]
+                wanted = [h[0] for h in wanted]
+            assert [t.shape for t in got] == [t.shape for t in wanted]
+            assert_close_to_reference(got, wanted, terms=transformer_terms(width=16, ff=64, seq=16, layers=4))
+
+
 def _sliding_models() -> list[Any]:
     """Mistral (every layer a sliding window) and Gemma 2 (sliding and full layers), a window of 4."""
     import transformers
