@@ -27,6 +27,7 @@ narrows each item's tensors to its own positions in the dims told to be padding
 from __future__ import annotations
 
 import itertools
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -109,6 +110,10 @@ def _got(value: Any) -> str:
         return f"a tensor of shape {list(value.shape)}"
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+# generate's per-step self-attentions after the first step (``attentions[t][layer]``, t > 0).
+_STEP_ATTENTION = re.compile(r"(\.attentions|\['attentions'\])\[[1-9][0-9]*\]\[[0-9]+\]$")
 
 
 class _Cutter:
@@ -255,6 +260,11 @@ class _Cutter:
             cut = [j for j, d in enumerate(dims) if d != batch_dim and self.padded(path, d)]
             if cut:
                 rows = [self.trimmed(r, span, cut) for r, span in zip(rows, self.padding.spans)]
+            if self.prompt is not None and _STEP_ATTENTION.search(path) and value.dim() == 4 \
+                    and value.shape[-1] > self.padding.longest:
+                # A decoder-only generate's attention of a later step: its keys are the
+                # positions so far, the batch's left padding first.
+                rows = [r.narrow(-1, s, r.shape[-1] - s) for r, (s, _) in zip(rows, self.padding.spans)]
             return rows
         np = sys.modules.get("numpy")  # never imported here: an output can only hold arrays if it is
         if np is not None and isinstance(value, np.ndarray) and -value.ndim <= dim < value.ndim and value.shape[dim] == self.rows:
