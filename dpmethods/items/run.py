@@ -77,6 +77,7 @@ class _Source:
         self.repeat = 1  # a tensor's rows per item in the batch's output
         self.beams = 1  # a beam search's rows per item in its per-step outputs (num_beams)
         self.left = method == "generate"  # prompts padded on the left (a decoder-only generate)
+        self.counted: list[tuple[str, int]] = []  # its length limits that count the batch's left padding
         self.probes = 1 if items.trim else 0
         self.probes_left = _PROBES - 1 if items.trim else 0  # re-arms left after a probe raised
 
@@ -88,6 +89,7 @@ class _Source:
         self.repeat = _repeat(module, self.method, self.kwargs)
         self.beams = _repeat(module, self.method, self.kwargs, "num_beams")
         self.left = pads_left(module, self.method)
+        self.counted = _counted(module, self.kwargs) if self.left else []
         try:
             self.signature = inspect.signature(fn)
         except (TypeError, ValueError):  # a builtin without one: nothing to check against
@@ -112,6 +114,8 @@ class _Source:
                     "has no attention_mask, so each prompt's own positions are unknown: return an "
                     "attention_mask from collate=, or give length= in the prompt's positions (tokens)"
                 )
+            if prompt is not None and padding is not None:
+                self._check_prompts(padding, batch.indices)
             if k == 0:
                 self._check_per_item(collated)
             self.sent[k] = _Sent(batch.indices, padding, prompt, shortest)
@@ -149,6 +153,30 @@ class _Source:
                ". A finish that works on each item's part of the output alone (a format, as "
                "out.float()) declares it with an attribute per_item = True (CallHooks)")
         )
+
+    def _check_prompts(self, padding: Padding, indices: list[int]) -> None:
+        """Refuse a decoder-only ``generate`` batch whose padding would make an item's
+        output another than its own alone: prompts padded on the right (generation would
+        go on after the padding), or a length limit counted with the batch's left padding."""
+        right = [i for i, (start, end) in zip(indices, padding.spans) if start < end < padding.longest]
+        if right:
+            raise ValueError(
+                f"map: collate: the batch of items {indices} pads the prompts of items {right} on "
+                "the right (their attention_mask ends in zeros), but a decoder-only generate "
+                "continues each prompt from the batch's last position, so they would be "
+                "generated after their padding, not as alone: pad on the left (a tokenizer "
+                "with padding_side='left'), or leave out collate= (the default pads them on the left)"
+            )
+        if self.counted and any(start > 0 for start, _ in padding.spans):
+            name, value = self.counted[0]
+            raise ValueError(
+                f"map: {name}: got {value}, a limit of the whole sequence, which a decoder-only "
+                f"generate counts with the batch's left padding (the batch of items {indices} is "
+                f"padded to {padding.longest} positions), so an item batched with longer prompts "
+                f"would get another number of new tokens than alone. Pass {_NEW[name]}= (new "
+                "tokens, the same for every prompt) instead, or map batches of your own (no "
+                "batch_size= or max_tokens=)"
+            )
 
     def rearm(self) -> None:
         """A probe raised: the next batch that pads an item is followed by another, while
@@ -192,6 +220,35 @@ def _repeat(module: nn.Module, method: str, kwargs: dict[str, Any], name: str = 
         config = kwargs.get("generation_config") or getattr(module, "generation_config", None)
         k = getattr(config, name, None)
     return k if isinstance(k, int) and not isinstance(k, bool) and k > 1 else 1
+
+
+# generate's limits of a sequence's length, prompt included, and of its new tokens, which
+# take precedence.
+_NEW = {"max_length": "max_new_tokens", "min_length": "min_new_tokens"}
+
+
+def _setting(module: nn.Module, kwargs: dict[str, Any], name: str) -> Any:
+    """A ``generate`` setting as it runs with it: the map's keyword argument, else the
+    ``generation_config`` passed, else the model's."""
+    for source in (kwargs, kwargs.get("generation_config"), getattr(module, "generation_config", None)):
+        value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _counted(module: nn.Module, kwargs: dict[str, Any]) -> list[tuple[str, int]]:
+    """A ``generate``'s length limits (name, value) that count the prompt's positions:
+    ``max_length``, and a positive ``min_length`` where an eos id is set (it holds eos
+    back), each unless its new-token limit is set."""
+    found = []
+    for total, new in _NEW.items():
+        value = _setting(module, kwargs, total)
+        if value is None or _setting(module, kwargs, new) is not None:
+            continue
+        if total == "max_length" or (value > 0 and _setting(module, kwargs, "eos_token_id") is not None):
+            found.append((total, value))
+    return found
 
 
 def _prompt(batch: Any, rows: int) -> Tensor | None:

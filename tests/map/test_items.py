@@ -282,6 +282,42 @@ def test_generate_with_num_return_sequences_gives_each_prompt_its_sequences(work
                               terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
 
 
+def _right_padded(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return _pad(batch)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_decoder_only_generate_refuses_padding_that_would_change_an_items_output(workers: str) -> None:
+    """Prompts padded on the right (generation would go on after the padding), and
+    max_length or min_length, which count the batch's left padding (an item would get
+    another number of new tokens than alone), are refused before the batch runs; prompts
+    of one length, which the batch does not pad, map as alone."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_gpt2(pad_token_id=0).eval()
+    g = torch.Generator().manual_seed(4)
+    mixed = [{"input_ids": torch.randint(2, 48, (n,), generator=g)} for n in (1, 7, 3, 12, 5)]
+    same = [{"input_ids": torch.randint(2, 48, (4,), generator=g)} for _ in range(4)]
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match=r"map: collate: .* pads the prompts of items \[.*\] on the right"):
+                list(dp.map("generate", mixed, batch_size=3, collate=_right_padded, max_new_tokens=3))
+            for name, value in (("max_length", 14), ("min_length", 10)):
+                # min_length holds eos back: it counts where an eos id is set.
+                limits = {name: value, "max_new_tokens": 12, "eos_token_id": 5} if name == "min_length" else {name: value}
+                with pytest.raises(ValueError, match=f"map: {name}: got {value}, a limit of the whole sequence"):
+                    list(dp.map("generate", mixed, batch_size=3, **limits))
+                outs = list(dp.map("generate", same, batch_size=3, **limits))
+                assert [o.tolist() for o in outs] == [r[0].tolist() for r in _generate_alone(model, same, **limits)]
+            # Their new-token limits take precedence: nothing counts the padding.
+            limits = {"max_length": 14, "max_new_tokens": 3, "min_length": 10, "min_new_tokens": 2}
+            outs = list(dp.map("generate", mixed, batch_size=3, **limits))
+            assert [o.tolist() for o in outs] == [r[0].tolist() for r in _generate_alone(model, mixed, **limits)]
+    finally:
+        dp.close()
+
+
 def _tiny_t5() -> Any:
     import transformers
 
