@@ -113,7 +113,7 @@ def _got(value: Any) -> str:
 
 
 # generate's per-step self-attentions after the first step (``attentions[t][layer]``, t > 0).
-_STEP_ATTENTION = re.compile(r"(\.attentions|\['attentions'\])\[[1-9][0-9]*\]\[[0-9]+\]$")
+_STEP_ATTENTION = re.compile(r"(?:\.attentions|\['attentions'\])\[([1-9][0-9]*)\]\[[0-9]+\]$")
 
 
 class _Cutter:
@@ -260,11 +260,9 @@ class _Cutter:
             cut = [j for j, d in enumerate(dims) if d != batch_dim and self.padded(path, d)]
             if cut:
                 rows = [self.trimmed(r, span, cut) for r, span in zip(rows, self.padding.spans)]
-            if self.prompt is not None and _STEP_ATTENTION.search(path) and value.dim() == 4 \
-                    and value.shape[-1] > self.padding.longest:
-                # A decoder-only generate's attention of a later step: its keys are the
-                # positions so far, the batch's left padding first.
-                rows = [r.narrow(-1, s, r.shape[-1] - s) for r, (s, _) in zip(rows, self.padding.spans)]
+            step = _STEP_ATTENTION.search(path) if self.prompt is not None and value.dim() == 4 else None
+            if step is not None:
+                rows = self.own_keys(rows, int(step.group(1)), value.shape[-1])
             return rows
         np = sys.modules.get("numpy")  # never imported here: an output can only hold arrays if it is
         if np is not None and isinstance(value, np.ndarray) and -value.ndim <= dim < value.ndim and value.shape[dim] == self.rows:
@@ -298,6 +296,22 @@ class _Cutter:
         if pos in self.cross and value.shape[2] == padding.longest:  # the encoder's positions
             return [r.narrow(2, s, e - s) for r, (s, e) in zip(rows, padding.spans)]
         return rows
+
+    def own_keys(self, rows: list[Tensor], step: int, keys: int) -> list[Tensor]:
+        """A decoder-only generate's attentions of a later ``step`` cut to each item's own
+        keys: of the batch's ``longest + step`` positions so far, those after its left
+        padding; a sliding window's last ones (it holds fewer), a static cache's from the
+        item's first (it holds more: its size less the padding, as the item's cache)."""
+        assert self.padding is not None
+        seen = self.padding.longest + step
+        out = []
+        for r, (s, _) in zip(rows, self.padding.spans):
+            if keys <= seen:
+                n = min(keys, seen - s)
+                out.append(r.narrow(-1, keys - n, n))
+            else:
+                out.append(r.narrow(-1, s, keys - s))
+        return out
 
     def beam_rows(self, value: Tensor, dim: int) -> list[Tensor]:
         """Each item's rows of a beam search's ``beam_indices``, which index the batch's

@@ -422,27 +422,30 @@ def test_a_beam_searchs_hidden_states_with_trim_are_each_prompts_own_beams_and_p
 @pytest.mark.parametrize("workers", WORKERS)
 def test_generates_attentions_with_trim_are_over_each_prompts_own_positions(workers: str) -> None:
     """A decoder-only generate's attentions of a later step attend to the positions so far,
-    the batch's left padding first: with trim=True each item's are over its own, as alone."""
+    the batch's left padding first (a sliding window: its last ones, padding among them
+    while the prompt is shorter than the window): with trim=True each item's are over its
+    own, as alone."""
     pytest.importorskip("transformers")
     torch.manual_seed(0)
-    model = tiny_gpt2(pad_token_id=0, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(3)
     prompts = [{"input_ids": torch.randint(3, 47, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2)]
     kwargs = {"max_new_tokens": 3, "return_dict_in_generate": True, "output_attentions": True}
-    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
-    try:
-        for extra in ({}, {"num_beams": 2}):
-            with torch.no_grad():
-                outs = list(dp.map("generate", prompts, batch_size=3, trim=True, **kwargs, **extra))
-                ref = _generate_alone(model, prompts, **kwargs, **extra)
-            rows = (lambda t: t) if extra else (lambda t: t[0])
-            for out, want in zip(outs, ref):
-                got = [a for step in out.attentions for a in step]
-                wanted = [rows(a) for step in want.attentions for a in step]
-                assert [t.shape for t in got] == [t.shape for t in wanted]
-                assert_close_to_reference(got, wanted, terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
-    finally:
-        dp.close()
+    for model in (tiny_gpt2(pad_token_id=0).eval(), _sliding_models()[0]):
+        model.set_attn_implementation("eager")
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            for extra in ({}, {"num_beams": 2}):
+                with torch.no_grad():
+                    outs = list(dp.map("generate", prompts, batch_size=3, trim=True, **kwargs, **extra))
+                    ref = _generate_alone(model, prompts, **kwargs, **extra)
+                rows = (lambda t: t) if extra else (lambda t: t[0])
+                for out, want in zip(outs, ref):
+                    got = [a for step in out.attentions for a in step]
+                    wanted = [rows(a) for step in want.attentions for a in step]
+                    assert [t.shape for t in got] == [t.shape for t in wanted]
+                    assert_close_to_reference(got, wanted, terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
+        finally:
+            dp.close()
 
 
 def _sliding_models() -> list[Any]:
