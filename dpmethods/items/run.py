@@ -76,6 +76,7 @@ class _Source:
         self.name = method
         self.repeat = 1  # a tensor's rows per item in the batch's output
         self.beams = 1  # a beam search's rows per item in its per-step outputs (num_beams)
+        self.eos: tuple[int, ...] = ()  # generate's eos ids: a row ends at its first
         self.left = method == "generate"  # prompts padded on the left (a decoder-only generate)
         self.counted: list[tuple[str, int]] = []  # its length limits that count the batch's left padding
         self.probes = 1 if items.trim else 0
@@ -88,6 +89,7 @@ class _Source:
         self.name = f"{type(module).__name__}.{self.method}"
         self.repeat = _repeat(module, self.method, self.kwargs)
         self.beams = _repeat(module, self.method, self.kwargs, "num_beams")
+        self.eos = _ids(_setting(module, self.kwargs, "eos_token_id")) if self.method == "generate" else ()
         self.left = pads_left(module, self.method)
         self.counted = _counted(module, self.kwargs) if self.left else []
         try:
@@ -235,6 +237,17 @@ def _setting(module: nn.Module, kwargs: dict[str, Any], name: str) -> Any:
         if value is not None:
             return value
     return None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    """Token ids (an int, a list of them or a tensor) as a tuple; () for None."""
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+        return tuple(value)
+    return ()
 
 
 def _counted(module: nn.Module, kwargs: dict[str, Any]) -> list[tuple[str, int]]:
@@ -385,7 +398,8 @@ class ItemIterator(MapIterator):
         try:
             return cut_output(out, len(sent.indices), self._source.options, sent.padding,
                               padded=None if self._dims is None else self._dims.padded, prompt=sent.prompt,
-                              repeat=self._source.repeat, beams=self._source.beams, entries=self.entries)
+                              repeat=self._source.repeat, beams=self._source.beams, entries=self.entries,
+                              eos=self._source.eos)
         except ValueError as exc:
             raise add_note(exc, f"dpmethods: DataParallel.map: the batch held items {sent.indices}") from None
 

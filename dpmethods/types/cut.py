@@ -32,12 +32,14 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from dpmethods.types import tree as _tree
 from dpmethods.types.per_item import top_keys
 from dpmethods.vocab.gather_modes import BUILTIN_MODES, Mode, mode_pairs
 from dpmethods.vocab.options import MethodOptions
+from dpmethods.vocab.warn_once import warn_once
 
 __all__ = ["STATE_RULES", "Entry", "ItemState", "Padding", "cut_output", "register_item_state"]
 
@@ -112,6 +114,11 @@ def _got(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
+# generate's sequences (its output, or a field of it) and per-step fields.
+_SEQUENCE_PATHS = ("output", "output.sequences", "output['sequences']")
+_STEP_FIELDS = frozenset(("scores", "logits", "attentions", "hidden_states", "decoder_attentions",
+                          "cross_attentions", "decoder_hidden_states"))
+
 # generate's per-step self-attentions after the first step (``attentions[t][layer]``, t > 0).
 _STEP_ATTENTION = re.compile(r"(?:\.attentions|\['attentions'\])\[([1-9][0-9]*)\]\[[0-9]+\]$")
 
@@ -130,6 +137,59 @@ class _Cutter:
         self.positional: set[int] = set()  # of them, keys and values of every position in order
         self.cross: set[int] = set()  # leaves of an encoder-decoder's cross-attention cache
         self.paired = paired or {}  # top-level keys that pair items with each other: what to do instead
+        # generate with rows that ended at eos before the batch's last step (own_steps):
+        self.steps: list[int] | None = None  # each item's own steps (its rows' longest)
+        self.total = 0  # the batch's steps
+        self.sequences = ""  # the path of its sequences
+        self.step_paths: set[str] = set()  # the paths of its per-step tuples
+
+    def own_steps(self, spec: _tree.Spec, eos: Sequence[int]) -> None:
+        """A ``generate`` whose rows end at their first ``eos``: with one beam, each item's
+        own steps, where one ended before the batch's last step (which filled it after its
+        end), so that its sequences, per-step tuples and cache end where it ends alone. A
+        beam search's steps alone are not told by its sequences: one warning where an
+        item's every sequence ended before the batch's last step."""
+        if not eos:
+            return
+        paths = _tree.leaf_paths(spec)
+        found = [(p, t) for p, t in zip(paths, self.leaves) if p in _SEQUENCE_PATHS and isinstance(t, Tensor)
+                 and t.dim() == 2 and not t.is_floating_point() and t.shape[0] == self.rows * self.repeat]
+        if len(found) != 1:
+            return
+        path, seqs = found[0]
+        steps = {}  # the per-step tuples, by path: their steps
+        if spec not in _tree.LEAVES:
+            for child, label in zip(spec.children, _labels(spec)):
+                if label.strip(".[]'\"") in _STEP_FIELDS and child not in _tree.LEAVES and child.kind == _tree.TUPLE:
+                    steps["output" + label] = len(child.children)
+        if self.prompt is not None:  # a decoder-only prompt, left padded
+            if not self.starts_with_prompt(seqs, 0):
+                return
+            width = self.prompt.shape[1]
+        elif steps:  # an encoder-decoder's decoder prompt: what the steps did not generate
+            width = seqs.shape[1] - max(steps.values())
+        else:
+            width = 1  # the decoder's start token
+        total = seqs.shape[1] - width
+        if total <= 0 or any(n != total for n in steps.values()):
+            return
+        hit = torch.isin(seqs[:, width:], torch.tensor(list(eos), device=seqs.device))
+        own = torch.where(hit.any(1), hit.int().argmax(1) + 1, total)
+        per_item = own.view(self.rows, self.repeat).amax(1).tolist()
+        if all(n == total for n in per_item):
+            return
+        if self.beams > 1:
+            warn_once(
+                "map: generate: with beam search, an item whose beams ended at eos before its "
+                "batch's last step keeps the batch's steps: its sequences the fill tokens after "
+                "its end, its per-step outputs (scores, logits, attentions) and cache the steps "
+                "its batch went on for, which alone it does not run (a beam search's own steps "
+                "are not told by its sequences). Map with num_beams=1, or batch_size=1 where "
+                "those must be the item's own",
+                stacklevel=2,
+            )
+            return
+        self.steps, self.total, self.sequences, self.step_paths = per_item, total, path, set(steps)
 
     def refuse(self, path: str, value: Any, why: str) -> ValueError:
         return ValueError(
@@ -164,7 +224,7 @@ class _Cutter:
             if pos in self.state:
                 return self.state_rows(self.leaves[pos], path, own, pos), pos + 1
             return self.leaf(self.leaves[pos], path, own), pos + 1
-        end = pos + _count(spec)
+        begin, end = pos, pos + _count(spec)
         if self.per_item(spec, pos, mode, own):
             starts = [pos]
             for child in spec.children:
@@ -189,11 +249,22 @@ class _Cutter:
             column, pos = self.node(child, pos, path + label, child_mode, child_dim, False)
             columns.append(column)
         holder = spec._replace(children=(_tree.OTHER,) * len(spec.children))
+        if self.steps is not None and path in self.step_paths:  # each item's own steps
+            values = [_tree.unflatten(spec._replace(children=(_tree.OTHER,) * n), [c[r] for c in columns[:n]])
+                      for r, n in enumerate(self.steps)]
+            return values, end
         values = [_tree.unflatten(holder, [c[r] for c in columns]) for r in range(self.rows)]
         info = _state_of(spec.cls, spec.meta[1]) if spec.kind == _tree.NODE and STATE_RULES else None
-        if info is not None and info.narrow is not None and self.prompt is not None and self.padding is not None:
-            # A decoder-only prompt's left padding: the positions before the item's own.
-            values = [info.narrow(v, s) for v, (s, _) in zip(values, self.padding.spans)]
+        if info is not None and info.narrow is not None and begin in self.cross:
+            # The encoder's positions, already cut to the item's: what counts them.
+            values = [info.narrow(v, 0, 0) for v in values]
+        elif info is not None and info.narrow is not None:
+            # A decoder-only prompt's left padding: the positions before the item's own;
+            # the steps the batch went on after the item's end: those after them.
+            starts = ([s for s, _ in self.padding.spans] if self.prompt is not None and self.padding is not None
+                      else [0] * self.rows)
+            drops = [self.total - n for n in self.steps] if self.steps is not None else [0] * self.rows
+            values = [info.narrow(v, a, d) if a or d else v for v, a, d in zip(values, starts, drops)]
         return values, end
 
     def trimmed_entry(self, spec: _tree.Spec, leaves: list[Any], path: str, span: tuple[int, int]) -> list[Any]:
@@ -234,6 +305,12 @@ class _Cutter:
         return self.repeat if n == self.rows * self.repeat else self.beams if n == self.rows * self.beams else 1
 
     def leaf(self, value: Any, path: str, dim: int) -> list[Any]:
+        rows = self.rows_of(value, path, dim)
+        if self.steps is not None and path == self.sequences:  # without the fill after its end
+            rows = [r[..., : r.shape[-1] - (self.total - n)] for r, n in zip(rows, self.steps)]
+        return rows
+
+    def rows_of(self, value: Any, path: str, dim: int) -> list[Any]:
         if value is None:
             return [None] * self.rows
         if self.batched(value, dim):
@@ -345,14 +422,16 @@ class ItemState(NamedTuple):
     child i holds every position in order along dim 2 (``[batch, heads, positions,
     dim]``: a decoder-only prompt's left padding is cut away); ``encoder``, the child
     (a nested state object) that holds the encoder's positions (cut to the item's);
-    ``narrow(obj, start)``, the item's object from the one rebuilt of its rows (its
-    positional children already cut), given the ``start`` positions of left padding
-    the batch had before the item's own: what the children cannot say (a count of the
-    positions seen, a sliding window's last positions)."""
+    ``narrow(obj, start, drop)``, the item's object from the one rebuilt of its rows
+    (its positional children already cut from ``start``), given the ``start`` positions
+    of left padding the batch had before the item's own and the ``drop`` positions the
+    batch went on after the item's end (a ``generate`` whose rows ended at eos before the
+    batch's last step): what the children cannot say (a count of the positions seen, a
+    sliding window's last positions, the positions after the item's end)."""
 
     positional: Sequence[bool] = ()
     encoder: int | None = None
-    narrow: Callable[[Any, int], Any] | None = None
+    narrow: Callable[[Any, int, int], Any] | None = None
 
 
 # Tells a registered type's node (its class and flatten context) as batch state, or None:
@@ -415,7 +494,7 @@ def _state_leaves(spec: _tree.Spec) -> tuple[set[int], set[int], set[int]]:
 def cut_output(
     out: Any, rows: int, options: MethodOptions, padding: Padding | None = None, *,
     padded: Callable[[str, int], bool] | None = None, prompt: Tensor | None = None, repeat: int = 1,
-    entries: bool = False, beams: int = 1,
+    entries: bool = False, beams: int = 1, eos: Sequence[int] = (),
 ) -> list[Any]:
     """The output of a batch of ``rows`` items as one output per item.
 
@@ -436,6 +515,9 @@ def cut_output(
             outputs (scores, logits, attentions): a tensor of ``rows * beams`` rows gives
             each item its ``beams`` rows, with the batch dim; ``beam_indices`` (``repeat``
             rows per item) are rebased to index the item's own beams.
+        eos: a ``generate``'s eos ids, with one beam: an item whose rows all ended at eos
+            before the batch's last step ends there (its sequences, per-step tuples and
+            cache), as alone.
 
     Example:
         >>> import torch
@@ -463,4 +545,5 @@ def cut_output(
         dim = {**dim, None: options.dim}
     cutter = _Cutter(leaves, rows, padding, padded, prompt, repeat, paired, entries, beams)
     cutter.state, cutter.positional, cutter.cross = _state_leaves(spec)
+    cutter.own_steps(spec, eos)
     return cutter.node(spec, 0, "output", mode, dim, True)[0]

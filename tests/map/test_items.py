@@ -448,6 +448,68 @@ def test_generates_attentions_with_trim_are_over_each_prompts_own_positions(work
             dp.close()
 
 
+def _an_eos_some_rows_reach(model: Any, prompts: list[dict[str, torch.Tensor]], decoder: bool) -> int:
+    """A token that some prompts generate (greedy, alone) within 6 steps and others not:
+    as eos, it ends rows at different steps."""
+    seen = []
+    for p in prompts:
+        out = model.generate(input_ids=p["input_ids"][None], max_new_tokens=6, do_sample=False)[0]
+        seen.append(set((out[len(p["input_ids"]):] if decoder else out[1:]).tolist()))
+    counts = {t: sum(t in s for s in seen) for s in seen for t in s}
+    return min(counts, key=lambda t: (abs(counts[t] - len(prompts) / 2), t))
+
+
+def _layers(cache: Any) -> list[Any]:
+    if hasattr(cache, "self_attention_cache"):
+        return _layers(cache.self_attention_cache) + _layers(cache.cross_attention_cache)
+    return list(cache.layers)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_item_whose_rows_end_at_eos_early_ends_there_as_alone(workers: str) -> None:
+    """With one beam, a row ends at its first eos; the batch goes on for its longest, filling
+    the row after its end. Each item's sequences, per-step scores and logits, and cache
+    (dynamic and static, GPT-2's and T5's self- and cross-attention) end where the item
+    ends alone."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"input_ids": torch.randint(3, 47, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2)]
+    base = {"max_new_tokens": 6, "return_dict_in_generate": True, "output_scores": True, "output_logits": True}
+    for model, decoder in ((tiny_gpt2(pad_token_id=0).eval(), True), (_tiny_t5(), False)):
+        with torch.no_grad():
+            eos = _an_eos_some_rows_reach(model, prompts, decoder)
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            for kwargs in ({**base, "eos_token_id": eos}, {**base, "eos_token_id": [eos, 63], "cache_implementation": "static"}):
+                dpmethods.vocab.warn_once.reset()
+                with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    outs = list(dp.map("generate", prompts, batch_size=3, **kwargs))
+                    ids = list(dp.map("generate", prompts, batch_size=3, **{**kwargs, "return_dict_in_generate": False}))
+                    ref = _generate_alone(model, prompts, **kwargs)
+                assert not [w for w in seen if "map: generate" in str(w.message)]
+                assert len({len(r.scores) for r in ref}) > 1  # the rows ended at different steps
+                assert [o.sequences.tolist() for o in outs] == [r.sequences[0].tolist() for r in ref]
+                assert [o.tolist() for o in ids] == [r.sequences[0].tolist() for r in ref]
+                for out, want in zip(outs, ref):
+                    for field in ("scores", "logits"):
+                        got, wanted = list(getattr(out, field)), [s[0] for s in getattr(want, field)]
+                        assert len(got) == len(wanted)
+                        assert_close_to_reference(got, wanted, terms=transformer_terms(width=16, ff=64, seq=16, layers=4))
+                    for got_layer, want_layer in zip(_layers(out.past_key_values), _layers(want.past_key_values)):
+                        (n, *kv), (m, *wkv) = _filled(got_layer), _filled(want_layer)
+                        assert n == m
+                        assert [t.shape for t in kv] == [t.shape for t in wkv]
+                        assert_close_to_reference(kv, wkv, terms=transformer_terms(width=16, ff=64, seq=16, layers=4))
+            # A beam search's own steps are not told by its sequences: a warning, once.
+            dpmethods.vocab.warn_once.reset()
+            with pytest.warns(UserWarning, match="with beam search, an item whose beams ended at eos before"):
+                list(dp.map("generate", prompts, batch_size=3, **base, eos_token_id=eos, num_beams=2))
+        finally:
+            dp.close()
+
+
 def _sliding_models() -> list[Any]:
     """Mistral (every layer a sliding window) and Gemma 2 (sliding and full layers), a window of 4."""
     import transformers

@@ -130,61 +130,101 @@ def _names(layer: Any) -> set[str]:
     return {c.__name__ for c in type(layer).__mro__}
 
 
-def _narrow_dynamic_window(layer: Any, start: int) -> None:
-    # It holds the last min(seen, window - 1) positions; alone the item has seen its own.
-    own = int(layer.cumulative_length) - start
+def _window(t: Tensor, seen: int, own_end: int, keep: int, size: int | None = None) -> Tensor:
+    """The ``keep`` positions before ``own_end`` of a layer that holds the last
+    ``t.shape[2]`` of the ``seen`` positions, at the front of ``size`` positions (zeros
+    after them); fewer where the layer no longer holds them."""
+    first = seen - t.shape[2]  # the first position held
+    start = max(own_end - keep, first)
+    part = t[:, :, start - first: own_end - first]
+    if size is None:
+        return part
+    out = t.new_zeros((*t.shape[:2], size, t.shape[3]))
+    out[:, :, : part.shape[2]] = part
+    return out
+
+
+def _narrow_dynamic_window(layer: Any, start: int, drop: int) -> bool:
+    """A dynamic sliding layer holds the last min(seen, window - 1) positions; alone the
+    item has seen its own. False where the batch went on past the item's end and the
+    window no longer holds all the positions the item's own holds."""
+    seen = int(layer.cumulative_length)
+    own = seen - start - drop
     keep = min(int(layer.keys.shape[2]), own)
-    layer.keys, layer.values = layer.keys[:, :, layer.keys.shape[2] - keep:], layer.values[:, :, layer.values.shape[2] - keep:]
+    layer.keys, layer.values = (_window(t, seen, seen - drop, keep) for t in (layer.keys, layer.values))
     layer.cumulative_length = own
+    return int(layer.keys.shape[2]) == keep
 
 
-def _narrow_static_window(layer: Any, start: int, longest: int | None) -> None:
+def _narrow_static_window(layer: Any, start: int, drop: int, longest: int | None) -> bool:
     """A static sliding layer: ``[batch, heads, size, dim]``, size min(window, the cache's
     length), positions in order from 0 until they fill it, then the last ones. The item's
     size is min(window, ``longest - start``), ``longest`` the batch cache's length, or the
     batch's size where that length is unknown (the window was smaller and no full layer
     says it; a static cache's size is not the item's own anyway: ``generate`` reuses a
-    large enough one)."""
+    large enough one). False as for a dynamic one."""
     size, seen = int(layer.max_cache_len), int(layer.cumulative_length_int)
+    held = min(seen, size)
     croppable = bool(layer.is_croppable)
     if croppable:  # the cache's length was within the window: it is the size
         longest = size
-    own = seen - start
+    own = seen - start - drop
     mine = size if longest is None else min(size, longest - start)
-    first = max(0, seen - size)  # the first position the batch's layer holds
     keep = min(own, mine)
-    parts = []
-    for t in (layer.keys, layer.values):
-        new = t.new_zeros((*t.shape[:2], mine, t.shape[3]))
-        new[:, :, :keep] = t[:, :, seen - keep - first: seen - first]
-        parts.append(new)
-    layer.keys, layer.values = parts
+    keys, values = (_window(t[:, :, :held] if seen < size else t, seen, seen - drop, keep, mine)
+                    for t in (layer.keys, layer.values))
+    layer.keys, layer.values = keys, values
     layer.max_cache_len = mine
     layer._is_croppable = croppable or (longest is not None and longest - start <= size)
     layer.cumulative_length_int = own
     # The tensor count is read only while the layer is not full: then it is the int's.
     layer.cumulative_length = layer.cumulative_length.new_tensor(min(own, mine))
+    return seen - drop - keep >= seen - held
 
 
-def _narrow_cache(cache: Any, start: int) -> Any:
+def _narrow_static(layer: Any, start: int, drop: int) -> None:
+    # Its keys were cut to the item's positions (_POSITIONAL: from start; a cross-attention
+    # layer's to the item's encoder positions), which it counts; those after the item's
+    # end are not written alone (zeros).
+    size = int(layer.keys.shape[2])
+    own = min(int(layer.cumulative_length) - start - drop, size)
+    if drop:
+        layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        layer.keys[:, :, own:] = 0
+        layer.values[:, :, own:] = 0
+    layer.max_cache_len = size
+    layer.cumulative_length = layer.cumulative_length.new_tensor(own)
+
+
+def _narrow_cache(cache: Any, start: int, drop: int) -> Any:
     """The cache of an item whose prompt had ``start`` positions of the batch's left
-    padding before it, as its ``generate`` alone leaves it."""
-    if not start:
-        return cache
+    padding before it, and whose batch went on ``drop`` steps after its end, as its
+    ``generate`` alone leaves it."""
     layers = list(getattr(cache, "layers", ()))
     full = [layer for layer in layers if "StaticLayer" in _names(layer) and not getattr(layer, "is_sliding", False)]
     longest = int(full[0].max_cache_len) if full else None  # the batch cache's length
+    whole = True
     for layer in layers:
         names = _names(layer)
         if not getattr(layer, "is_initialized", False) or not isinstance(getattr(layer, "keys", None), Tensor):
             continue
         if "DynamicSlidingWindowLayer" in names:
-            _narrow_dynamic_window(layer, start)
+            whole &= _narrow_dynamic_window(layer, start, drop)
         elif "StaticSlidingWindowLayer" in names:
-            _narrow_static_window(layer, start, longest)
-        elif "StaticLayer" in names:  # its keys were cut from start (_POSITIONAL)
-            layer.max_cache_len = int(layer.max_cache_len) - start
-            layer.cumulative_length = layer.cumulative_length - start
+            whole &= _narrow_static_window(layer, start, drop, longest)
+        elif "StaticLayer" in names:
+            _narrow_static(layer, start, drop)
+        elif "DynamicLayer" in names and drop and layer.keys.dim() == 4:
+            layer.keys, layer.values = layer.keys[:, :, : layer.keys.shape[2] - drop], layer.values[:, :, : layer.values.shape[2] - drop]
+    if not whole:
+        warn_once(
+            "map: generate: an item whose rows ended at eos before its batch's last step has "
+            "a sliding-window cache without some of its last positions: the batch's window went "
+            "on past the item's end and dropped them, so that layer holds fewer positions than "
+            "the item's own cache alone (its count of positions is the item's). Batch items "
+            "that end alike, or generate the item alone, where its cache must be whole",
+            stacklevel=2,
+        )
     return cache
 
 
