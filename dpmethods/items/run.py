@@ -98,7 +98,7 @@ class _Source:
             self.signature = None
 
     def __iter__(self) -> Iterator[tuple[int, Any]]:
-        k = 0
+        k = probe = 0
         for batch in read_batches(self.pairs, self.items, self.read):
             collated, padding = self._collate(batch.items, batch.indices, batch.lengths)
             shortest = None
@@ -125,9 +125,11 @@ class _Source:
             k += 1
             if self.probes and shortest is not None:
                 self.probes -= 1  # its shortest item alone: measured, never yielded (dpmethods.items.trim)
-                self.sent[k], collated = self.alone(shortest)
-                yield k, collated
-                k += 1
+                # Probes take indices of their own (-1, -2, ...): a batch's index seeds its
+                # sampling, which trim must not change.
+                probe -= 1
+                self.sent[probe], collated = self.alone(shortest)
+                yield probe, collated
 
     def _check_per_item(self, collated: Any) -> None:
         """Refuse a method whose results are computed over the whole batch after the

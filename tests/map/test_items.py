@@ -318,6 +318,28 @@ def test_a_decoder_only_generate_refuses_padding_that_would_change_an_items_outp
         dp.close()
 
 
+def test_trim_does_not_change_a_sampling_generates_tokens() -> None:
+    """Each batch's sampling is seeded from its index (processes: a generator each); trim's
+    probes, run between batches, take indices of their own, so with the same seed trim=True
+    gives the tokens trim=False gives."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tiny_gpt2(pad_token_id=0).eval()
+    g = torch.Generator().manual_seed(4)
+    prompts = [{"input_ids": torch.randint(2, 48, (n,), generator=g)} for n in (1, 7, 3, 12, 5, 2, 9)]
+    kwargs = {"max_new_tokens": 6, "do_sample": True}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers="processes")
+    try:
+        runs = []
+        for trim in (False, True, False):
+            torch.manual_seed(5)
+            runs.append([o.tolist() for o in dp.map("generate", prompts, batch_size=3, trim=trim, **kwargs)])
+    finally:
+        dp.close()
+    assert runs[0] == runs[2]  # reproducible
+    assert runs[1] == runs[0]
+
+
 def _tiny_t5() -> Any:
     import transformers
 
