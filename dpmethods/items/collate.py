@@ -5,7 +5,8 @@ The default collate pads 1-D tensors (and mappings of them; lists of ints are ta
 as 1-D tensors) with 0 to the batch's longest, on the right, or on the left for a
 decoder-only ``generate``, whose prompts must end where generation starts (an
 encoder-decoder's prompts go to its encoder, padded on the right); a mapping with
-``input_ids`` and no ``attention_mask`` gets one. A method that takes per-item lists
+``input_ids`` and no ``attention_mask`` gets one, and so do a transformers model's
+``generate``'s 1-D tensors, as ``{"input_ids", "attention_mask"}``. A method that takes per-item lists
 (one with ``split=``: sentence-transformers ``encode``, detection models) gets the
 items as a plain list, mapping items as a mapping of per-item lists, and tuples as a
 tuple of them (``(image, target)`` items: ``forward(images, targets)``).
@@ -24,7 +25,7 @@ from torch import Tensor
 from dpmethods.types.cut import Padding
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["as_call", "check_takes", "default_collate", "measure", "padding_of", "pads_left"]
+__all__ = ["as_call", "check_takes", "default_collate", "masks_ids", "measure", "padding_of", "pads_left"]
 
 
 def _got(value: Any) -> str:
@@ -122,9 +123,11 @@ def _pad(rows: list[Tensor], left: bool, dim: int, indices: Sequence[int], key: 
 
 def default_collate(
     items: list[Any], indices: Sequence[int], method: str, options: MethodOptions, left: bool | None = None,
+    masked: bool = False,
 ) -> tuple[Any, Padding | None]:
     """``items`` as one batch of ``method``, and each row's own positions (None: no padding).
-    ``left``: pad on the left (None: for ``generate``, see :func:`pads_left`).
+    ``left``: pad on the left (None: for ``generate``, see :func:`pads_left`). ``masked``:
+    1-D tensors come as ``{"input_ids", "attention_mask"}`` (see :func:`masks_ids`).
 
     Example:
         >>> batch, padding = default_collate([{"input_ids": [5, 6]}, {"input_ids": [7]}], [0, 1],
@@ -142,7 +145,10 @@ def default_collate(
         left = method == "generate"
     if not isinstance(items[0], Mapping):
         rows = [_sequence(item, index, None) for item, index in zip(items, indices)]
-        return _pad(rows, left, options.dim, indices, None), Padding.of([len(r) for r in rows], left)
+        if masked:
+            items = [{"input_ids": r} for r in rows]
+        else:
+            return _pad(rows, left, options.dim, indices, None), Padding.of([len(r) for r in rows], left)
     keys = list(items[0])
     for item, index in zip(items, indices):
         if not isinstance(item, Mapping) or set(item) != set(keys):
@@ -173,6 +179,21 @@ def pads_left(module: Any, method: str) -> bool:
     if method != "generate":
         return False
     return not bool(getattr(getattr(module, "config", None), "is_encoder_decoder", False))
+
+
+def masks_ids(module: Any, method: str) -> bool:
+    """Whether ``method``'s 1-D tensor items are token ids that the default collate gives an
+    ``attention_mask`` (as ``{"input_ids", "attention_mask"}``): a transformers model's
+    ``generate`` (``main_input_name`` "input_ids"), which without one takes the mask from
+    its ``pad_token_id``, so it would attend to the batch's padding (0) where that id is
+    another or unset, and mask a prompt's own tokens equal to it.
+
+    Example:
+        >>> import torch
+        >>> masks_ids(torch.nn.Linear(2, 2), "generate")
+        False
+    """
+    return method == "generate" and getattr(module, "main_input_name", None) == "input_ids"
 
 
 def padding_of(batch: Any, lengths: Sequence[int], left: bool, rows: int) -> Padding:

@@ -30,7 +30,14 @@ from torch import Tensor, nn
 
 from dpmethods.core.parallel_apply import add_note
 from dpmethods.items.batches import read_batches
-from dpmethods.items.collate import as_call, check_takes, default_collate, padding_of, pads_left
+from dpmethods.items.collate import (
+    as_call,
+    check_takes,
+    default_collate,
+    masks_ids,
+    padding_of,
+    pads_left,
+)
 from dpmethods.items.options import ItemOptions
 from dpmethods.items.trim import PaddedDims
 from dpmethods.streaming.iterator import MapIterator
@@ -78,6 +85,7 @@ class _Source:
         self.beams = 1  # a beam search's rows per item in its per-step outputs (num_beams)
         self.eos: tuple[int, ...] = ()  # generate's eos ids: a row ends at its first
         self.left = method == "generate"  # prompts padded on the left (a decoder-only generate)
+        self.masked = False  # 1-D tensor items get an attention_mask (a transformers generate)
         self.counted: list[tuple[str, int]] = []  # its length limits that count the batch's left padding
         self.probes = 1 if items.trim else 0
         self.probes_left = _PROBES - 1 if items.trim else 0  # re-arms left after a probe raised
@@ -91,6 +99,7 @@ class _Source:
         self.beams = _repeat(module, self.method, self.kwargs, "num_beams")
         self.eos = _ids(_setting(module, self.kwargs, "eos_token_id")) if self.method == "generate" else ()
         self.left = pads_left(module, self.method)
+        self.masked = masks_ids(module, self.method)
         self.counted = _counted(module, self.kwargs) if self.left else []
         try:
             self.signature = inspect.signature(fn)
@@ -198,7 +207,7 @@ class _Source:
     def _collate(self, items: list[Any], indices: list[int], lengths: list[int]) -> tuple[Any, Padding | None]:
         padding: Padding | None
         if self.items.collate is None:
-            collated, padding = default_collate(items, indices, self.method, self.options, self.left)
+            collated, padding = default_collate(items, indices, self.method, self.options, self.left, self.masked)
             if padding is None and self.items.trim and self.options.split:
                 # Per-item lists (sentence-transformers' encode): the method pads them itself,
                 # on the right, to their longest; each item's positions are its length=.

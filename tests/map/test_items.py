@@ -282,6 +282,33 @@ def test_generate_with_num_return_sequences_gives_each_prompt_its_sequences(work
                               terms=transformer_terms(width=16, ff=64, seq=16, layers=2))
 
 
+@pytest.mark.parametrize("workers", WORKERS)
+def test_generate_of_token_id_tensors_masks_the_batchs_padding(workers: str) -> None:
+    """Prompts given as 1-D tensors: the default collate pads them with 0 and gives the batch
+    an attention_mask, which generate would otherwise take from pad_token_id (GPT-2: unset,
+    so the padding was attended to; BART: 1, so its 0s were)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    bart = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=48, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=64,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)).eval()
+    with torch.no_grad():
+        for p in bart.parameters():
+            p.normal_(0, 1.0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 47, (n,), generator=g) for n in (1, 7, 3, 12, 5, 2)]
+    for model in (tiny_gpt2().eval(), bart):
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            with torch.no_grad():
+                outs = list(dp.map("generate", prompts, batch_size=3, max_new_tokens=4, eos_token_id=None))
+                ref = _generate_alone(model, [{"input_ids": p} for p in prompts], max_new_tokens=4, eos_token_id=None)
+        finally:
+            dp.close()
+        assert [o.tolist() for o in outs] == [r[0].tolist() for r in ref]
+
+
 def _right_padded(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return _pad(batch)
 
