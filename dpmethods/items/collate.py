@@ -157,6 +157,14 @@ def default_collate(
                 f"{keys}: the default collate joins mappings with the same keys"
             )
     columns = {k: [_sequence(item[k], index, k) for item, index in zip(items, indices)] for k in keys}
+    decoder = columns.get("decoder_input_ids")
+    if method == "generate" and decoder is not None and len({len(r) for r in decoder}) > 1:
+        raise ValueError(
+            f"map: collate: the items {list(indices)} have decoder_input_ids of lengths "
+            f"{[len(r) for r in decoder]}: padded into one batch, generate would continue each "
+            "shorter decoder prompt after its padding, not as alone. Give every item's decoder "
+            "prompt one length, or map batches of your own (no batch_size= or max_tokens=)"
+        )
     batch = {k: _pad(rows, left, options.dim, indices, k) for k, rows in columns.items()}
     lengths = [len(r) for r in columns["input_ids" if "input_ids" in columns else keys[0]]]
     if "input_ids" in columns and "attention_mask" not in columns:

@@ -330,6 +330,14 @@ def test_a_decoder_only_generate_refuses_padding_that_would_change_an_items_outp
         with torch.no_grad():
             with pytest.raises(ValueError, match=r"map: collate: .* pads the prompts of items \[.*\] on the right"):
                 list(dp.map("generate", mixed, batch_size=3, collate=_right_padded, max_new_tokens=3))
+            # An encoder-decoder's decoder prompts of different lengths: right padded, the same.
+            decoded = [{**p, "decoder_input_ids": torch.zeros(1 + i % 2, dtype=torch.long)} for i, p in enumerate(mixed)]
+            t5 = dpmethods.DataParallel(_tiny_t5(), device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+            try:
+                with pytest.raises(ValueError, match=r"map: collate: the items .* have decoder_input_ids of lengths"):
+                    list(t5.map("generate", decoded, batch_size=3, max_new_tokens=3))
+            finally:
+                t5.close()
             for name, value in (("max_length", 14), ("min_length", 10)):
                 # min_length holds eos back: it counts where an eos id is set.
                 limits = {name: value, "max_new_tokens": 12, "eos_token_id": 5} if name == "min_length" else {name: value}
