@@ -100,6 +100,28 @@ def tiny_gpt2(**config: Any) -> Any:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**base, **config}))
 
 
+def tiny_qwen3_next() -> Any:
+    """A random Qwen3-Next (a linear-attention layer, whose cache keeps conv and recurrent
+    states in dicts, then a full-attention one; 64 tokens, pad id 0), in eval mode."""
+    import transformers
+
+    if not hasattr(transformers, "Qwen3NextForCausalLM"):
+        pytest.skip("this transformers has no Qwen3-Next")
+    torch.manual_seed(0)
+    config = transformers.Qwen3NextConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=1,
+        linear_key_head_dim=8, linear_value_head_dim=8, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
+        layer_types=["linear_attention", "full_attention"], max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = transformers.Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
 def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
     """A random Qwen2-VL and a batch of 7 rows with 0 to 2 images each, of different
     sizes: the patches of all images in one tensor, as its processor makes them."""

@@ -17,6 +17,7 @@ from dpmethods import DataParallel, parallel_method
 from dpmethods.core.gather import gather
 from dpmethods.testing import assert_close_to_reference
 from dpmethods.vocab import warn_once as warn_once
+from tests.helpers.models import tiny_qwen3_next
 from tests.helpers.terms import mlp_terms, transformer_terms
 
 
@@ -139,6 +140,27 @@ def test_t5_encoder_decoder_cache_joined_and_used_for_the_next_step(batch: int, 
                   use_cache=True, **{name: cache})
     # 2 encoder and 2 decoder blocks (each decoder block's cross-attention counted as a block).
     terms = transformer_terms(width=32, ff=37, seq=6, layers=6)
+    assert_close_to_reference((got1.logits, got2.logits), (ref1.logits, ref2.logits), terms=terms)
+
+
+def test_a_linear_attention_cache_joined_and_used_for_the_next_step() -> None:
+    """Qwen3-Next's linear-attention layer keeps its conv and recurrent states in dicts (by
+    state index): each replica's are joined, so the cache holds every row's state."""
+    pytest.importorskip("transformers")
+    model = tiny_qwen3_next()
+    ids, nxt = torch.randint(2, 64, (5, 6)), torch.randint(2, 64, (5, 1))
+    name = _cache_arg(model)
+    dp = DataParallel(model, device_ids=["cpu"] * 2)
+    with torch.no_grad():
+        ref1 = model(input_ids=ids, use_cache=True)
+        ref2 = model(input_ids=nxt, use_cache=True, **{name: _cache_of(ref1, name)})
+        got1 = dp(input_ids=ids, use_cache=True)
+        cache = _cache_of(got1, name)
+        states = [t for layer in cache.layers for d in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {}))
+                  for t in d.values() if t is not None]
+        assert states and all(t.shape[0] == 5 for t in states)
+        got2 = dp(input_ids=nxt, use_cache=True, **{name: cache})
+    terms = transformer_terms(width=16, ff=32, seq=7, layers=2)
     assert_close_to_reference((got1.logits, got2.logits), (ref1.logits, ref2.logits), terms=terms)
 
 

@@ -58,17 +58,35 @@ class _Template:
         return f"{type(self.obj).__name__}{self.key!r}"
 
 
-def _batch_tensors(layer: Any) -> list[str]:
+# A layer's batch tensor: an attribute's name, or (name, key) of an entry of a dict
+# attribute (transformers 5's linear-attention layers keep their conv and recurrent
+# states in dicts by state index).
+_Name = str | tuple[str, Any]
+
+
+def _batch_tensors(layer: Any) -> list[_Name]:
     # Per-layer state with a batch dim: keys and values [batch, heads, seq, head_dim],
     # linear-attention states [batch, ...]. 0-dim counters and unset (None) or empty
     # 1-dim placeholders stay in the template.
-    return sorted(name for name, v in vars(layer).items() if isinstance(v, Tensor) and v.dim() >= 2)
+    names: list[_Name] = sorted(name for name, v in vars(layer).items() if _is_batch(v))
+    for name, value in sorted(vars(layer).items()):
+        if isinstance(value, dict):
+            names += [(name, k) for k, v in value.items() if _is_batch(v)]
+    return names
+
+
+def _is_batch(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() >= 2
+
+
+def _get(layer: Any, name: _Name) -> Any:
+    return getattr(layer, name) if isinstance(name, str) else getattr(layer, name[0])[name[1]]
 
 
 def _flatten_cache(cache: Any) -> tuple[list[Any], Any]:
     layers = list(cache.layers)
     names = [_batch_tensors(layer) for layer in layers]
-    children = [getattr(layer, n) for layer, ns in zip(layers, names) for n in ns]
+    children = [_get(layer, n) for layer, ns in zip(layers, names) for n in ns]
     key = tuple((type(layer).__name__, tuple(ns)) for layer, ns in zip(layers, names))
     return children, _Template(key, cache)
 
@@ -84,10 +102,15 @@ def _unflatten_cache(children: list[Any], context: _Template) -> Any:
                 # Counters updated in place (a static layer's cumulative_length) must not
                 # be shared by the caches of different replicas.
                 setattr(layer, attr, value.clone())
+            elif isinstance(value, dict):  # its entries are set per cache (states, flags)
+                setattr(layer, attr, dict(value))
         for name in names:
-            setattr(layer, name, next(it))
+            if isinstance(name, str):
+                setattr(layer, name, next(it))
+            else:
+                getattr(layer, name[0])[name[1]] = next(it)
         if names:
-            first = getattr(layer, names[0])
+            first = _get(layer, names[0])
             if hasattr(layer, "device"):
                 layer.device = first.device
             if hasattr(layer, "batch_size"):  # StaticLayer keeps the batch size it was built for
@@ -122,7 +145,7 @@ register_type(
 # position in order have the item's positions cut out (and their counts of positions
 # lessened by the batch's left padding before the item's own); a sliding window keeps
 # the last of the item's own positions that its window holds alone; a linear-attention
-# state has no positions.
+# state has no positions (it counts the item's).
 _POSITIONAL = frozenset((layer, name) for layer in ("DynamicLayer", "StaticLayer") for name in ("keys", "values"))
 
 
@@ -206,6 +229,11 @@ def _narrow_cache(cache: Any, start: int, drop: int) -> Any:
     whole = True
     for layer in layers:
         names = _names(layer)
+        linear = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(linear, Tensor) and int(linear) > 0:  # a linear-attention state: it counts its positions
+            layer.cumulative_length_linear = linear.new_tensor(int(linear) - start - drop)
+            # The batch's steps after the item's end updated its state, which cannot be undone.
+            whole &= not drop
         if not getattr(layer, "is_initialized", False) or not isinstance(getattr(layer, "keys", None), Tensor):
             continue
         if "DynamicSlidingWindowLayer" in names:
@@ -219,10 +247,11 @@ def _narrow_cache(cache: Any, start: int, drop: int) -> Any:
     if not whole:
         warn_once(
             "map: generate: an item whose rows ended at eos before its batch's last step has "
-            "a sliding-window cache without some of its last positions: the batch's window went "
-            "on past the item's end and dropped them, so that layer holds fewer positions than "
-            "the item's own cache alone (its count of positions is the item's). Batch items "
-            "that end alike, or generate the item alone, where its cache must be whole",
+            "cache layers that are not its own cache alone: the batch's later steps moved a "
+            "sliding window past the item's end, which dropped some of its last positions (the "
+            "layer holds fewer), or updated a linear-attention state (its count of positions is "
+            "the item's). Batch items that end alike, or generate the item alone, where its "
+            "cache must be its own",
             stacklevel=2,
         )
     return cache
