@@ -122,6 +122,26 @@ def tiny_qwen3_next() -> Any:
     return model
 
 
+def tiny_falcon_h1() -> Any:
+    """A random FalconH1 (each layer a hybrid of a Mamba state and attention, its cache
+    layers subclasses of DynamicLayer; 64 tokens, pad id 0), in eval mode."""
+    import transformers
+
+    if not hasattr(transformers, "FalconH1ForCausalLM"):
+        pytest.skip("this transformers has no FalconH1")
+    torch.manual_seed(0)
+    config = transformers.FalconH1Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, mamba_d_ssm=16, mamba_n_heads=2, mamba_d_head=8,
+        mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=None)
+    model = transformers.FalconH1ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
 def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:
     """A random Qwen2-VL and a batch of 7 rows with 0 to 2 images each, of different
     sizes: the patches of all images in one tensor, as its processor makes them."""

@@ -35,7 +35,12 @@ from tests.helpers.items_models import (
     token_items,
 )
 from tests.helpers.long_runs import arm_hang, release_hung
-from tests.helpers.models import tiny_gpt2, tiny_qwen3_next, tiny_sentence_transformer
+from tests.helpers.models import (
+    tiny_falcon_h1,
+    tiny_gpt2,
+    tiny_qwen3_next,
+    tiny_sentence_transformer,
+)
 from tests.helpers.processes import spawn_gloo
 from tests.helpers.terms import mlp_terms, transformer_terms
 
@@ -570,30 +575,32 @@ def test_an_item_whose_rows_end_at_eos_early_ends_there_as_alone(workers: str) -
 @pytest.mark.parametrize("workers", WORKERS)
 def test_a_linear_attention_cache_is_each_prompts_own_state_as_alone(workers: str) -> None:
     """Qwen3-Next's linear-attention layer keeps its states in dicts: each item's cache holds
-    its own row's states (not the batch's) and counts its own positions."""
+    its own row's states (not the batch's) and counts its own positions. FalconH1's hybrid
+    layers (a Mamba state and attention, a DynamicLayer subclass) hold its own keys too."""
     pytest.importorskip("transformers")
-    model = tiny_qwen3_next()
     g = torch.Generator().manual_seed(3)
     prompts = [{"input_ids": torch.randint(3, 60, (n,), generator=g)} for n in (1, 6, 2, 5)]
     kwargs = {"max_new_tokens": 3, "return_dict_in_generate": True}
-    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # transformers: its kernels fall back to torch
-            outs = list(dp.map("generate", prompts, batch_size=2, **kwargs))
-            ref = _generate_alone(model, prompts, **kwargs)
-    finally:
-        dp.close()
-    for out, want in zip(outs, ref):
-        assert out.sequences.tolist() == want.sequences[0].tolist()
-        for got, wanted in zip(out.past_key_values.layers, want.past_key_values.layers):
-            assert int(got.get_seq_length()) == int(wanted.get_seq_length())
-            for name in ("conv_states", "recurrent_states"):
-                mine, theirs = getattr(got, name, {}), getattr(wanted, name, {})
-                assert [t.shape for t in mine.values() if t is not None] == [t.shape for t in theirs.values() if t is not None]
-                assert_close_to_reference([t for t in mine.values() if t is not None],
-                                          [t for t in theirs.values() if t is not None],
-                                          terms=transformer_terms(width=16, ff=32, seq=9, layers=2))
+    for model in (tiny_qwen3_next(), tiny_falcon_h1()):
+        dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, methods=["generate"], workers=workers)
+        try:
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # transformers: its kernels fall back to torch
+                outs = list(dp.map("generate", prompts, batch_size=2, **kwargs))
+                ref = _generate_alone(model, prompts, **kwargs)
+        finally:
+            dp.close()
+        for out, want in zip(outs, ref):
+            assert out.sequences.tolist() == want.sequences[0].tolist()
+            for got, wanted in zip(out.past_key_values.layers, want.past_key_values.layers):
+                assert int(got.get_seq_length()) == int(wanted.get_seq_length())
+                states = [(getattr(got, n, {}), getattr(wanted, n, {})) for n in ("conv_states", "recurrent_states")]
+                mine = [t for d, _ in states for t in d.values() if t is not None]
+                theirs = [t for _, d in states for t in d.values() if t is not None]
+                if getattr(wanted, "keys", None) is not None:
+                    mine, theirs = [*mine, got.keys, got.values], [*theirs, wanted.keys, wanted.values]
+                assert [t.shape for t in mine] == [t.shape for t in theirs]
+                assert_close_to_reference(mine, theirs, terms=transformer_terms(width=16, ff=32, seq=9, layers=2))
 
 
 def _sliding_models() -> list[Any]:

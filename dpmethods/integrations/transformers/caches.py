@@ -146,11 +146,17 @@ register_type(
 # lessened by the batch's left padding before the item's own); a sliding window keeps
 # the last of the item's own positions that its window holds alone; a linear-attention
 # state has no positions (it counts the item's).
-_POSITIONAL = frozenset((layer, name) for layer in ("DynamicLayer", "StaticLayer") for name in ("keys", "values"))
 
 
 def _names(layer: Any) -> set[str]:
     return {c.__name__ for c in type(layer).__mro__}
+
+
+def _holds_every_position(layer: Any) -> bool:
+    """A dynamic or static attention layer (or a subclass: a hybrid linear-attention and
+    attention layer, FalconH1's) that is not a sliding window."""
+    names = _names(layer)
+    return ("DynamicLayer" in names or "StaticLayer" in names) and not getattr(layer, "is_sliding", False)
 
 
 def _window(t: Tensor, seen: int, own_end: int, keep: int, size: int | None = None) -> Tensor:
@@ -206,7 +212,7 @@ def _narrow_static_window(layer: Any, start: int, drop: int, longest: int | None
 
 
 def _narrow_static(layer: Any, start: int, drop: int) -> None:
-    # Its keys were cut to the item's positions (_POSITIONAL: from start; a cross-attention
+    # Its keys were cut to the item's positions (_holds_every_position: from start; a cross-attention
     # layer's to the item's encoder positions), which it counts; those after the item's
     # end are not written alone (zeros).
     size = int(layer.keys.shape[2])
@@ -240,7 +246,7 @@ def _narrow_cache(cache: Any, start: int, drop: int) -> Any:
             whole &= _narrow_dynamic_window(layer, start, drop)
         elif "StaticSlidingWindowLayer" in names:
             whole &= _narrow_static_window(layer, start, drop, longest)
-        elif "StaticLayer" in names:
+        elif "StaticLayer" in names:  # its keys were cut from start (_holds_every_position)
             _narrow_static(layer, start, drop)
         elif "DynamicLayer" in names and drop and layer.keys.dim() == 4:
             layer.keys, layer.values = layer.keys[:, :, : layer.keys.shape[2] - drop], layer.values[:, :, : layer.values.shape[2] - drop]
@@ -262,9 +268,12 @@ def _item_state(cls: Any, context: Any) -> ItemState | None:
         return None
     if cls.__name__ == "EncoderDecoderCache":  # (self-attention cache, cross-attention cache)
         return ItemState(encoder=1)
-    key = getattr(context, "key", None)
-    kinds = [(layer, name) for layer, names in key for name in names] if isinstance(key, tuple) else []
-    return ItemState(positional=[kind in _POSITIONAL for kind in kinds], narrow=_narrow_cache)
+    key, cache = getattr(context, "key", None), getattr(context, "obj", None)
+    if not isinstance(key, tuple) or cache is None:
+        return ItemState(narrow=_narrow_cache)
+    positional = [_holds_every_position(layer) and name in ("keys", "values")
+                  for layer, (_, names) in zip(cache.layers, key) for name in names]
+    return ItemState(positional=positional, narrow=_narrow_cache)
 
 
 register_item_state(_item_state)
