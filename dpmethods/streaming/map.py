@@ -112,12 +112,17 @@ def _backend(target: MapTarget, method: str, options: MapOptions, oom: MethodOpt
     out_dev = as_device(out if out is not None else devices[0]) if devices else None
     if target.pool is not None:
         return ProcessBackend(target.pool, target.module, method, out_dev, oom=oom)
-    replicas: list[nn.Module] = [target.module]  # one device: the module itself, no copies
-    if len(devices) > 1:
-        check_source_device(target.module, devices[0])
-        if target.replicate is not None:  # built once for the whole map; under no_grad from the replica cache
-            replicas = target.replicate(target.module, devices)
-    return ThreadBackend(replicas, [*devices] or [None], method, out_dev, prefetch=options.prefetch,
+    module, replicate = target.module, target.replicate
+    build = None  # one device: the module itself, no copies
+    if len(devices) > 1 and replicate is None:
+        check_source_device(module, devices[0])
+    elif len(devices) > 1:  # under no_grad from the replica cache; again when the module changed
+
+        def build() -> list[nn.Module]:
+            check_source_device(module, devices[0])
+            return replicate(module, devices)
+
+    return ThreadBackend(module, build, [*devices] or [None], method, out_dev, prefetch=options.prefetch,
                          timeout=options.timeout, oom=oom)
 
 

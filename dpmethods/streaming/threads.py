@@ -8,6 +8,12 @@ left idle); on CUDA their copies to its device run on a copy stream of its own, 
 when they are submitted, while it computes on another. A thread cannot be stopped: a
 replica that runs a batch past the timeout is dropped from the map, and with a timeout a
 slot holds only the batch it runs.
+
+Before each batch it submits, the backend looks at the module with a
+:class:`~dpmethods.processes.state.Watch` (the look a process map takes, at little cost
+while nothing changed); when the module changed in a way the replicas copied, it builds
+them again as the map built them at its start, so the batches submitted after see the
+change, while those submitted before finish on the replicas they were given.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from torch import Tensor, nn
 
 from dpmethods.core.compiled import one_at_a_time
 from dpmethods.core.oom import batch_runner
-from dpmethods.core.parallel_apply import ThreadState, record_streams
+from dpmethods.core.parallel_apply import ThreadState, add_note, record_streams
 from dpmethods.core.replica_cache import CachedReplicas
+from dpmethods.core.replicate import fingerprint
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
+from dpmethods.processes.state import Watch
 from dpmethods.streaming.scheduler import Batch, batch_error
 from dpmethods.types import tree as _tree
 from dpmethods.types.tree import move
@@ -108,7 +116,10 @@ class ThreadBackend:
     """The map's slots as replica threads (see the module docstring).
 
     Args:
-        replicas: one per device (one device: the module itself).
+        module: the module the map runs.
+        replicate: builds its replicas, one per device (the map's ``replicate`` seam,
+            from the replica cache where it lends them); None: the module itself runs,
+            in one slot.
         devices: the replicas' devices (None: no device, the module as it is).
         method: the method's name, or ``"forward"``.
         output_device: where outputs go (None: where they are).
@@ -118,13 +129,21 @@ class ThreadBackend:
     """
 
     def __init__(
-        self, replicas: list[nn.Module], devices: list[torch.device | None], method: str,
-        output_device: torch.device | None, *, prefetch: int, timeout: float | None,
-        oom: MethodOptions | None,
+        self, module: nn.Module, replicate: Callable[[], list[nn.Module]] | None,
+        devices: list[torch.device | None], method: str, output_device: torch.device | None, *,
+        prefetch: int, timeout: float | None, oom: MethodOptions | None,
     ) -> None:
-        self.replicas, self.devices, self.method = replicas, devices, method
+        self.module, self.replicate, self.devices, self.method = module, replicate, devices, method
         self.output_device, self.oom = output_device, oom
-        self.width = len(replicas)  # slots
+        self.state = ThreadState.capture()  # the caller's modes at map()
+        self.watch: Watch | None = None  # the last look at the module (None: it runs itself)
+        self.key: Any = None  # what the replicas were built from (_key)
+        self.replicas: list[nn.Module] = [module]
+        if replicate is not None:
+            with self.state.applied():  # first the look, so a change made while they are built shows
+                self.watch, self.key = Watch(module), self._key()
+                self.replicas = replicate()
+        self.width = len(self.replicas)  # slots
         # A batch held ahead starts as soon as the one before it ends, without waiting
         # for the caller's thread (on CUDA its copy overlaps the compute too); one held
         # behind a long batch moves to a replica that falls idle (Scheduler). With a
@@ -132,7 +151,6 @@ class ThreadBackend:
         self.room = prefetch if timeout is None else 1
         self.cancels = True  # a batch queued behind another is cancelled there, and moves
         self.timeout = timeout
-        self.state = ThreadState.capture()  # the caller's modes at map()
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on
         # whichever runs it. CPU replicas share the caller's generator (docs/generate.md).
         self.seed = draw_seed() if cuda_distinct(devices) else None
@@ -145,26 +163,68 @@ class ThreadBackend:
         self.runs: list[Callable[[Batch, Any], Any]] = []  # per slot: runs one batch there
         self.streams: list[tuple[Any, Any] | None] = []  # per slot on CUDA: (copy, compute)
 
+    def _key(self) -> Any:
+        """What the replicas copy of the module: its fingerprint, and under grad (the
+        replicas' tensors then come from the module's through autograd) the
+        ``requires_grad`` flags. A change the fingerprint does not show (an attribute
+        object edited in place, a method patched on a class) the replicas share."""
+        key = fingerprint(self.module)
+        if self.state.grad:
+            key = (key, [p.requires_grad for p in self.module.parameters()])
+        return key
+
     def start(self) -> float:
-        for r, (replica, device) in enumerate(zip(self.replicas, self.devices)):
-            try:
-                self.runs.append(self._runner(r, replica, device))
-            except BaseException as exc:
-                raise batch_error(exc, None, self.describe(r)) from None
+        for r, device in enumerate(self.devices):
+            streams = None
+            if device is not None and device.type == "cuda":
+                streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+                for s in streams:
+                    s.wait_stream(self.caller_streams[device])
+            self.streams.append(streams)
+        self.runs = self._runners(self.replicas, None)
+        for r in range(self.width):
             self.executors.append(ReplicaThread(f"dpmethods-map-{r}", self.state.applied))
         return 0.0
 
+    def _runners(self, replicas: list[nn.Module], index: int | None) -> list[Callable[[Batch, Any], Any]]:
+        """A runner per slot on ``replicas``, made before batch ``index`` (None: at the start)."""
+        runs: list[Callable[[Batch, Any], Any]] = []
+        for r, (replica, device) in enumerate(zip(replicas, self.devices)):
+            try:
+                runs.append(self._runner(r, replica, device))
+            except BaseException as exc:
+                raise batch_error(exc, index, self.describe(r)) from None
+        return runs
+
     def _runner(self, r: int, replica: nn.Module, device: torch.device | None) -> Callable[[Batch, Any], Any]:
         fn = one_at_a_time(replica if self.method == "forward" else getattr(replica, self.method), replica)
-        if self.oom is not None:
+        if self.oom is not None:  # a memory record per replica, as a worker keeps one per model
             fn = batch_runner(replica, self.method, self.oom, fn, device or "cpu", names=getattr(replica, self.method))
-        streams = None
-        if device is not None and device.type == "cuda":
-            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-            for s in streams:
-                s.wait_stream(self.caller_streams[device])
-        self.streams.append(streams)
-        return functools.partial(self._run, r, fn, device, streams)
+        return functools.partial(self._run, r, fn, device, self.streams[r])
+
+    def _look(self, batch: Batch) -> None:
+        """The module changed since the last look: if the replicas copied the change,
+        build them again as the map did at its start, and the slots' runners on them.
+        The batches submitted before hold the old runners: they finish on the old replicas."""
+        assert self.replicate is not None
+        with self.state.applied():
+            watch, key = Watch(self.module), self._key()  # while the last key's objects live
+            if key == self.key:
+                self.watch = watch  # nothing the replicas copied: the next look costs no walk
+                return
+            # Cached replicas go back first: under a new key the cache builds new ones
+            # (it never lends these again), and these are freed once their batches end.
+            CachedReplicas.give_back(self.replicas)
+            try:
+                replicas = self.replicate()
+            except BaseException as exc:
+                raise add_note(exc, f"dpmethods: DataParallel.map: raised while building the replicas "
+                               f"again before batch {batch.index} (the module changed)")  # noqa: B904
+        self.runs = self._runners(replicas, batch.index)
+        self.replicas, self.watch, self.key = replicas, watch, key
+        for device, streams in zip(self.devices, self.streams):
+            for s in streams or ():  # the new replicas were made on the caller's stream
+                s.wait_stream(torch.cuda.current_stream(device))
 
     def _run(self, r: int, fn: Any, device: Any, streams: Any, batch: Batch, ready: Any) -> Any:
         """Run ``batch`` on replica ``r`` (in its thread)."""
@@ -187,6 +247,8 @@ class ThreadBackend:
         return out
 
     def submit(self, slot: int, batch: Batch) -> cf.Future[Any]:
+        if self.watch is not None and not self.watch.unchanged():  # one look, no walk while unchanged
+            self._look(batch)
         streams = self.streams[slot]
         ready = None if streams is None else _stage(batch, self.devices[slot], streams)
         return self.executors[slot].submit(self.runs[slot], batch, ready)

@@ -548,6 +548,25 @@ def test_a_finished_map_iterator_gives_the_cached_replicas_back(
         del it
 
 
+def test_replicas_built_again_in_a_map_come_from_the_cache_and_go_back_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dpmethods.wrapper import call
+
+    built: list[int] = []  # replicate calls
+    real = call.replicate
+    monkeypatch.setattr(call, "replicate", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = Changing().eval()
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, cache_replicas=True)
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        for k, _ in enumerate(dp.map("forward", [x] * 6, prefetch=1)):
+            if k == 0:
+                model.scale = 3.0
+        assert len(built) == 2  # at the start, and once after the change (not per batch)
+        close(dp(x), model(x), terms=5)
+        close(dp(x), model(x), terms=5)
+        assert len(built) == 2  # the calls after the map lend the replicas it built again
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"
@@ -577,6 +596,63 @@ def test_sampling_on_distinct_gpus_is_seeded_from_the_caller() -> None:
         alone = list(one.map("noisy", batches))
     for a, b in zip(alone, other[1:], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class Changing(nn.Module):
+    """Its output shows each change a test makes in the loop over a map: a hook on
+    ``lin``, ``scale`` replaced, ``train()`` (+1 in training) and ``lin``'s weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale
+        return y + 1 if self.training else y
+
+
+def _doubled(module: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+    return out * 2
+
+
+MAP_CHANGES = {
+    "hook_added": lambda m: m.lin.register_forward_hook(_doubled),
+    "attribute_replaced": lambda m: setattr(m, "scale", 3.0),
+    "train_toggled": lambda m: m.train(not m.training),
+    "parameter_updated_in_place": lambda m: m.lin.weight.mul_(2),  # under no_grad, as an optimizer step
+}
+
+
+@pytest.mark.parametrize("change", MAP_CHANGES)
+@pytest.mark.parametrize(("workers", "cache"), [("threads", False), ("threads", True), ("processes", False)])
+def test_a_change_in_the_loop_over_a_map_reaches_the_batches_sent_after_it(
+    workers: str, cache: bool, change: str
+) -> None:
+    # Distinct CPU replicas hold copies of the parameters, as replicas on other GPUs do.
+    torch.manual_seed(0)
+    model = Changing().eval()
+    xs = [torch.randn(3, 4) for _ in range(8)]
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers, cache_replicas=cache,
+                                cpu_replicas="distinct")
+    outs: list[torch.Tensor] = []
+    try:
+        with torch.no_grad():
+            before = [model(x) for x in xs]
+            after = before
+            for k, out in enumerate(dp.map("forward", xs, prefetch=1)):
+                if k == 0:
+                    MAP_CHANGES[change](model)
+                    after = [model(x) for x in xs]
+                outs.append(out)
+    finally:
+        dp.close()
+    # The batches sent before the change are a prefix: when the first output is yielded
+    # at most 4 were pulled (2 in flight, and the reorder window), the others come after.
+    sent_before = next(k for k, (out, ref) in enumerate(zip(outs, before)) if not torch.allclose(out, ref))
+    assert 1 <= sent_before <= 4
+    for out, ref in zip(outs, before[:sent_before] + after[sent_before:], strict=True):
+        close(out, ref, terms=5)  # Linear(4, 3)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
