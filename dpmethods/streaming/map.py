@@ -17,6 +17,7 @@ through a reorder buffer that is bounded too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,13 @@ def progress_bar(
                         unit=unit, dynamic_ncols=True)
 
 
+def _replicas(module: nn.Module, replicate: Callable[[nn.Module, list[torch.device]], list[nn.Module]],
+              devices: list[torch.device]) -> list[nn.Module]:
+    """A thread map's replicas of ``module``, through the wrapper's ``replicate`` seam."""
+    check_source_device(module, devices[0])
+    return replicate(module, devices)
+
+
 def _backend(target: MapTarget, method: str, options: MapOptions, oom: MethodOptions | None) -> Backend:
     """The map's slots: the worker processes of ``target.pool``, else a thread per replica."""
     devices = list(target.devices)
@@ -114,14 +122,10 @@ def _backend(target: MapTarget, method: str, options: MapOptions, oom: MethodOpt
         return ProcessBackend(target.pool, target.module, method, out_dev, oom=oom)
     module, replicate = target.module, target.replicate
     build = None  # one device: the module itself, no copies
-    if len(devices) > 1 and replicate is None:
+    if len(devices) > 1 and replicate is not None:  # under no_grad from the replica cache; again when the module changed
+        build = functools.partial(_replicas, module, replicate, devices)
+    elif len(devices) > 1:
         check_source_device(module, devices[0])
-    elif len(devices) > 1:  # under no_grad from the replica cache; again when the module changed
-
-        def build() -> list[nn.Module]:
-            check_source_device(module, devices[0])
-            return replicate(module, devices)
-
     return ThreadBackend(module, build, [*devices] or [None], method, out_dev, prefetch=options.prefetch,
                          timeout=options.timeout, oom=oom)
 

@@ -174,7 +174,7 @@ class ThreadBackend:
         return key
 
     def start(self) -> float:
-        for r, device in enumerate(self.devices):
+        for device in self.devices:
             streams = None
             if device is not None and device.type == "cuda":
                 streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
@@ -218,8 +218,9 @@ class ThreadBackend:
             try:
                 replicas = self.replicate()
             except BaseException as exc:
-                raise add_note(exc, f"dpmethods: DataParallel.map: raised while building the replicas "
-                               f"again before batch {batch.index} (the module changed)")  # noqa: B904
+                add_note(exc, f"dpmethods: DataParallel.map: raised while building the replicas again "
+                         f"before batch {batch.index} (the module changed)")
+                raise
         self.runs = self._runners(replicas, batch.index)
         self.replicas, self.watch, self.key = replicas, watch, key
         for device, streams in zip(self.devices, self.streams):
