@@ -47,9 +47,10 @@ class _Loan(list):  # type: ignore[type-arg]
     the global registry of finalizers, which every call would then pay for.
     """
 
-    def __init__(self, replicas: list[nn.Module], lock: threading.Lock) -> None:
+    def __init__(self, replicas: list[nn.Module], lock: threading.Lock, key: object) -> None:
         super().__init__(replicas)
         self._lock: threading.Lock | None = lock
+        self.key = key  # the cache's key: what they were built from
 
     def release(self) -> None:
         lock, self._lock = self._lock, None
@@ -124,6 +125,21 @@ class CachedReplicas:
             replicas.release()
 
     @staticmethod
+    def key_of(replicas: object) -> object | None:
+        """The key ``replicas`` were lent under if they came from :meth:`lend` (the
+        module's fingerprint as the call that borrowed them took it), else None.
+
+        Example:
+            >>> import torch
+            >>> from dpmethods.core.replicate import replicate
+            >>> m = torch.nn.Linear(2, 2)
+            >>> cache = CachedReplicas("k", replicate(m, ["cpu", "cpu"], detach=True), m)
+            >>> CachedReplicas.key_of(cache.lend(2)), CachedReplicas.key_of([m])
+            ('k', None)
+        """
+        return replicas.key if isinstance(replicas, _Loan) else None
+
+    @staticmethod
     def lend_or_build(
         cached: CachedReplicas | None, key: object, module: nn.Module, devices: list[Any],
         n: int, build: Callable[[list[Any]], list[nn.Module]],
@@ -174,5 +190,5 @@ class CachedReplicas:
         if any(self._empty):  # in C: a call left a hook behind
             for d in self._empty:
                 d.clear()
-        loan = _Loan(self.replicas[:n], self._lock)
+        loan = _Loan(self.replicas[:n], self._lock, self.key)
         return loan

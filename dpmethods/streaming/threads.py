@@ -141,8 +141,12 @@ class ThreadBackend:
         self.replicas: list[nn.Module] = [module]
         if replicate is not None:
             with self.state.applied():  # first the look, so a change made while they are built shows
-                self.watch, self.key = Watch(module), self._key()
+                self.watch = Watch(module)
                 self.replicas = replicate()
+                # Lent from the cache: its key, the fingerprint the seam took as it lent them.
+                self.key = CachedReplicas.key_of(self.replicas)
+                if self.key is None:
+                    self.key = self._key()
         self.width = len(self.replicas)  # slots
         # A batch held ahead starts as soon as the one before it ends, without waiting
         # for the caller's thread (on CUDA its copy overlaps the compute too); one held
@@ -164,10 +168,11 @@ class ThreadBackend:
         self.streams: list[tuple[Any, Any] | None] = []  # per slot on CUDA: (copy, compute)
 
     def _key(self) -> Any:
-        """What the replicas copy of the module: its fingerprint, and under grad (the
-        replicas' tensors then come from the module's through autograd) the
-        ``requires_grad`` flags. A change the fingerprint does not show (an attribute
-        object edited in place, a method patched on a class) the replicas share."""
+        """What the replicas copy of the module: its fingerprint (the replica cache's
+        key), and under grad (no cache; the replicas' tensors then come from the
+        module's through autograd) the ``requires_grad`` flags. A change the fingerprint
+        does not show (an attribute object edited in place, a method patched on a
+        class) the replicas share."""
         key = fingerprint(self.module)
         if self.state.grad:
             key = (key, [p.requires_grad for p in self.module.parameters()])
