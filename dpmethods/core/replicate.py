@@ -277,7 +277,7 @@ def optimizer_steps() -> int:
     return _optimizer_steps
 
 
-def fingerprint(module: nn.Module) -> tuple[object, ...]:
+def fingerprint(module: nn.Module, *, versionless: bool = False) -> tuple[object, ...]:
     """A cheap value that changes when anything a replica copied from ``module`` changes.
 
     It covers every module's class and attributes (by identity, so any assignment,
@@ -289,10 +289,12 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
     attribute values alive, so an identity cannot be reused while a cached replica
     exists. In-place writes through ``.data`` are not seen (``.data`` has a version
     counter of its own); modules with inference tensors get a fingerprint equal to no
-    other, so their replicas are never reused.
+    other, so their replicas are never reused, unless ``versionless``.
 
     Args:
         module: the module whose replicas may be cached.
+        versionless: an inference tensor counts without its version (its in-place
+            updates are not seen; a thread map's look, :mod:`dpmethods.streaming.threads`).
 
     Example:
         >>> import torch
@@ -303,28 +305,40 @@ def fingerprint(module: nn.Module) -> tuple[object, ...]:
         >>> fingerprint(m) == before
         False
     """
+    try:
+        return _fingerprint(module, False)
+    except RuntimeError:
+        pass
+    if versionless:
+        try:
+            return _fingerprint(module, True)
+        except RuntimeError:
+            pass
+    # Inference tensors have no version counter, so their in-place updates can't be
+    # seen: a fresh object makes this fingerprint equal to no other.
+    return (object(),)
+
+
+def _fingerprint(module: nn.Module, versionless: bool) -> tuple[object, ...]:
+    """:func:`fingerprint`; raises ``RuntimeError`` for an inference tensor unless ``versionless``."""
     parts: list[object] = [optimizer_steps()]
     append, extend = parts.append, parts.extend  # this runs on every cached call: keep it lean
-    try:
-        for m in module.modules():
-            d = m.__dict__
-            append(type(m))
-            # Names and value identities of every attribute: any assignment, train()/eval().
-            extend(d)
-            extend(map(id, d.values()))
-            # Replicas copy the hook dicts, so a hook added or removed here must show.
-            extend(chain.from_iterable(map(d.get, HOOK_DICTS, _NO_HOOKS_EACH)))
-            for group in (d["_parameters"], d["_buffers"]):
-                for t in group.values():
-                    if t is None:
-                        append(None)
-                    else:
-                        extend((id(t), t.data_ptr(), t.device, t.dtype, t._version))
-                        # ``p.data = p.data.t()`` keeps the storage and the version.
-                        extend((t.shape, t.stride(), t.storage_offset()))
-            extend(map(id, d["_modules"].values()))
-    except RuntimeError:
-        # Inference tensors have no version counter, so their in-place updates can't be
-        # seen: a fresh object makes this fingerprint equal to no other.
-        return (object(),)
+    for m in module.modules():
+        d = m.__dict__
+        append(type(m))
+        # Names and value identities of every attribute: any assignment, train()/eval().
+        extend(d)
+        extend(map(id, d.values()))
+        # Replicas copy the hook dicts, so a hook added or removed here must show.
+        extend(chain.from_iterable(map(d.get, HOOK_DICTS, _NO_HOOKS_EACH)))
+        for group in (d["_parameters"], d["_buffers"]):
+            for t in group.values():
+                if t is None:
+                    append(None)
+                else:
+                    extend((id(t), t.data_ptr(), t.device, t.dtype,
+                            None if versionless and t.is_inference() else t._version))
+                    # ``p.data = p.data.t()`` keeps the storage and the version.
+                    extend((t.shape, t.stride(), t.storage_offset()))
+        extend(map(id, d["_modules"].values()))
     return tuple(parts)

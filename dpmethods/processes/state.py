@@ -4,7 +4,8 @@
   identity (attribute objects edited in place, ``requires_grad`` flags), so a worker's
   copy is sent again when it changed;
 - :class:`Watch`: what one look at a module saw, so that the next look costs no walk of
-  the module when nothing changed (before each batch of a map);
+  the module when nothing changed (before each batch of a map, on worker processes and
+  on replica threads alike);
 - :func:`register_process_rule`: what a library keeps per process. Some hooks belong to
   the process (and the call) that installed them, such as transformers' output-capturing
   hooks: they are never sent, and a worker's model installs its own. Some state a
@@ -188,12 +189,14 @@ def _stub(*_: Any) -> None:
     """What a tensor pickles to in :func:`state_digest` (never called)."""
 
 
-def _tensor_state(t: Tensor) -> tuple[Any, ...]:
+def _tensor_state(t: Tensor, versionless: bool = False) -> tuple[Any, ...]:
     """What shows that ``t`` changed or was replaced, without its data: its identity,
     version counter, ``requires_grad``, dtype, device, shape, and where it has a
     storage its data pointer, strides and offset (``.data =``). Raises ``RuntimeError``
-    for an inference tensor, which has no version counter."""
-    state = (id(t), t._version, t.requires_grad, t.dtype, t.device, t.shape)
+    for an inference tensor, which has no version counter, unless ``versionless``
+    (then its state leaves the version out)."""
+    version = None if versionless and t.is_inference() else t._version
+    state = (id(t), version, t.requires_grad, t.dtype, t.device, t.shape)
     try:
         return (*state, t.data_ptr(), t.stride(), t.storage_offset())
     except (RuntimeError, NotImplementedError):  # no strided storage (sparse, nested)
@@ -210,23 +213,24 @@ def _storage_state(s: Any) -> tuple[Any, ...]:
 class _StatePickler(pickle.Pickler):
     """Attribute objects, with each tensor and storage a stub: its identity and what
     shows a change to it (:func:`_tensor_state`), never its data. An inference tensor
-    raises (its in-place changes cannot be seen). A module of the walk (``walked``, by
+    raises (its in-place changes cannot be seen), unless ``versionless``. A module of the walk (``walked``, by
     id: the walk covers it) is a stub of its identity; any other module (one held in a
     list, or set with ``object.__setattr__``) is pickled whole, as it is sent, its
     tensors stubbed. Each stubbed object goes into ``kept`` where one is given: the
     caller keeps them alive while it compares digests, so no new object can take an old
     one's id unnoticed."""
 
-    def __init__(self, file: Any, walked: frozenset[int], kept: list[Any] | None) -> None:
+    def __init__(self, file: Any, walked: frozenset[int], kept: list[Any] | None, versionless: bool = False) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self._walked = walked
         self._kept = kept
+        self._versionless = versionless
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
             if self._kept is not None:
                 self._kept.append(obj)
-            return (_stub, _tensor_state(obj))
+            return (_stub, _tensor_state(obj, self._versionless))
         if isinstance(obj, (torch.UntypedStorage, torch.TypedStorage)):
             if self._kept is not None:
                 self._kept.append(obj)
@@ -285,11 +289,12 @@ def _attribute_objects(m: nn.Module, into: dict[int, Any], skip: set[str]) -> No
                 into.setdefault(id(hook), hook)
 
 
-def _pickled(values: list[Any], walked: frozenset[int], kept: list[Any] | None = None) -> bytes:
+def _pickled(values: list[Any], walked: frozenset[int], kept: list[Any] | None = None,
+             versionless: bool = False) -> bytes:
     """``values`` pickled with their tensors and the modules in ``walked`` (by id)
     stubbed, each stubbed object put in ``kept`` (raises what pickling raises)."""
     buf = io.BytesIO()
-    _StatePickler(buf, walked, kept).dump(values)
+    _StatePickler(buf, walked, kept, versionless).dump(values)
     return buf.getvalue()
 
 
@@ -422,7 +427,9 @@ class Watch:
     (nanoseconds an item, against a Python call each). Where dict versions cannot be
     read, or miss a change (a torch without ``torch._C._dynamo.guards.dict_version``,
     or whose versions fail a probe at first use), or a tensor has no version counter
-    (an inference tensor), it never says unchanged: every look walks the module.
+    (an inference tensor), it never says unchanged: every look walks the module; with
+    ``versionless``, it watches an inference tensor for all but its in-place updates
+    (what a thread map's replicas need: :mod:`dpmethods.streaming.threads`).
 
     Example:
         >>> m = torch.nn.Linear(2, 2)
@@ -434,8 +441,9 @@ class Watch:
         False
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, versionless: bool = False) -> None:
         self.module = module
+        self._versionless = versionless
         self._rules = list(_RULES)
         reads = compiled_readers()
         self._tensor_states = reads.get("tensor_states")
@@ -455,7 +463,7 @@ class Watch:
                 steps = optimizer_steps()
                 versions = self._walk(module)
                 self._seen = (steps, versions, self._ids(), self._states(),
-                              _pickled(self._objects, self._walked, self._kept))
+                              _pickled(self._objects, self._walked, self._kept, versionless))
             except Exception:  # a tensor without a version counter, a module half built
                 self._seen = None
         self.classes = frozenset(map(type, self._modules))
@@ -484,7 +492,8 @@ class Watch:
                     else:
                         self._empty.append(x)
             for group in (d["_parameters"], d["_buffers"]):
-                self._tensors.extend(t for t in group.values() if t is not None)
+                self._tensors.extend(t for t in group.values()
+                                     if t is not None and not (self._versionless and t.is_inference()))
             _attribute_objects(m, objects, skip)
         # The model's classes: one changed here (a method patched) is set on the workers'.
         for d in class_dicts(classes_of(self._modules)):
@@ -533,7 +542,7 @@ class Watch:
                 and self._same(self._dict_versions, self._dicts, versions, self._versions)
                 and self._same(self._identities, self._modules, ids, self._ids)
                 and self._same(self._tensor_states, self._tensors, states, self._states)
-                and _pickled(self._objects, self._walked) == objects
+                and _pickled(self._objects, self._walked, None, self._versionless) == objects
             )
         except Exception:
             return False

@@ -141,7 +141,7 @@ class ThreadBackend:
         self.replicas: list[nn.Module] = [module]
         if replicate is not None:
             with self.state.applied():  # first the look, so a change made while they are built shows
-                self.watch = Watch(module)
+                self.watch = Watch(module, versionless=True)
                 self.replicas = replicate()
                 # Lent from the cache: its key, the fingerprint the seam took as it lent them.
                 self.key = CachedReplicas.key_of(self.replicas)
@@ -172,8 +172,10 @@ class ThreadBackend:
         key), and under grad (no cache; the replicas' tensors then come from the
         module's through autograd) the ``requires_grad`` flags. A change the fingerprint
         does not show (an attribute object edited in place, a method patched on a
-        class) the replicas share."""
-        key = fingerprint(self.module)
+        class) the replicas share. An inference tensor counts without a version (it has
+        none): its in-place updates are not seen, as writes through ``.data`` are not,
+        and a module holding one is not built again before every batch."""
+        key = fingerprint(self.module, versionless=True)
         if self.state.grad:
             key = (key, [p.requires_grad for p in self.module.parameters()])
         return key
@@ -213,7 +215,7 @@ class ThreadBackend:
         The batches submitted before hold the old runners: they finish on the old replicas."""
         assert self.replicate is not None
         with self.state.applied():
-            watch, key = Watch(self.module), self._key()  # while the last key's objects live
+            watch, key = Watch(self.module, versionless=True), self._key()  # while the last key's objects live
             if key == self.key:
                 self.watch = watch  # nothing the replicas copied: the next look costs no walk
                 return

@@ -567,6 +567,46 @@ def test_replicas_built_again_in_a_map_come_from_the_cache_and_go_back_to_it(mon
         assert len(built) == 2  # the calls after the map lend the replicas it built again
 
 
+def test_replicas_that_cannot_be_built_again_fail_the_map_naming_the_batch() -> None:
+    model = Changing().eval()
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2)
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    with torch.no_grad(), pytest.raises(RuntimeError, match="parameters and buffers on device") as info:
+        for k, _ in enumerate(dp.map("forward", xs, prefetch=1)):
+            if k == 0:
+                model.lin.to("meta")  # off device_ids[0]: replicas cannot be built
+    assert any("building the replicas again before batch" in n for n in info.value.__notes__)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_thread_map_of_inference_tensors_builds_its_replicas_again_only_when_the_module_changed(
+    cache: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Inference tensors have no version counter: the look leaves their versions out, so
+    # it does not take the module for changed before every batch.
+    from dpmethods.wrapper import call
+
+    built: list[int] = []  # replicate calls
+    real = call.replicate
+    monkeypatch.setattr(call, "replicate", lambda *a, **k: built.append(1) or real(*a, **k))
+    with torch.inference_mode():
+        model = Changing().eval()
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, cache_replicas=cache, cpu_replicas="distinct")
+    xs = [torch.randn(3, 4) for _ in range(6)]
+    with torch.inference_mode():
+        outs = list(dp.map("forward", xs, prefetch=1))
+        assert len(built) == 1
+        for out, x in zip(outs, xs, strict=True):
+            close(out, model(x), terms=5)
+        outs = []
+        for k, out in enumerate(dp.map("forward", xs, prefetch=1)):
+            if k == 0:
+                model.lin.register_forward_hook(_doubled)
+            outs.append(out)
+        assert len(built) == 3  # at the start, and once after the change
+        close(outs[-1], model(xs[-1]), terms=5)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"

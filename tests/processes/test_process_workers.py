@@ -891,6 +891,25 @@ def test_the_watch_says_changed_when_it_cannot_tell(monkeypatch: pytest.MonkeyPa
 
 
 @_WATCHING
+def test_a_versionless_watch_sees_all_but_an_inference_tensors_in_place_updates() -> None:
+    # A thread map's look: a module holding inference tensors is not taken for changed at
+    # every look (its replicas would be built again before every batch).
+    model = Watched()
+    with torch.inference_mode():
+        model.register_buffer("frozen", torch.ones(1))  # no version counter
+        model.tables["frozen"] = torch.ones(1)  # in an attribute object
+    watch = Watch(model, versionless=True)
+    assert watch.unchanged()
+    with torch.inference_mode():
+        model.frozen.add_(1)  # cannot be seen
+        model.tables["frozen"].add_(1)
+    assert watch.unchanged()
+    assert state.versions_change() and not Watch(model).unchanged()  # the default: never unchanged
+    model.lin.register_forward_hook(count_calls)
+    assert not watch.unchanged()
+
+
+@_WATCHING
 @pytest.mark.xfail(strict=True, reason="writes through .data get a version counter of their own "
                    "and are not seen; update under torch.no_grad() instead")
 def test_a_write_through_data_is_not_seen() -> None:
