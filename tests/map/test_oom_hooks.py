@@ -212,3 +212,22 @@ def test_the_record_is_kept_per_method(tmp_path: Path, workers: str) -> None:
     assert sorted(rows for rows, _ in rows_run(tmp_path, "small")) == [4, 4, 4, 4, 8]
     for g in got:
         assert_close_to_reference(g, want, terms=GPT2_TERMS)
+
+
+@pytest.mark.parametrize("mode", ["stack", "list"])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_per_replica_gather_mode_refuses_to_join_halves(tmp_path: Path, workers: str, mode: str) -> None:
+    # 'stack' and 'list' keep one entry per replica: a batch of 4 rows in halves of 2
+    # would come back as [2, 2, ...] (or two entries) where one device gives [4, ...].
+    torch.manual_seed(0)
+    model = TwoMethods(tmp_path, limit=LIMIT)
+    ids = torch.randint(2, 48, (4, 5))
+    dp = _dp(model, workers, methods={"big": {"gather": mode}})
+    with torch.no_grad():
+        (fits,) = dp.map("big", [ids[:2]], on_oom="split")  # a batch that fits runs as without the option
+        assert_close_to_reference(fits, model.lm(ids[:2]).logits, terms=GPT2_TERMS)
+        with pytest.raises(ValueError, match=rf"on_oom='split': output is gathered with '{mode}', one entry per replica"):
+            list(dp.map("big", [ids], on_oom="split"))
+        with pytest.raises(ValueError, match=rf"on_oom='split': output is gathered with '{mode}'"):
+            dp.big(torch.cat([ids, ids]))  # a call: shares of 4 rows, each in halves
+    dp.close()

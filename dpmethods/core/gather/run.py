@@ -337,6 +337,21 @@ def _among(paths: _Paths, indices: list[int]) -> Callable[[int], str]:
     return lambda k: paths(indices[k])
 
 
+# Modes that keep one entry per replica: a share's parts are not replicas, and one
+# device returns the share's output unwrapped, so their entries have no join into it.
+_PER_REPLICA = (Mode.STACK.value, Mode.LIST.value)
+
+
+def _per_replica_halves(path: str, mode: str) -> str:
+    return (
+        f"on_oom='split': {path} is gathered with {mode!r}, one entry per replica, so the "
+        f"parts of a share that ran out of memory would come back as {mode!r} entries of their "
+        "own, not as the share's output; a gather mode that joins the batch's items ('cat', "
+        "'pad', 'extend', or 'mean'/'sum'/'same' for a value over them) joins them as the "
+        "share, else run this method with on_oom='raise'"
+    )
+
+
 def _join(
     spec: _tree.Spec, columns: list[tuple[Any, ...]], modes: list[str], dims: list[int],
     coupled: set[int], paths: _Paths, plan: _Plan,
@@ -346,6 +361,8 @@ def _join(
     joined: dict[int, tuple[list[int], list[Tensor]]] = {}  # by join dim
     ragged = _tree.ragged_leaves(spec) if plan.n > 1 else set()
     for i, (col, m, d) in enumerate(zip(columns, modes, dims)):
+        if plan.halves and m in _PER_REPLICA:
+            raise ValueError(_per_replica_halves(paths(i), m))
         if not isinstance(col[0], Tensor):  # equal specs: then no replica has a tensor here
             result[i] = join_value_leaf(col, m, d, paths(i), plan.device, plan.weights)
             continue
