@@ -7,6 +7,9 @@ replicas would share one generator. ``encode`` returns
 ``AutoencoderKLOutput(latent_dist=DiagonalGaussianDistribution(parameters))``; the
 distribution is joined from its ``parameters`` (mean and log-variance stacked on dim 1),
 so ``.sample(generator)``, ``.mode()`` and ``.kl()`` of the joined one equal one device's.
+In item mode (``map`` with ``batch_size=``) each item's distribution keeps the batch dim,
+as its ``encode`` alone gives it: the class cuts its parameters on dim 1, which a row
+without the batch dim would cut across its height instead of its channels.
 ``VQModel.decode``'s ``commit_loss`` is the quantizer's mean over the batch: one value,
 joined as the replicas' mean weighted by their shares; with ``force_not_quantize=True``
 it is one value per row, joined by rows.
@@ -22,9 +25,11 @@ import torch
 
 from dpmethods.extending import (
     Call,
+    ItemState,
     MethodOptions,
     gather,
     register_gather_mode,
+    register_item_state,
     register_method_finder,
     register_type,
 )
@@ -75,6 +80,14 @@ def _unflatten_gaussian(children: list[Any], context: Any) -> Any:
     return cls(children[0], deterministic=deterministic)
 
 
+def _gaussian_item(cls: type, context: Any) -> ItemState | None:
+    # Batch state: an item's distribution is rebuilt from its rows with the batch dim kept.
+    if any(f"{k.__module__}:{k.__qualname__}" == _GAUSSIAN for k in getattr(cls, "__mro__", ())):
+        return ItemState()
+    return None
+
+
 register_method_finder(_autoencoder_methods)
 register_gather_mode(_VQ_DECODE, _join_vq_decode)
 register_type(_GAUSSIAN, _flatten_gaussian, _unflatten_gaussian, per_item=True)
+register_item_state(_gaussian_item)

@@ -124,3 +124,28 @@ def test_vq_decode_commit_loss_is_the_batch_mean_or_per_row_as_one_device(worker
 def _fields(out: Any) -> Any:
     """A decoder output, or its ``return_dict=False`` tuple, by field name."""
     return dict(zip(("sample", "commit_loss"), out)) if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_an_items_latent_dist_in_item_mode_is_its_encode_alone(workers: str) -> None:
+    # The distribution cuts its parameters on dim 1 (mean and log-variance channels): an
+    # item's rows without the batch dim would be cut across their height instead.
+    torch.manual_seed(0)
+    vae = tiny_vae()
+    images = list(torch.randn(5, 3, 16, 16))
+    dp = DataParallel(vae, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            got = [out.latent_dist for out in dp.map("encode", images, batch_size=3, length=_one, collate=torch.stack)]
+            for dist, image in zip(got, images, strict=True):
+                want = vae.encode(image[None]).latent_dist
+                assert type(dist) is type(want)
+                assert_close_to_reference(dist.mode(), want.mode(), terms=AUTOENCODER_TERMS)
+                assert_close_to_reference(dist.std, want.std, terms=AUTOENCODER_TERMS)
+                assert_close_to_reference(dist.kl(), want.kl(), terms=AUTOENCODER_TERMS + 4 * 8 * 8)
+    finally:
+        dp.close()
+
+
+def _one(image: torch.Tensor) -> int:
+    return 1
