@@ -14,7 +14,8 @@ When a class is looked up (transformers imported by then; nothing here imports i
 - the Qwen2-VL family (patches of all images beside ``image_grid_thw``) gives each
   replica its rows' images, in ``forward`` and ``generate`` (:mod:`.vision`);
 - every ``get_*_features`` method of a ``PreTrainedModel``;
-- Encodec's ``encode`` joins ``audio_codes`` on dim 1, and ``decode`` splits them there.
+- Encodec's ``encode`` joins ``audio_codes`` on dim 1, and ``decode`` splits them there;
+  XLNet's ``forward`` joins and splits its ``mems`` on dim 1.
 
 Example:
     >>> import torch, dpmethods
@@ -35,7 +36,7 @@ from dpmethods.integrations.transformers.caches import CACHE_IN_PLACE
 from dpmethods.integrations.transformers.contrastive import returns_pairs
 from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
 from dpmethods.integrations.transformers.generate import gather_generate
-from dpmethods.integrations.transformers.losses import FORWARD_MODE, LOSS_COUNT, PAIRS
+from dpmethods.integrations.transformers.losses import BY_FIELD, FORWARD_MODE, LOSS_COUNT, PAIRS
 from dpmethods.integrations.transformers.vision import (
     VISION_ARGUMENTS,
     VISION_SHARES,
@@ -51,7 +52,7 @@ APPLIES_TO = "GenerationMixin models; PreTrainedModel; EncodecModel"
 METHODS = (
     "generate (gather='generate'); forward (loss joined as the full-batch loss; "
     "contrastive logits_per_* and loss from the joined embeddings); "
-    "get_*_features; Encodec encode/decode (codes' batch in dim 1)"
+    "get_*_features; Encodec encode/decode (codes' batch in dim 1); XLNet forward's mems (batch in dim 1)"
 )
 
 _FEATURES = re.compile(r"get_\w+_features\Z")
@@ -65,6 +66,11 @@ _PAIRS_FORWARD = FORWARD.with_updates(hooks=CACHE_IN_PLACE.then(LOSS_COUNT).then
 _ENCODEC = {
     "encode": MethodOptions(gather_dim={"audio_codes": 1}),
     "decode": MethodOptions(scatter_dim={"audio_codes": 1}),
+}
+# Classes whose forward takes and returns states with the batch in dim 1: XLNet's mems,
+# one [memory length, batch, d_model] tensor per layer, split and joined there.
+_BATCH_DIM_1 = {
+    ("transformers.models.xlnet.modeling_xlnet", "XLNetPreTrainedModel"): ("mems",),
 }
 # Weak by class, so a class defined in a function can be freed.
 _FOUND: weakref.WeakKeyDictionary[type, dict[str, MethodOptions]] = weakref.WeakKeyDictionary()
@@ -85,6 +91,13 @@ def _with_vision(opts: MethodOptions) -> MethodOptions:
     return opts.with_updates(broadcast=opts.broadcast + VISION_ARGUMENTS, hooks=hooks)
 
 
+def _batch_dim_1(opts: MethodOptions, fields: tuple[str, ...]) -> MethodOptions:
+    # The fields are named: a tuple output (return_dict=False) is made after the gather.
+    hooks = BY_FIELD if opts.hooks is None else opts.hooks.then(BY_FIELD)
+    dims = dict.fromkeys(fields, 1)
+    return opts.with_updates(gather_dim=dims, scatter_dim=dims, hooks=hooks)
+
+
 def _find(cls: type) -> dict[str, MethodOptions]:
     found: dict[str, MethodOptions] = {}
     mixin = _class_in("transformers.generation.utils", "GenerationMixin")
@@ -94,6 +107,10 @@ def _find(cls: type) -> dict[str, MethodOptions]:
     if pretrained is not None and issubclass(cls, pretrained):
         if _defines(cls, "forward"):
             found["forward"] = _PAIRS_FORWARD if returns_pairs(cls) else FORWARD
+        for (module, name), fields in _BATCH_DIM_1.items():
+            owner = _class_in(module, name)
+            if owner is not None and issubclass(cls, owner) and "forward" in found:
+                found["forward"] = _batch_dim_1(found["forward"], fields)
         if takes_vision_grids(cls):
             found.update({n: _with_vision(o) for n, o in found.items() if n in ("forward", "generate")})
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):

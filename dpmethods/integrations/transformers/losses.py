@@ -40,7 +40,7 @@ from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
 
-__all__ = ["FORWARD_MODE", "LOSS_COUNT", "PAIRS", "in_field_order"]
+__all__ = ["BY_FIELD", "FORWARD_MODE", "LOSS_COUNT", "PAIRS", "in_field_order"]
 
 FORWARD_MODE = "transformers_forward"
 
@@ -93,6 +93,18 @@ def _pairs_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) ->
 PAIRS = CallHooks(prepare=_pairs_prepare)
 """The hooks of a ``forward`` that returns ``logits_per_*``: its output as fields (a
 tuple made after the gather), or, with a ``gather=`` the caller gave, checked."""
+
+
+def _fields_prepare(args: tuple[Any, ...], kwargs: dict[str, Any], call: Call) -> Any:
+    if _wants_tuple(call, args, kwargs):
+        # gather_dim names fields, whose positions in a tuple depend on which are None.
+        return args, {**kwargs, "return_dict": True}, _as_tuple
+    return args, kwargs, None
+
+
+BY_FIELD = CallHooks(prepare=_fields_prepare)
+"""The hooks of a ``forward`` whose ``gather_dim`` names fields: its output as fields,
+the tuple the caller asked for made after the gather."""
 
 
 def _given(call: Call) -> dict[str, Any]:

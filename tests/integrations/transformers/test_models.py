@@ -828,6 +828,39 @@ def test_gpt2_cache_joined_and_used_for_the_next_step(batch: int, devices: int) 
     assert next_cache.get_seq_length() == 6 and next_cache.layers[1].keys.shape[0] == batch
 
 
+@pytest.mark.parametrize("return_dict", [True, False])
+@pytest.mark.parametrize("workers", WORKERS)
+def test_xlnet_mems_are_joined_and_split_along_their_batch_dim(workers: str, return_dict: bool) -> None:
+    # XLNet's mems are one [memory length, batch, d_model] tensor per layer: returned with
+    # the batch in dim 1 (with a tuple too, whose positions depend on which fields are
+    # None), and taken back so on the next step.
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=50, d_model=16, n_layer=2, n_head=2, d_inner=32, mem_len=5)
+    model = transformers.XLNetLMHeadModel(config).eval()
+    ids, labels = _tokens(7)
+    labels[1] = -100  # unequal -100 counts: each replica's mean weighted by its tokens
+    mask = torch.ones_like(ids)
+    mask[2, 5:] = 0
+    first = dict(input_ids=ids, attention_mask=mask, labels=labels, return_dict=return_dict)
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers)  # 3, 2, 2 rows
+    try:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            want, got = model(**first), dp(**first)
+            mems = got[2] if not return_dict else got.mems
+            assert mems[0].shape == (5, 7, 16)  # the last mem_len positions of every row
+            second = dict(input_ids=ids[:, :3], mems=mems, return_dict=return_dict)
+            want_next = model(**{**second, "mems": want[2] if not return_dict else want.mems})
+            got_next = dp(**second)
+    finally:
+        dp.close()
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    assert type(got) is type(want) and len(got) == len(want)
+    assert got[0].dim() == 0  # the loss, first
+    assert_close_to_reference(tuple(got), tuple(want), terms=TERMS)
+    assert_close_to_reference(tuple(got_next), tuple(want_next), terms=TERMS)
+
+
 @pytest.mark.parametrize("kind", ["dynamic", "static"])
 @pytest.mark.parametrize("batch,devices", SPLITS)
 def test_a_cache_passed_in_is_updated_in_place_as_on_one_device(batch: int, devices: int, kind: str) -> None:
