@@ -11,6 +11,8 @@ When a class is looked up (transformers imported by then; nothing here imports i
   (:mod:`.losses`), updates a cache passed in in place, and joins the rest with
   ``"cat"``; a contrastive model's ``logits_per_*`` and their loss are computed from the
   joined embeddings, as one device computes them (:mod:`.contrastive`);
+- wav2vec 2.0's pretraining gives each replica its rows' ``sampled_negative_indices``,
+  re-based to its share (:mod:`.negatives`);
 - the Qwen2-VL family (patches of all images beside ``image_grid_thw``) gives each
   replica its rows' images, in ``forward`` and ``generate`` (:mod:`.vision`);
 - every ``get_*_features`` method of a ``PreTrainedModel``;
@@ -37,6 +39,7 @@ from dpmethods.integrations.transformers.contrastive import returns_pairs
 from dpmethods.integrations.transformers.fill import PREFIX_OFFSET, OffsetPrefixFn
 from dpmethods.integrations.transformers.generate import gather_generate
 from dpmethods.integrations.transformers.losses import BY_FIELD, FORWARD_MODE, LOSS_COUNT, PAIRS
+from dpmethods.integrations.transformers.negatives import NEGATIVE_SHARES, takes_negatives
 from dpmethods.integrations.transformers.vision import (
     VISION_ARGUMENTS,
     VISION_SHARES,
@@ -111,6 +114,10 @@ def _find(cls: type) -> dict[str, MethodOptions]:
             owner = _class_in(module, name)
             if owner is not None and issubclass(cls, owner) and "forward" in found:
                 found["forward"] = _batch_dim_1(found["forward"], fields)
+        if takes_negatives(cls) and "forward" in found:
+            forward = found["forward"]
+            hooks = NEGATIVE_SHARES if forward.hooks is None else forward.hooks.then(NEGATIVE_SHARES)
+            found["forward"] = forward.with_updates(hooks=hooks)
         if takes_vision_grids(cls):
             found.update({n: _with_vision(o) for n, o in found.items() if n in ("forward", "generate")})
         for name in sorted({n for k in cls.__mro__ for n in vars(k) if _FEATURES.match(n)}):

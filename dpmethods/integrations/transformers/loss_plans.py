@@ -29,6 +29,9 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   FocalNet's, whose mask is ``bool_masked_pos`` made into pixels): the replicas' means
   are weighted by each replica's part of the mask, read from its output or from its
   share of the argument;
+- a sum of terms each a ``reduction="sum"`` loss, one weighed 0 by the config left out
+  (wav2vec 2.0's pretraining without its diversity term): the replicas' losses summed,
+  and the terms the output holds too;
 - anything else, and a loss the forward changes once computed (``loss += ...``, or
   ``loss = ...`` of it and more) where this call's conditions on the way hold or can't
   be told (a router's auxiliary loss with ``output_router_logits``, Bamba's z-loss with
@@ -73,10 +76,12 @@ class LossPlan:
         ignore: with ``"tokens"``, the label that does not count.
         mask: with ``"masked"``, the argument (its rows' share on each replica) or else
             the output field that holds the mask.
+        terms: output fields that are terms of the loss, joined as it is (wav2vec 2.0's
+            ``contrastive_loss``).
 
     Example:
         >>> LossPlan("tokens", shift=True)
-        LossPlan(mode='tokens', count=None, shift=True, ignore=-100, mask=None)
+        LossPlan(mode='tokens', count=None, shift=True, ignore=-100, mask=None, terms=())
     """
 
     mode: str
@@ -84,6 +89,7 @@ class LossPlan:
     shift: bool = False
     ignore: int = -100
     mask: str | None = None
+    terms: tuple[str, ...] = ()
 
 
 _SOURCES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
@@ -404,6 +410,61 @@ def _masked_mean_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
     return LossPlan("masked", mask=field.group(1))
 
 
+# Losses whose reduction="sum" adds one term per element: a sum over rows.
+_SUMMED = frozenset({
+    "cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div",
+})
+
+
+def _bound_once(source: str, name: str) -> str | None:
+    """The expression ``name`` is bound to by the one statement that binds it to more
+    than None (``a = b = None`` first, then ``a = f(...)``), or None."""
+    found = []
+    for m in re.finditer(rf"^[ \t]*(?:\w+\s*=\s*)*{name}\s*=(?!=)\s*", source, re.M):
+        value = " ".join(_expression(source[m.end():]).split())
+        # (A value ending in a comma is a keyword argument, loss=loss, not a statement.)
+        if not re.fullmatch(r"(?:\w+\s*=\s*)*None", value) and not value.endswith(","):
+            found.append(value)
+    return found[0] if len(found) == 1 else None
+
+
+def _summed_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
+    """The plan of a loss that adds terms each a ``reduction="sum"`` loss (wav2vec 2.0's
+    pretraining: ``contrastive_loss + self.config.diversity_loss_weight * diversity_loss``,
+    its diversity term dropped when its weight is 0), or None: a sum over rows, so the
+    replicas' losses add up to the full batch's."""
+    source = _source(type(model))
+    value = _bound_once(source, "loss")
+    if value is None:
+        return None
+    terms = []
+    for term in (t.strip() for t in value.split("+")):
+        factors = [f.strip() for f in term.split("*")]
+        names = [f for f in factors if re.fullmatch(r"[A-Za-z_]\w*", f)]
+        weights = [f for f in factors if f not in names]
+        if len(names) != 1:
+            return None
+        weight = 1.0
+        for factor in weights:
+            number = _attribute(model, factor) if re.fullmatch(r"self(?:\.\w+)+", factor) else None
+            if re.fullmatch(r"\d+(?:\.\d*)?", factor):
+                number = float(factor)
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                return None
+            weight *= number
+        if weight == 0:
+            continue  # a term weighed 0 adds nothing
+        made = _bound_once(source, names[0])
+        called = re.fullmatch(r"(?:torch\.)?(?:nn\.)?(?:functional\.|F\.)?(\w+)\((.*)\)", made or "")
+        if called is None or called.group(1) not in _SUMMED:
+            return None
+        if not re.search(r"(?:^|,)\s*reduction\s*=\s*[\"']sum[\"']\s*$", called.group(2)):
+            return None
+        terms.append(names[0])
+    return LossPlan("sum", terms=tuple(terms))
+
+
 def _expression(text: str) -> str:
     """The expression ``text`` starts with: to the end of its line, outside brackets."""
     depth = 0
@@ -596,7 +657,7 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         # with the caller's count, shares of the full loss.
         if is_span_loss(model, _source(type(model)), given):
             return LossPlan("sum") if counts else LossPlan("spans")
-        return _masked_mean_plan(model, given)
+        return _masked_mean_plan(model, given) or _summed_plan(model, given)
     if _adds_terms(model, given):
         return None  # another term (a router's load-balancing loss): neither a sum nor a mean
     ignore = int(given.get("ignore_index", -100))

@@ -180,6 +180,12 @@ def _warn_unknown(call: Call) -> None:
     )
 
 
+def _scalar_losses(outputs: list[Any]) -> bool:
+    """Whether every replica returned a 0-dim ``loss`` (with fields: a tuple has no names)."""
+    losses = [o.get("loss") if isinstance(o, Mapping) else None for o in outputs]
+    return all(isinstance(x, Tensor) and x.dim() == 0 for x in losses)
+
+
 def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) -> Any:
     """The gather mode :data:`FORWARD_MODE`: ``"cat"``, with ``loss`` joined by its plan.
 
@@ -199,7 +205,8 @@ def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) 
     if joined:
         return _with_fields(outputs, device, opts.dim, joined, extra)
     plan = loss_plan(call.module, call.args, call.kwargs)
-    warned = plan is None and isinstance(_labels(call), Tensor)
+    # A loss without labels (one the forward computes from other arguments) needs a plan too.
+    warned = plan is None and (isinstance(_labels(call), Tensor) or _scalar_losses(outputs))
     if warned:
         _warn_unknown(call)
     if joined is not None:  # logits_per_* that can't be computed again, warned: so is the loss
@@ -222,10 +229,17 @@ def gather_forward(outputs: list[Any], device: torch.device, call: Call | None) 
         loss = _join_losses(losses, device, weights)
         if tuples:  # return_dict=False: the loss comes first
             return (loss, *gather([o[1:] for o in outputs], device, opts.dim, **extra))
+        # The loss's terms the output holds too, each 0-dim on every replica, join as it does.
+        terms = {key: _join_losses([o[key] for o in outputs], device, weights) for key in plan.terms  # type: ignore[union-attr]
+                 if all(isinstance(o.get(key), Tensor) and o[key].dim() == 0 for o in outputs)}
         for o in outputs:
             o["loss"] = None
+            for key in terms:
+                o[key] = None
         out = gather(outputs, device, opts.dim, **extra)
         out["loss"] = loss
+        for key, value in terms.items():
+            out[key] = value
     for key, value in per_image.items():
         out[key] = value  # a ModelOutput: per-image outputs exist only with return_dict
     return in_field_order(out)

@@ -262,6 +262,83 @@ def test_wav2vec2_loss_and_hidden_states_on_worker_processes() -> None:
     assert_close_to_reference((got.logits, got.hidden_states), (want.logits, want.hidden_states), terms=TERMS)
 
 
+def _wav2vec2_pretraining(diversity_weight: float, n: int = 7) -> tuple[nn.Module, dict[str, Any]]:
+    from transformers.models.wav2vec2.modeling_wav2vec2 import (
+        _compute_mask_indices,
+        _sample_negative_indices,
+    )
+
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, codevector_dim=8, proj_codevector_dim=8,
+        num_codevectors_per_group=4, num_codevector_groups=2, diversity_loss_weight=diversity_weight,
+    )
+    model = transformers.Wav2Vec2ForPreTraining(config).eval()
+    frames = int(model._get_feat_extract_output_lengths(torch.tensor(400)))
+    import numpy
+
+    numpy.random.seed(n)  # transformers draws the mask and the negatives with numpy
+    masked = _compute_mask_indices((n, frames), mask_prob=0.5, mask_length=2, min_masks=2)
+    negatives = _sample_negative_indices((n, frames), num_negatives=config.num_negatives, mask_time_indices=masked)
+    audio = torch.randn(n, 400, generator=torch.Generator().manual_seed(n))
+    return model, dict(input_values=audio, mask_time_indices=torch.tensor(masked),
+                       sampled_negative_indices=torch.tensor(negatives))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_wav2vec2_pretraining_negatives_are_rebased_to_each_replica(workers: str) -> None:
+    # sampled_negative_indices index the whole batch's frames flattened (row b's negatives
+    # in [b * frames, (b + 1) * frames)): each replica gets its rows', counted from its
+    # first frame. The contrastive loss is a sum over the masked frames, so with the
+    # diversity term weighed 0 the replicas' losses add up to the full batch's.
+    model, kwargs = _wav2vec2_pretraining(0.0)
+    dp = DataParallel(model, device_ids=["cpu"] * 3, workers=workers)  # 3, 2, 2 rows
+    try:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            want, got = model(**kwargs), dp(**kwargs)
+    finally:
+        dp.close()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    # The diversity term and the perplexity are over the whole batch's codevectors: they
+    # stay per replica, with the gather's note; the loss and its contrastive term join.
+    assert messages and all("output.codevector_perplexity" in m or "output.diversity_loss" in m for m in messages)
+    assert got.loss.dim() == 0 and got.contrastive_loss.dim() == 0
+    frames = kwargs["mask_time_indices"].sum()  # a sum of that many cross-entropies
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS + int(frames), scale=float(frames))
+    assert_close_to_reference(got.contrastive_loss, want.contrastive_loss, terms=TERMS + int(frames),
+                              scale=float(frames))
+    assert_close_to_reference((got.projected_states, got.projected_quantized_states),
+                              (want.projected_states, want.projected_quantized_states), terms=TERMS)
+
+
+def test_wav2vec2_pretraining_diversity_term_keeps_per_replica_losses_with_a_warning() -> None:
+    # The diversity term is over the perplexity of the whole batch's codevectors (an
+    # entropy of their mean over the masked frames): no join of the replicas' gives it.
+    model, kwargs = _wav2vec2_pretraining(0.1)
+    got, want, warned = _loss_call(model, kwargs, 3)
+    assert got.loss.shape == (3,)
+    assert any("Wav2Vec2ForPreTraining.forward computes its loss in a way" in w for w in warned)
+    assert not any("output.loss is 0-dim" in w for w in warned)  # no advice of a join that is wrong
+    # Each replica's contrastive term is its rows' part: negatives re-based to its share.
+    frames = int(kwargs["mask_time_indices"].sum())
+    assert_close_to_reference(got.contrastive_loss.sum(), want.contrastive_loss, terms=TERMS + frames, scale=frames)
+
+
+def test_wav2vec2_pretraining_negatives_from_other_rows_are_refused_before_any_replica_runs() -> None:
+    model, kwargs = _wav2vec2_pretraining(0.0)
+    negatives = kwargs["sampled_negative_indices"].clone()
+    frames = negatives.shape[1]
+    negatives[4, 0, 0] = 0  # row 4 (the second replica's) draws frame 0 of row 0
+    seen = batch_sizes_seen(model.wav2vec2)
+    with pytest.raises(ValueError, match=r"sampled_negative_indices .* row 4 .*rows 3 to 4.*"
+                                         rf"\[{3 * frames}, {5 * frames}\)"):
+        DataParallel(model, device_ids=["cpu"] * 3)(**{**kwargs, "sampled_negative_indices": negatives})
+    assert seen == []
+
+
 def _uneven_labels(ids: torch.Tensor, devices: int) -> torch.Tensor:
     """Labels with -100 spread unevenly over the replicas: the first replica's rows count
     few tokens, and the last replica's rows none at all (its mean would be NaN)."""
