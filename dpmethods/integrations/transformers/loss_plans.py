@@ -29,9 +29,18 @@ tells, for one call, from the model's ``loss_function`` and its ``forward``'s so
   FocalNet's, whose mask is ``bool_masked_pos`` made into pixels): the replicas' means
   are weighted by each replica's part of the mask, read from its output or from its
   share of the argument;
-- a sum of terms each a ``reduction="sum"`` loss, one weighed 0 by the config left out
-  (wav2vec 2.0's pretraining without its diversity term): the replicas' losses summed,
-  and the terms the output holds too;
+- a loss made of loss calls (the ``loss = ...`` that may run for this call, or the name
+  returned as ``loss=``): terms each weighed by a constant, a term weighed 0 by the
+  config left out, that all join alike (DPT's ``main + weight * auxiliary``), each a
+  ``reduction="sum"`` loss (wav2vec 2.0's pretraining without its diversity term:
+  summed, the terms the output holds too) or a mean loss module (cross-entropy, label
+  smoothing allowed, binary cross-entropy, squared or absolute error, unweighted) over
+  the labels (counted), over what a comparison of an argument selects
+  (``labels[attention_mask == 1]``, ELECTRA's; the rows with ``labels >= 0``, DeBERTa's:
+  weighted by each replica's selected elements), over every element of a batch-first
+  argument or of one block per row (VideoMAE's masked patches: by rows), or over
+  ``labels[:, 1:]`` made in the forward; or a child model's loss (``loss=outputs.loss``,
+  BLIP's captioning) given the same labels: the child's plan;
 - anything else, and a loss the forward changes once computed (``loss += ...``, or
   ``loss = ...`` of it and more) where this call's conditions on the way hold or can't
   be told (a router's auxiliary loss with ``output_router_logits``, Bamba's z-loss with
@@ -58,7 +67,7 @@ from torch import Tensor
 from dpmethods.integrations.transformers.arguments import bound_arguments, forward_call
 from dpmethods.integrations.transformers.spans import is_span_loss
 
-__all__ = ["LossPlan", "loss_plan"]
+__all__ = ["COMPARE", "LossPlan", "loss_plan"]
 
 
 @dataclass(frozen=True)
@@ -78,10 +87,12 @@ class LossPlan:
             the output field that holds the mask.
         terms: output fields that are terms of the loss, joined as it is (wav2vec 2.0's
             ``contrastive_loss``).
+        where: with ``"masked"``, the mask's elements that count: those that compare so
+            with the number (``("==", 1.0)``); None: its sum.
 
     Example:
         >>> LossPlan("tokens", shift=True)
-        LossPlan(mode='tokens', count=None, shift=True, ignore=-100, mask=None, terms=())
+        LossPlan(mode='tokens', count=None, shift=True, ignore=-100, mask=None, terms=(), where=None)
     """
 
     mode: str
@@ -90,6 +101,7 @@ class LossPlan:
     ignore: int = -100
     mask: str | None = None
     terms: tuple[str, ...] = ()
+    where: tuple[str, float] | None = None
 
 
 _SOURCES: weakref.WeakKeyDictionary[type, str] = weakref.WeakKeyDictionary()
@@ -417,52 +429,258 @@ _SUMMED = frozenset({
 })
 
 
-def _bound_once(source: str, name: str) -> str | None:
-    """The expression ``name`` is bound to by the one statement that binds it to more
-    than None (``a = b = None`` first, then ``a = f(...)``), or None."""
+# Loss modules that average their elements (or, CrossEntropyLoss, their counted targets)
+# with reduction "mean", and what a call of one counts.
+_MEAN_LOSSES = {
+    "CrossEntropyLoss": "tokens", "BCEWithLogitsLoss": "elements", "BCELoss": "elements",
+    "MSELoss": "elements", "L1Loss": "elements", "SmoothL1Loss": "elements",
+}
+COMPARE = {"==": torch.eq, "!=": torch.ne, ">=": torch.ge, ">": torch.gt, "<=": torch.le, "<": torch.lt}
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside brackets."""
+    parts, depth, current = [], 0, ""
+    for ch in text:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == sep and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    return [*parts, current.strip()]
+
+
+def _bindings(source: str, name: str, model: Any, given: Mapping[str, Any], before: int | None = None) -> list[tuple[int, str]]:
+    """The statements that bind ``name`` to more than None and may run for this call
+    (before line ``before``, if given): their line and value (``a = b = None`` and a
+    keyword argument, ``loss=loss,``, are not ones)."""
     found = []
     for m in re.finditer(rf"^[ \t]*(?:\w+\s*=\s*)*{name}\s*=(?!=)\s*", source, re.M):
+        row = source.count("\n", 0, m.start())
         value = " ".join(_expression(source[m.end():]).split())
-        # (A value ending in a comma is a keyword argument, loss=loss, not a statement.)
-        if not re.fullmatch(r"(?:\w+\s*=\s*)*None", value) and not value.endswith(","):
-            found.append(value)
-    return found[0] if len(found) == 1 else None
+        if re.fullmatch(r"(?:\w+\s*=\s*)*None", value) or value.endswith(",") or len(_split_top(value, ",")) > 1:
+            continue  # (or keyword arguments on one line: loss=loss, logits=logits)
+        if (before is None or row < before) and _may_run(source, row, model, given):
+            found.append((row, value))
+    return found
 
 
-def _summed_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
-    """The plan of a loss that adds terms each a ``reduction="sum"`` loss (wav2vec 2.0's
-    pretraining: ``contrastive_loss + self.config.diversity_loss_weight * diversity_loss``,
-    its diversity term dropped when its weight is 0), or None: a sum over rows, so the
-    replicas' losses add up to the full batch's."""
-    source = _source(type(model))
-    value = _bound_once(source, "loss")
-    if value is None:
-        return None
-    terms = []
-    for term in (t.strip() for t in value.split("+")):
-        factors = [f.strip() for f in term.split("*")]
-        names = [f for f in factors if re.fullmatch(r"[A-Za-z_]\w*", f)]
-        weights = [f for f in factors if f not in names]
-        if len(names) != 1:
+def _weight(model: Any, factors: list[str]) -> float | None:
+    """The product of a term's constant factors: numbers and the model's attributes."""
+    weight = 1.0
+    for factor in factors:
+        number: Any = None
+        if re.fullmatch(r"self(?:\.\w+)+", factor):
+            number = _attribute(model, factor)
+        elif re.fullmatch(r"\d+(?:\.\d*)?(?:[eE][-+]?\d+)?", factor):
+            number = float(factor)
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             return None
-        weight = 1.0
-        for factor in weights:
-            number = _attribute(model, factor) if re.fullmatch(r"self(?:\.\w+)+", factor) else None
-            if re.fullmatch(r"\d+(?:\.\d*)?", factor):
-                number = float(factor)
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
+        weight *= number
+    return weight
+
+
+def _selection(source: str, name: str, row: int, model: Any, given: Mapping[str, Any], parameters: set[str]) -> tuple[str, str, float] | None:
+    """What ``name`` selects, bound before line ``row`` to a comparison of an argument's
+    elements with a number (``attention_mask.view(-1, n) == 1``, ``(labels >= 0).nonzero()``):
+    the argument, the comparison and the number; None if not that."""
+    bound = _bindings(source, name, model, given, row)
+    if len(bound) != 1:
+        return None
+    value = re.sub(r"\.nonzero\(\)$", "", bound[0][1].replace(" ", ""))
+    value = value[1:-1] if value.startswith("(") and value.endswith(")") else value
+    found = re.fullmatch(r"(.+?)(==|!=|>=|<=|>|<)(-?\d+(?:\.\d*)?)", value)
+    if found is None or _reshaped(found.group(1)) not in parameters:
+        return None
+    return _reshaped(found.group(1)), found.group(2), float(found.group(3))  # type: ignore[return-value]
+
+
+def _target_plan(
+    source: str, expr: str, row: int, counts: str, model: Any, given: Mapping[str, Any], ignore: int
+) -> LossPlan | None:
+    """The plan of a mean loss (``counts``: ``"tokens"`` its targets other than ``ignore``,
+    ``"elements"`` all its elements) whose target is ``expr``, on line ``row``."""
+    try:
+        parameters = set(inspect.signature(inspect.unwrap(type(model).forward)).parameters)
+    except (TypeError, ValueError):
+        return None
+    name = _reshaped(expr)
+    if name is None:
+        return None
+    selected = None
+    # Not given (an argument, or one taken from **kwargs), made in the forward from the
+    # labels: labels[:, 1:], shifted (BLIP's text decoder).
+    made = [v for _, v in _bindings(source, name, model, given, row) if _reshaped(v) != name
+            and not re.fullmatch(rf"kwargs\.pop\(\s*[\"']{name}[\"']\s*,\s*None\s*\)", v)]
+    shifted = len(made) == 1 and re.fullmatch(r"labels\[(?:\.\.\.|:),1:\](?:\.contiguous\(\))?", made[0].replace(" ", ""))
+    if shifted and not isinstance(given.get(name), Tensor):
+        if counts != "tokens" or not isinstance(given.get("labels"), Tensor):
+            return None
+        return LossPlan("tokens", shift=True, ignore=ignore)
+    if name in parameters and not isinstance(given.get(name), Tensor):
+        return None
+    if name in parameters:
+        for _, value in _bindings(source, name, model, given, row):  # the forward changes it
+            if _reshaped(value) == name:
+                continue
+            taken = re.fullmatch(rf"(?:torch\.gather\({name},\s*0,\s*|{name}\[)(\w+)(?:\.view\(-1\))?[)\]]",
+                                 value.replace(" ", ""))
+            if taken is None or selected is not None:
                 return None
-            weight *= number
+            selected = _selection(source, taken.group(1), row, model, given, parameters)
+            if selected is None:
+                return None
+    else:
+        bound = _bindings(source, name, model, given, row)
+        if len(bound) != 1:
+            return None
+        value = bound[0][1].replace(" ", "")
+        taken = re.fullmatch(r"(\w+)\[(\w+)\]", value)
+        if taken is not None and taken.group(1) in parameters and isinstance(given.get(taken.group(1)), Tensor):
+            selected = _selection(source, taken.group(2), row, model, given, parameters)
+            if selected is None:
+                return None
+        elif (counts == "elements" and re.fullmatch(r".+\.(?:reshape|view)\(batch_size,[^()]*\)", value)
+              and re.search(r"^[ \t]*batch_size\s*(?:,\s*\w+\s*)*=\s*\w+\.shape\s*$", source, re.M)):
+            # One equal block per row (VideoMAE's masked patches, as many in every row):
+            # a mean over the rows.
+            return LossPlan("mean")
+        else:
+            return None
+    if selected is not None:
+        argument, op, number = selected
+        if counts == "tokens" and not (op in (">=", ">") and number >= ignore):
+            return None  # selected targets may include ignored ones: not counted alike
+        return LossPlan("masked", mask=argument, where=(op, number))
+    if counts == "tokens":  # its targets other than ignore_index
+        return LossPlan("tokens", ignore=ignore) if name == "labels" else LossPlan("masked", mask=name, where=("!=", ignore))
+    return LossPlan("mean")  # a given argument, batch-first: as many elements per row
+
+
+def _call_plan(source: str, call: str, row: int, model: Any, given: Mapping[str, Any]) -> LossPlan | None:
+    """The plan of one loss call ``fn(input, target)`` on line ``row``."""
+    called = re.fullmatch(r"([\w.]+)\((.*)\)", call)
+    if called is None:
+        return None
+    fn, arguments = called.group(1), _arguments(called.group(2))
+    functional = re.fullmatch(r"(?:torch\.)?(?:nn\.)?(?:functional\.|F\.)(\w+)", fn)
+    if functional is not None:  # reduction="sum": one term per element, a sum over rows
+        if functional.group(1) in _SUMMED and any(
+                re.fullmatch(r"reduction\s*=\s*[\"']sum[\"']", a) for a in arguments):
+            return LossPlan("sum")
+        return None
+    if len(arguments) != 2 or "=" in arguments[1]:
+        return None
+    if fn.startswith("self."):
+        module = _attribute(model, fn)
+        kind = type(module).__name__ if isinstance(module, torch.nn.Module) else None
+        if kind not in _MEAN_LOSSES or getattr(module, "reduction", None) != "mean":
+            return None
+        if getattr(module, "weight", None) is not None or getattr(module, "pos_weight", None) is not None:
+            return None
+        return _target_plan(source, arguments[1], row, _MEAN_LOSSES[kind], model, given,  # type: ignore[index]
+                            int(getattr(module, "ignore_index", -100)))
+    made = _bindings(source, fn, model, given, row)
+    if not made:
+        return None
+    value = made[-1][1]  # the binding in force at the call
+    loss = re.fullmatch(r"(?:torch\.)?(?:nn\.)?(\w+)\((.*)\)", value)
+    if loss is None or loss.group(1) not in _MEAN_LOSSES:
+        return None
+    ignore = -100
+    for option in _arguments(loss.group(2)):
+        key, _, text = (part.strip() for part in option.partition("="))
+        if key == "ignore_index" and loss.group(1) == "CrossEntropyLoss":
+            found = _ignored(model, text)
+            if found is None:
+                return None
+            ignore = found
+        elif key == "reduction":
+            chosen = given.get(text, _default(model, text)) if re.fullmatch(r"\w+", text) else text.strip("\"'")
+            if chosen != "mean":
+                return None
+        elif key != "label_smoothing" or loss.group(1) != "CrossEntropyLoss":
+            return None  # weights: not a plain mean (label smoothing averages per target alike)
+    return _target_plan(source, arguments[1], row, _MEAN_LOSSES[loss.group(1)], model, given, ignore)
+
+
+def _child_plan(model: Any, given: Mapping[str, Any], source: str, output: str) -> LossPlan | None:
+    """The plan of a loss that is a child model's (``loss=outputs.loss``, ``outputs =
+    self.text_decoder(..., labels=labels, reduction="mean")``: BLIP's captioning): the
+    child's plan for the arguments it is given, where it counts the same ``labels``."""
+    bound = _bindings(source, output, model, given)
+    if len(bound) != 1:
+        return None
+    called = re.fullmatch(r"(self\.\w+)\((.*)\)", bound[0][1])
+    child = _attribute(model, called.group(1)) if called else _MISSING
+    if called is None or not isinstance(child, torch.nn.Module):
+        return None
+    passed: dict[str, Any] = {}
+    for argument in _arguments(called.group(2)):
+        named = re.fullmatch(r"(\w+)\s*=\s*(.+)", argument)
+        if named is None:
+            continue  # positional (**kwargs, the caller's own): not told
+        key, value = named.groups()
+        if value in given:
+            passed[key] = given[value]
+        elif re.fullmatch(r"\"\w*\"|'\w*'", value):
+            passed[key] = value[1:-1]
+    if passed.get("labels") is None or passed["labels"] is not given.get("labels"):
+        return None
+    plan = loss_plan(child, (), passed)
+    if plan is None or plan.count is not None or plan.mode not in ("tokens", "mean", "sum"):
+        return None  # (a count would have to reach the child: not told)
+    return LossPlan(plan.mode, shift=plan.shift, ignore=plan.ignore)
+
+
+def _terms_plan(model: Any, given: Mapping[str, Any]) -> LossPlan | None:
+    """The plan of a loss the forward computes from loss calls (see the module doc): one
+    ``loss = ...`` that may run for this call, a sum of weighted terms, each a loss call
+    or a name bound to one, all joined alike (a term weighed 0 left out)."""
+    source = _source(type(model))
+    name = "loss"
+    if not _bindings(source, name, model, given):
+        returned = re.findall(r"\bloss=(\w+(?:\.loss)?)\s*[,)]", source)  # loss=lm_loss, loss=outputs.loss
+        if len(set(returned)) != 1:
+            return None
+        if returned[0].endswith(".loss"):
+            return _child_plan(model, given, source, returned[0][: -len(".loss")])
+        name = returned[0]
+    changed = (m.start() for m in re.finditer(rf"^[ \t]*{name}\s*[-+*/]=", source, re.M))
+    if _adds_terms(model, given) or any(_may_run(source, source.count("\n", 0, i), model, given) for i in changed):
+        return None  # another term added to it
+    bound = [b for b in _bindings(source, name, model, given)
+             if not re.fullmatch(r"torch\.tensor\(0(?:\.0)?\)(?:\.to\(\w+\))?", b[1])]
+    # (A zero tensor is the loss where nothing counts: DeBERTa's, with no labels >= 0; its
+    # replica's weight is 0 in a plan that weighs by counts.)
+    if len(bound) != 1:
+        return None
+    row, value = bound[0]
+    plans, terms = set(), []
+    for term in _split_top(value, "+"):
+        factors = _split_top(term, "*")
+        calls = [f for f in factors if re.fullmatch(r"[\w.]+(?:\(.*\))?", f) and not re.fullmatch(r"self\.[\w.]+|[\d.]+", f)]
+        weight = _weight(model, [f for f in factors if f not in calls])
+        if len(calls) != 1 or weight is None:
+            return None
         if weight == 0:
             continue  # a term weighed 0 adds nothing
-        made = _bound_once(source, names[0])
-        called = re.fullmatch(r"(?:torch\.)?(?:nn\.)?(?:functional\.|F\.)?(\w+)\((.*)\)", made or "")
-        if called is None or called.group(1) not in _SUMMED:
+        call, at = calls[0], row
+        if re.fullmatch(r"\w+", call):
+            made = _bindings(source, call, model, given, row)
+            if len(made) != 1:
+                return None
+            terms.append(call)
+            at, call = made[0]
+        plan = _call_plan(source, call, at, model, given)
+        if plan is None:
             return None
-        if not re.search(r"(?:^|,)\s*reduction\s*=\s*[\"']sum[\"']\s*$", called.group(2)):
-            return None
-        terms.append(names[0])
-    return LossPlan("sum", terms=tuple(terms))
+        plans.add(plan)
+    if len(plans) != 1:
+        return None
+    plan = plans.pop()
+    return LossPlan(plan.mode, plan.count, plan.shift, plan.ignore, plan.mask, tuple(terms), plan.where)
 
 
 def _expression(text: str) -> str:
@@ -544,8 +762,19 @@ def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
     if atom.startswith("not "):
         value = _truth(atom[4:], model, given)
         return None if value is None else not value
-    compared = re.fullmatch(r"([\w.]+)\s*(is not|is|>=|<=|==|!=|>|<)\s*(None|-?\d+(?:\.\d+)?)", atom)
+    compared = re.fullmatch(r"([\w.]+|\w+\.(?:dim\(\)|size\(-?\d+\)|shape\[-?\d+\]))\s*"
+                            r"(is not|is|>=|<=|==|!=|>|<)\s*(None|-?\d+(?:\.\d+)?|\"\w+\"|'\w+')", atom)
     name = compared.group(1) if compared else atom
+    shaped = re.fullmatch(r"(\w+)\.(?:(dim)\(\)|size\((-?\d+)\)|shape\[(-?\d+)\])", name)
+    if shaped is not None and compared is not None:  # a given tensor's dims or size: labels.dim() == 1
+        tensor = given.get(shaped.group(1))
+        if not isinstance(tensor, Tensor):
+            return None
+        axis = shaped.group(3) or shaped.group(4)
+        if axis is not None and (not -tensor.dim() <= int(axis) < tensor.dim() or int(axis) % tensor.dim() == 0):
+            return None  # (the batch dim: a replica's share has another size)
+        size = tensor.dim() if shaped.group(2) else tensor.shape[int(axis)]  # type: ignore[arg-type]
+        return _truth(f"x {compared.group(2)} {compared.group(3)}", model, {"x": size})
     if not re.fullmatch(r"[\w.]+", name) or (re.match(r"\w+\.", name) and not name.startswith("self.")):
         return None
     if name.startswith("self."):
@@ -563,6 +792,8 @@ def _truth(atom: str, model: Any, given: Mapping[str, Any]) -> bool | None:
         if op in ("is", "is not", "==", "!="):
             return (value is None) == (op in ("is", "=="))
         return None
+    if other[0] in "\"'":  # a string: problem_type == "regression"
+        return (value == other[1:-1]) == (op == "==") if op in ("==", "!=") else None
     if op in ("is", "is not") or not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     number = float(other)
@@ -581,7 +812,10 @@ def _holds(lines: list[str], k: int, model: Any, given: Mapping[str, Any]) -> bo
     if condition.startswith("(") and condition.endswith(")"):
         condition = condition[1:-1].strip()
     if re.search(r"\bor\b", condition):
-        return None
+        if re.search(r"\band\b", condition):
+            return None
+        values = [_truth(atom, model, given) for atom in re.split(r"\s+or\s+", condition)]
+        return True if True in values else (False if all(v is False for v in values) else None)
     values = [_truth(atom, model, given) for atom in re.split(r"\s+and\s+", condition)]
     return False if False in values else (True if all(values) else None)
 
@@ -657,7 +891,7 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         # with the caller's count, shares of the full loss.
         if is_span_loss(model, _source(type(model)), given):
             return LossPlan("sum") if counts else LossPlan("spans")
-        return _masked_mean_plan(model, given) or _summed_plan(model, given)
+        return _masked_mean_plan(model, given) or _terms_plan(model, given)
     if _adds_terms(model, given):
         return None  # another term (a router's load-balancing loss): neither a sum nor a mean
     ignore = int(given.get("ignore_index", -100))
@@ -670,4 +904,5 @@ def loss_plan(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> L
         # Called without **kwargs (Llama's classification heads), so without
         # num_items_in_batch: each replica's loss is a mean over its counted labels.
         plan = _loss_function_plan(model, {}, labels, ignore, shares=False)
-    return plan if plan is not None else _direct_plan(model, labels, given)
+    plan = plan if plan is not None else _direct_plan(model, labels, given)
+    return plan if plan is not None else _terms_plan(model, given)

@@ -36,7 +36,7 @@ from dpmethods.integrations.transformers.contrastive import (
     paired_fields,
     returns_pairs,
 )
-from dpmethods.integrations.transformers.loss_plans import LossPlan, loss_plan
+from dpmethods.integrations.transformers.loss_plans import COMPARE, LossPlan, loss_plan
 from dpmethods.integrations.transformers.spans import span_weights, start_length
 from dpmethods.integrations.transformers.vision import take_per_image
 
@@ -133,6 +133,9 @@ def _weights(plan: LossPlan, call: Call, sizes: list[int] | None, outputs: list[
             masks = [o.get(plan.mask) if isinstance(o, Mapping) else None for o in outputs]
         if len(masks) != n or not all(isinstance(m, Tensor) for m in masks):
             return None
+        if plan.where is not None:  # the elements that compare so (attention_mask == 1)
+            compare, number = COMPARE[plan.where[0]], plan.where[1]
+            masks = [compare(m, number) for m in masks]
         counts = torch.stack([m.sum().double().cpu() for m in masks]).tolist()
     elif plan.mode == "sum" or sizes is None:
         return [1.0] * n if plan.mode == "sum" else [1.0 / n] * n

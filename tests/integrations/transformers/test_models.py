@@ -737,6 +737,97 @@ def test_a_weighted_loss_with_return_dict_false_is_the_first_element(n: int, dev
     assert_close_to_reference(got[1], want[1], terms=TERMS)
 
 
+_BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+             max_position_embeddings=32)
+
+
+def _mean_loss_case(name: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
+    """A model whose forward computes a mean loss itself, on data where each replica's
+    mean counts a different number of elements, and its arguments."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.randint(5, 50, (n, 8), generator=g)
+    mask = torch.ones_like(ids)
+    for row, length in enumerate(torch.linspace(8, 2, n).long().tolist()):
+        mask[row, length:] = 0  # fewer active tokens down the batch
+    torch.manual_seed(0)
+    if name in ("electra", "electra-unmasked", "funnel"):  # BCE over the tokens attention_mask == 1 selects
+        flips = (torch.rand(n, 8, generator=g) < 0.3).long()
+        if name == "funnel":
+            config = transformers.FunnelConfig(vocab_size=50, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8, d_inner=32)
+            return transformers.FunnelForPreTraining(config), dict(input_ids=ids, attention_mask=mask, labels=flips)
+        model = transformers.ElectraForPreTraining(transformers.ElectraConfig(**_BERT, embedding_size=16))
+        if name == "electra-unmasked":  # a mean over every token: as many per row
+            return model, dict(input_ids=ids, labels=flips)
+        return model, dict(input_ids=ids, attention_mask=mask, labels=flips)
+    if name == "deberta":  # problem_type None: a cross-entropy over the rows whose label is >= 0
+        model = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(**_BERT, num_labels=3))
+        labels = torch.arange(n) % 3
+        labels[1 : n // 2 + 1] = -1  # the first replicas count fewer rows
+        return model, dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if name == "videomae":  # MSELoss() over the masked patches, as many in every row
+        config = transformers.VideoMAEConfig(
+            image_size=16, patch_size=4, num_frames=2, tubelet_size=2, hidden_size=16, num_hidden_layers=1,
+            num_attention_heads=2, intermediate_size=32, decoder_hidden_size=16, decoder_num_hidden_layers=1,
+            decoder_num_attention_heads=2, decoder_intermediate_size=32,
+        )
+        masked = torch.zeros(n, 16, dtype=torch.bool)
+        for row in range(n):
+            masked[row, torch.randperm(16, generator=g)[:6]] = True
+        video = torch.randn(n, 2, 3, 16, 16, generator=g) * torch.linspace(0.2, 3.0, n)[:, None, None, None, None]
+        return transformers.VideoMAEForPreTraining(config), dict(pixel_values=video, bool_masked_pos=masked)
+    if name == "dpt":  # main + weight * auxiliary, one CrossEntropyLoss(ignore_index=255) on the same labels
+        config = transformers.DPTConfig(
+            image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=4, num_attention_heads=2,
+            intermediate_size=32, backbone_out_indices=[0, 1, 2, 3], neck_hidden_sizes=[8, 8, 8, 8],
+            fusion_hidden_size=8, num_labels=3, use_auxiliary_head=True, reassemble_factors=[4, 2, 1, 0.5],
+        )
+        pixels = torch.randint(0, 3, (n, 32, 32), generator=g)
+        pixels[torch.rand(n, 32, 32, generator=g) < torch.linspace(0.1, 0.9, n)[:, None, None]] = 255
+        return transformers.DPTForSemanticSegmentation(config), dict(pixel_values=torch.randn(n, 3, 32, 32, generator=g),
+                                                                     labels=pixels)
+    # BLIP's captioning: its text decoder's label-smoothed cross-entropy over labels[:, 1:]
+    config = transformers.BlipConfig(
+        text_config=dict(_BERT, label_smoothing=0.1),
+        vision_config=dict(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=32),
+        projection_dim=16,
+    )
+    return transformers.BlipForConditionalGeneration(config), dict(
+        pixel_values=torch.randn(n, 3, 16, 16, generator=g), input_ids=ids, attention_mask=mask,
+        labels=ids.masked_fill(mask == 0, -100))
+
+
+_MEAN_LOSSES = ["electra", "electra-unmasked", "funnel", "deberta", "videomae", "dpt", "blip"]
+
+
+@pytest.mark.parametrize("name", _MEAN_LOSSES)
+@pytest.mark.parametrize("n,devices", SPLITS)
+def test_a_mean_loss_the_forward_computes_is_weighted_by_what_each_replica_counts(n: int, devices: int, name: str) -> None:
+    # Read from the forward's source: a mean over what a comparison of an argument selects
+    # (attention_mask == 1, labels >= 0) is weighted by each replica's part of it; a mean
+    # over every element of batch-first tensors by rows; several terms of one plan, or a
+    # child model's loss on the same labels, as that plan.
+    model, kwargs = _mean_loss_case(name, n)
+    got, want, warned = _loss_call(model, kwargs, devices)
+    assert warned == []
+    assert got.loss.dim() == 0
+    assert_close_to_reference(got.loss, want.loss, terms=TERMS + 32 * 32)
+
+
+@pytest.mark.parametrize("name", ["electra", "dpt"])
+def test_a_mean_loss_the_forward_computes_has_one_device_gradients(name: str) -> None:
+    model, kwargs = _mean_loss_case(name, 7)
+    model.eval()  # no dropout: the same function on one device and on the replicas
+    model(**kwargs).loss.backward()
+    want = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    DataParallel(model, device_ids=["cpu"] * 3, workers="threads")(**kwargs).loss.backward()
+    got = dict(model.named_parameters())
+    # All at once: some gradients are rounding noise (1e-15) beside the others.
+    assert_close_to_reference(torch.cat([got[k].grad.flatten() for k in want]),
+                              torch.cat([g.flatten() for g in want.values()]), terms=GRAD_TERMS + 32 * 32)
+
+
 @pytest.mark.parametrize("n,devices", SPLITS)
 def test_a_loss_dpmethods_cannot_identify_keeps_per_replica_losses_with_a_warning(n: int, devices: int) -> None:
     # BertForPreTraining adds a masked-LM and a next-sentence loss: no one mean to weight.
