@@ -508,7 +508,7 @@ def _target_plan(
     name = _reshaped(expr)
     if name is None:
         return None
-    selected = None
+    selected, indexed = None, name  # what is selected, and from which tensor
     # Not given (an argument, or one taken from **kwargs), made in the forward from the
     # labels: labels[:, 1:], shifted (BLIP's text decoder).
     made = [v for _, v in _bindings(source, name, model, given, row) if _reshaped(v) != name
@@ -538,6 +538,7 @@ def _target_plan(
         value = bound[0][1].replace(" ", "")
         taken = re.fullmatch(r"(\w+)\[(\w+)\]", value)
         if taken is not None and taken.group(1) in parameters and isinstance(given.get(taken.group(1)), Tensor):
+            indexed = taken.group(1)
             selected = _selection(source, taken.group(2), row, model, given, parameters)
             if selected is None:
                 return None
@@ -550,8 +551,11 @@ def _target_plan(
             return None
     if selected is not None:
         argument, op, number = selected
-        if counts == "tokens" and not (op in (">=", ">") and number >= ignore):
-            return None  # selected targets may include ignored ones: not counted alike
+        # A cross-entropy counts its targets other than ignore_index: the selection must be
+        # of the targets themselves, with none of them ignored (labels >= 0).
+        excludes = (op == ">=" and number > ignore) or (op == ">" and number >= ignore)
+        if counts == "tokens" and not (argument == indexed and excludes):
+            return None
         return LossPlan("masked", mask=argument, where=(op, number))
     if counts == "tokens":  # its targets other than ignore_index
         return LossPlan("tokens", ignore=ignore) if name == "labels" else LossPlan("masked", mask=name, where=("!=", ignore))

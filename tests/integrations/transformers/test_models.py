@@ -737,10 +737,6 @@ def test_a_weighted_loss_with_return_dict_false_is_the_first_element(n: int, dev
     assert_close_to_reference(got[1], want[1], terms=TERMS)
 
 
-_BERT = dict(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-             max_position_embeddings=32)
-
-
 def _mean_loss_case(name: str, n: int) -> tuple[nn.Module, dict[str, Any]]:
     """A model whose forward computes a mean loss itself, on data where each replica's
     mean counts a different number of elements, and its arguments."""
@@ -873,6 +869,34 @@ def test_a_cross_entropy_over_labels_a_mask_selects_keeps_per_replica_losses_wit
     assert got.loss.shape == (devices,)  # one value per replica
     assert any("BrosSpadeELForTokenClassification.forward computes its loss in a way dpmethods can't join" in w
                for w in warned), warned
+    assert_close_to_reference(got.logits, want.logits, terms=TERMS)
+
+
+class _ActiveTokensLM(transformers.BertForMaskedLM):
+    """A masked LM whose cross-entropy is over the labels ``attention_mask > 0`` selects,
+    written as ELECTRA selects its active tokens: the -100 labels among them are not
+    counted, so the active tokens are not what it averages over."""
+
+    def forward(self, input_ids: Any = None, attention_mask: Any = None, labels: Any = None) -> Any:
+        logits = self.cls(self.bert(input_ids, attention_mask=attention_mask).last_hidden_state)
+        loss = None
+        if labels is not None:
+            loss_fct = nn.CrossEntropyLoss()
+            active_loss = attention_mask.view(-1, logits.shape[1]) > 0
+            active_labels = labels[active_loss]
+            loss = loss_fct(logits[active_loss], active_labels)
+        return transformers.modeling_outputs.MaskedLMOutput(loss=loss, logits=logits)
+
+
+def test_a_cross_entropy_over_what_another_argument_selects_keeps_per_replica_losses_with_a_warning() -> None:
+    torch.manual_seed(0)
+    model = _ActiveTokensLM(transformers.BertConfig(**_BERT))
+    ids, labels = _tokens(7)
+    mask = torch.ones_like(ids)
+    mask[:, 6:] = 0
+    got, want, warned = _loss_call(model, dict(input_ids=ids, attention_mask=mask, labels=labels), 3)
+    assert got.loss.shape == (3,)
+    assert any("_ActiveTokensLM.forward computes its loss in a way dpmethods can't join" in w for w in warned), warned
     assert_close_to_reference(got.logits, want.logits, terms=TERMS)
 
 
