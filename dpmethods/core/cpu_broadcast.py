@@ -45,7 +45,7 @@ class CpuBroadcast(torch.autograd.Function):
         ctx.num_inputs = len(inputs)  # type: ignore[attr-defined]
         outputs = [*inputs]
         for _ in range(1, n):
-            outputs.extend(t.clone(memory_format=torch.preserve_format) for t in inputs)
+            outputs.extend(map(_clone, inputs))
         needs = ctx.needs_input_grad[1:]  # type: ignore[attr-defined]
         ctx.mark_non_differentiable(
             *(t for j, t in enumerate(outputs) if not needs[j % len(inputs)])
@@ -60,6 +60,12 @@ class CpuBroadcast(torch.autograd.Function):
             parts = [g for g in grads[i::k] if g is not None]
             sums.append(functools.reduce(operator.add, parts) if parts else None)
         return (None, *sums)
+
+
+def _clone(t: Tensor) -> Tensor:
+    """A copy of ``t`` in its own memory; a strided one keeps its memory format (a
+    sparse one has none: torch refuses the option for its compressed layouts)."""
+    return t.clone(memory_format=torch.preserve_format) if t.layout == torch.strided else t.clone()
 
 
 def broadcast_copies(tensors: list[Tensor], n: int, detach: bool) -> list[list[Tensor]]:
@@ -80,7 +86,7 @@ def broadcast_copies(tensors: list[Tensor], n: int, detach: bool) -> list[list[T
     if detach:
         own = [t.detach() if t.requires_grad else t for t in tensors]
         return [own] + [
-            [t.clone(memory_format=torch.preserve_format) for t in own] for _ in range(1, n)
+            [_clone(t) for t in own] for _ in range(1, n)
         ]
     flat = CpuBroadcast.apply(n, *tensors)
     return [list(flat[j * k : (j + 1) * k]) for j in range(n)]

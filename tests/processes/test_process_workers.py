@@ -1856,7 +1856,9 @@ def test_sparse_parameters_arrive_as_parameters(workers: str) -> None:
     # and without torch's note that CSR is in beta, which this process gave already.
     model = SparseHeld().eval()
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))  # 3 + 2 rows
-    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    # Shared: a thread replica holds the module's parameters. Replicas on distinct
+    # devices hold torch's copies, plain tensors (tests/stages/test_replica_modes.py).
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers, cpu_replicas="shared")
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("error")  # the model's rebuild in a worker gives none

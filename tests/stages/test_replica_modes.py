@@ -9,6 +9,7 @@ replica's buffer updates reach the module, as in torch on GPUs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -210,6 +211,24 @@ def test_distinct_results_and_gradients_equal_the_module(rnn: type[nn.RNNBase], 
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert p.grad is not None, name
         close(p.grad, q.grad, terms=2 * MIXED_TERMS + 7 * 4, msg=name)  # back, summed over 7 x 4
+
+
+def test_distinct_replicas_copy_sparse_parameters() -> None:
+    # A sparse tensor has no memory format to keep: its copies are plain clones (torch
+    # refuses preserve_format for the compressed layouts). Replicas for no_grad: a map's,
+    # a call's under torch.no_grad().
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4, 4, generator=g) * (torch.rand(4, 4, generator=g) > 0.5)
+    model = nn.Linear(4, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch's CSR support is in beta
+        model.csr = nn.Parameter(w.to_sparse_csr(), requires_grad=False)
+    model.coo = nn.Parameter(w.to_sparse())
+    for replica in replicate(model, ["cpu"] * N, True, cpu_replicas="distinct")[1:]:
+        for name in ("csr", "coo"):
+            copy, own = getattr(replica, name), getattr(model, name)
+            assert copy.layout == own.layout and torch.equal(copy.to_dense(), own.to_dense())
+            assert copy.values().data_ptr() != own.values().data_ptr()
 
 
 def test_distinct_training_buffers_as_on_gpus() -> None:
