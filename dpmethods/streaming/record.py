@@ -270,12 +270,26 @@ def _differences(record: dict[str, Any], identity: Identity) -> list[str]:
         found.append("its model's parameters and buffers have other names, shapes or dtypes")
     elif theirs.keys() & ours.keys() >= {"values"} and theirs["values"] != ours["values"]:
         found.append("its model has other weights (a sample of its parameters' values differs)")
+    if theirs.get("class") == ours.get("class") and theirs.keys() & ours.keys() >= {"settings"}:
+        found += _setting_differences(theirs["settings"], ours["settings"])
     found += _item_differences(record.get("items"), identity.items, "items" in record)
     n, length, count = identity.length, record["len"], record["count"]
     known = length if length is not None else count
     if n is not None and known is not None and n != known:
         found.append(f"its input had {known} batches, this input has {n}")
     return found
+
+
+def _setting_differences(theirs: str, ours: str) -> list[str]:
+    """Which of the model's settings (``name=digest;...``, see
+    :func:`dpmethods.types.digests.module_identity`) differ."""
+    split = lambda text: dict(part.rpartition("=")[::2] for part in text.split(";") if part)  # noqa: E731
+    a, b = split(theirs), split(ours)
+    changed = sorted(k for k in {*a, *b} if a.get(k) != b.get(k))
+    if not changed:
+        return []
+    what = [f"{k} ({'new' if k not in a else 'not held' if k not in b else 'another value'})" for k in changed]
+    return [f"its model's settings differ: {', '.join(what)}"]
 
 
 def _item_differences(theirs: dict[str, Any] | None, ours: dict[str, Any] | None, recorded: bool) -> list[str]:

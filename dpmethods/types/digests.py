@@ -7,20 +7,25 @@ up to 4 KiB, else about 1,024 of them spread evenly over it and its last; a stri
 characters likewise; the items of a list, tuple or mapping, or 64 of them spread evenly
 over it and its last when it has more. Numbers, ``None``, bytes and other buffers,
 dataclasses, named tuples and the types with a rule (:func:`dpmethods.register_type`,
-torch's pytree) are walked; an object of any other class counts by its class only, never
+torch's pytree) are walked; an object whose class offers a dict form both ways,
+``to_dict()`` and ``from_dict()`` (a configuration: transformers' ``PretrainedConfig``
+and ``GenerationConfig``), counts by that dict, its keys sorted and whole; an object of any other class counts by its class only, never
 by its ``repr``, which may hold a memory address that differs on every run, nor by the
 pointers of an array of Python objects. A tensor on an accelerator is sampled there and
 its sample copied to the host.
 
 :func:`module_identity` tells models apart where that is cheap: the class, the names,
 shapes and dtypes of the parameters and persistent buffers, and a digest of the
-parameters' sampled values.
+parameters' sampled values; and the settings it holds: a digest of each attribute of it
+or of a submodule that has a dict form (a transformers model's ``config`` and
+``generation_config``), by the attribute's name.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -96,6 +101,9 @@ def _other(value: Any, kind: type, crc: int, depth: int) -> int:
         return _items(leaves, crc, depth)
     if isinstance(value, (list, tuple)):
         return _items(value, crc, depth)
+    form = _dict_form(value)
+    if form is not None:
+        return _crc32(form, crc)
     try:  # bytes, and arrays of numpy or of the standard library
         view = memoryview(value)
     except (TypeError, ValueError, BufferError):
@@ -108,6 +116,29 @@ def _other(value: Any, kind: type, crc: int, depth: int) -> int:
         with view.cast("B") as flat:
             n = len(flat)
             return _crc32(flat if n <= WHOLE else flat[:: n // ELEMENTS].tobytes(), crc)
+
+
+def _dict_form(value: Any) -> bytes | None:
+    """``value.to_dict()`` as JSON with sorted keys, whole (one changed setting among many
+    must show, and the order its attributes were set in must not); None where its class
+    offers no dict form both ways (``to_dict`` and ``from_dict``) or the form fails. A value in it that JSON lacks counts by its
+    class, as elsewhere."""
+    kind = type(value)
+    # Both ways: a form that rebuilds the object is its whole state, and read without side
+    # effects (a one-way to_dict may be a report, computed from and changing its owner).
+    if not (callable(getattr(kind, "to_dict", None)) and callable(getattr(kind, "from_dict", None))):
+        return None
+    try:
+        form = value.to_dict()
+        if not isinstance(form, Mapping):
+            return None
+        return json.dumps(form, sort_keys=True, default=_class_of).encode()
+    except Exception:  # keys that do not sort, a cycle, a to_dict that needs arguments
+        return None
+
+
+def _class_of(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
 
 
 def _name(kind: type, crc: int) -> int:
@@ -185,8 +216,10 @@ def _sample(t: Tensor) -> bytes:
 def module_identity(module: nn.Module) -> dict[str, str]:
     """What tells ``module`` from another model cheaply: its class; ``"tensors"``, a
     digest of the names, shapes and dtypes of its parameters and persistent buffers;
-    ``"values"``, one of its parameters' sampled values. Only the class for a module
-    with parameters not yet materialized (lazy modules).
+    ``"values"``, one of its parameters' sampled values; ``"settings"``, ``name=digest``
+    of each attribute with a dict form (see :func:`digest`) of it or
+    of a submodule, joined by ``;``. Only the class (and settings) for a module with
+    parameters not yet materialized (lazy modules).
 
     Args:
         module: the model (through ``torch.compile``'s wrapper).
@@ -195,12 +228,13 @@ def module_identity(module: nn.Module) -> dict[str, str]:
         >>> import torch
         >>> a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
         >>> sorted(module_identity(a))
-        ['class', 'tensors', 'values']
+        ['class', 'settings', 'tensors', 'values']
         >>> [module_identity(a)[k] == module_identity(b)[k] for k in ("class", "tensors", "values")]
         [True, True, False]
     """
     module = unwrap_compiled(module)
     identity = {"class": f"{type(module).__module__}.{type(module).__qualname__}"}
+    identity["settings"] = _settings(module)
     params = list(module.named_parameters())
     if any(nn.parameter.is_lazy(p) for _, p in params):
         return identity
@@ -217,3 +251,22 @@ def module_identity(module: nn.Module) -> dict[str, str]:
         values = _tensor(p, values)
     identity.update(tensors=f"{layout:08x}", values=f"{values:08x}")
     return identity
+
+
+def _settings(module: nn.Module) -> str:
+    """``name=digest;...`` of the attributes with a dict form of ``module`` and its
+    submodules (an object that several hold, a transformers model's ``config`` held by
+    its layers, counted once, at its first name), in ``named_modules`` order."""
+    seen: set[int] = set()
+    found = []
+    for prefix, m in module.named_modules():
+        for name, value in list(vars(m).items()):
+            if name.startswith("_") or isinstance(value, (nn.Module, Tensor)) or id(value) in seen:
+                continue
+            form = _dict_form(value)
+            if form is None:
+                continue
+            seen.add(id(value))
+            found.append(f"{prefix}.{name}" if prefix else name)
+            found[-1] += f"={_crc32(form, _name(type(value), 0)):08x}"
+    return ";".join(found)

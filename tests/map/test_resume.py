@@ -653,6 +653,7 @@ def _digest_cases() -> dict[str, Any]:
         "numpy": np.arange(12.0).reshape(3, 4),
         "objects": np.array([1, "a", None], dtype=object),  # pointers: by class only
         "an object": object(),  # its repr holds an address: by class only
+        "a configuration": _generation_config(6),  # by its to_dict()
         "dataclass": point(torch.ones(2), "y"),
         "bytes": b"\x00\x01" * 5000,
         "size": torch.Size([3, 4]),
@@ -700,4 +701,92 @@ def test_a_model_is_known_by_its_class_layout_and_weights_through_compile() -> N
         same.lin.weight[2, 4] += 1  # the last value: sampled
     assert module_identity(same)["values"] != ident["values"]
     assert module_identity(same)["tensors"] == ident["tensors"]
-    assert module_identity(nn.LazyLinear(3)) == {"class": "torch.nn.modules.linear.LazyLinear"}
+    assert module_identity(nn.LazyLinear(3)) == {"class": "torch.nn.modules.linear.LazyLinear", "settings": ""}
+
+
+def test_a_models_settings_are_known_by_their_dict_form_whoever_holds_them() -> None:
+    """A transformers model's ``config`` and ``generation_config`` (a dict form both ways),
+    held by it or by a submodule, are its settings; a one-way ``to_dict`` is not read."""
+    from dpmethods.types.digests import module_identity
+    from tests.helpers.models import tiny_gpt2
+
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    ident = module_identity(model)
+    assert [s.split("=")[0] for s in ident["settings"].split(";")] == ["config", "generation_config"]
+    model.config.use_cache = not model.config.use_cache
+    changed = module_identity(model)
+    assert changed["settings"] != ident["settings"] and changed["values"] == ident["values"]
+
+    class Report:  # its to_dict reads its owner: not a setting
+        def to_dict(self) -> dict[str, Any]:
+            raise AssertionError("read")
+
+    wrapper = nn.Sequential(model)
+    wrapper.report = Report()
+    assert module_identity(wrapper)["settings"] == "0." + changed["settings"].replace(";", ";0.")
+
+
+def _generation_config(tokens: int) -> Any:
+    import transformers
+
+    return transformers.GenerationConfig(max_new_tokens=tokens, do_sample=False)
+
+
+def _generation_map(ckpt: str, workers: str, model_tokens: int, kwarg_tokens: int | None,
+                    stop: int | None = None) -> tuple[nn.Module, list[torch.Tensor], Any]:
+    """A checkpointed map of a tiny GPT-2's ``generate`` over 4 batches, its model generating
+    ``model_tokens`` (``model.generation_config``) or ``kwarg_tokens`` (a ``generation_config=``
+    argument): stopped after ``stop`` outputs, else the map itself, unstarted."""
+    from tests.helpers.models import tiny_gpt2
+
+    torch.manual_seed(0)
+    model = tiny_gpt2().eval()
+    model.generation_config.max_new_tokens = model_tokens
+    batches = [torch.randint(2, 48, (2, 4), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    kwargs = {} if kwarg_tokens is None else {"generation_config": _generation_config(kwarg_tokens)}
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    with torch.no_grad():
+        it = dp.map("generate", batches, checkpoint=ckpt, **kwargs)
+        if stop is not None:
+            for _ in range(stop):
+                next(it)
+            it.close()
+            dp.close()
+    return model, batches, (dp, it)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("where", ["argument", "model"])
+def test_a_map_resumed_with_other_generation_settings_is_refused_and_with_the_same_resumes(
+        tmp_path: Path, workers: str, where: str) -> None:
+    """Settings in an object with a dict form (a GenerationConfig), as an argument or as the
+    model's attribute, are part of the map: changed, a resumed map would mix outputs of
+    both; unchanged, they digest the same in another process (the map resumes there)."""
+    ckpt = tmp_path / "map.json"
+    first = (2, None) if where == "model" else (9, 2)  # the model's tokens, the argument's
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from tests.map.test_resume import _generation_map
+        _generation_map({str(ckpt)!r}, "threads", {first[0]}, {first[1]}, stop=2)
+    """)
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr
+    record = ckpt.read_text()
+    other = (6, None) if where == "model" else (9, 6)
+    differs = (r"its model's settings differ: generation_config \(another value\)" if where == "model"
+               else r"the method's keyword arguments differ: generation_config \(another value\)")
+    with pytest.raises(ValueError, match=rf"records another map: {differs}"):
+        _generation_map(str(ckpt), workers, *other)
+    assert ckpt.read_text() == record
+    model, batches, (dp, it) = _generation_map(str(ckpt), workers, *first)
+    with torch.no_grad():
+        rest = list(it)
+        alone = [model.generate(b, max_new_tokens=2, do_sample=False) for b in batches[1:]]
+    dp.close()
+    assert len(rest) == 3  # the first output was taken; the second was asked for, not taken
+    for got, want in zip(rest, alone):
+        assert torch.equal(got, want)
