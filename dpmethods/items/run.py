@@ -338,7 +338,7 @@ class ItemIterator(MapIterator):
         """Take ``out``'s evidence of the padded dims; False for a probe (measured only)."""
         failed = isinstance(out, BaseException)
         if self._dims is not None and not failed and sent.padding is not None:
-            self._dims.observe(out, sent.padding.longest)
+            self._dims.observe(out, sent.padding)
         if sent.probe is not None:
             if failed:  # no evidence: another probe, while the stream has them
                 self._probe_failed = (out, sent.probe)

@@ -231,7 +231,7 @@ class _Cutter:
                 starts.append(starts[-1] + _count(child))
             parts = [self.leaves[a:b] for a, b in itertools.pairwise(starts)]
             if self.padded is not None and self.padding is not None:  # trim: each entry to its item's positions
-                parts = [self.trimmed_entry(c, leaves, path + label, span) for c, leaves, label, span
+                parts = [self.trimmed_entry(c, leaves, path + label, path + "[*]", span) for c, leaves, label, span
                          in zip(spec.children, parts, _labels(spec), self.padding.spans)]
             values = [_tree.unflatten(c, leaves) for c, leaves in zip(spec.children, parts)]
             return ([Entry(v) for v in values] if self.entries else values), end
@@ -267,18 +267,27 @@ class _Cutter:
             values = [info.narrow(v, a, d) if a or d else v for v, a, d in zip(values, starts, drops)]
         return values, end
 
-    def trimmed_entry(self, spec: _tree.Spec, leaves: list[Any], path: str, span: tuple[int, int]) -> list[Any]:
+    def trimmed_entry(self, spec: _tree.Spec, leaves: list[Any], path: str, pooled: str,
+                      span: tuple[int, int]) -> list[Any]:
         """The leaves of one item's entry of a per-item list (sentence-transformers'
-        ``encode(output_value=None)``: each text's features, padded to its batch's longest)
-        narrowed to the item's own positions in the dims told to be padding."""
+        ``encode(output_value=None)``: each text's features, padded to the longest item of
+        the call that made it) narrowed to the item's own positions in the dims told to be
+        padding, by the entry's path or ``pooled``, the path of every entry (see
+        :class:`dpmethods.items.trim.PaddedDims`)."""
         padded = self.padded
-        assert padded is not None
+        assert padded is not None and self.padding is not None
+        longest, (start, end) = self.padding.longest, span
         out = []
-        for leaf, leaf_path in zip(leaves, _tree.leaf_paths(spec, path)):
+        for leaf, leaf_path, any_path in zip(leaves, _tree.leaf_paths(spec, path), _tree.leaf_paths(spec, pooled)):
             if isinstance(leaf, Tensor):
-                cut = [d for d in range(leaf.dim()) if padded(leaf_path, d)]
-                if cut:
-                    leaf = self.trimmed(leaf, span, cut)
+                for d in range(leaf.dim()):
+                    if padded(any_path, d) or padded(leaf_path, d):
+                        # Padded to its call's longest: a batch that ran in halves pads each
+                        # half to its own. Right padding starts the item's positions at 0;
+                        # left padding ends them at the entry's end.
+                        size = leaf.shape[d]
+                        at = start if size == longest or start == 0 else size - (longest - start)
+                        leaf = leaf.narrow(d, at, end - start)
             out.append(leaf)
         return out
 

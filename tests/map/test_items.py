@@ -9,6 +9,7 @@ processes too.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -34,7 +35,7 @@ from tests.helpers.items_models import (
     sharded_items,
     token_items,
 )
-from tests.helpers.long_runs import arm_hang, release_hung
+from tests.helpers.long_runs import arm_hang, out_of_memory_above, release_hung, rows_run
 from tests.helpers.models import (
     tiny_falcon_h1,
     tiny_gpt2,
@@ -762,6 +763,33 @@ def test_encode_of_every_feature_with_trim_gives_each_text_its_own_positions(enc
     ref = [model.encode([t], output_value=None)[0] for t in TEXTS]
     for out, want in zip(outs, ref):
         assert set(out) == set(want)
+        for key in ("input_ids", "attention_mask", "token_type_ids"):
+            assert out[key].tolist() == want[key].tolist()
+        assert_close_to_reference([out["token_embeddings"], out["sentence_embedding"]],
+                                  [want["token_embeddings"], want["sentence_embedding"]], terms=ENCODE_TERMS)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("workers", WORKERS)
+def test_encode_of_every_feature_with_trim_and_on_oom_split_gives_each_text_its_own_positions(
+        tmp_path: Path, workers: str) -> None:
+    """A batch that runs out of memory runs in halves, and encode pads each half to its own
+    longest text: trim=True still cuts each text's features to its own positions."""
+
+    model = tiny_sentence_transformer(tmp_path)
+    ref = [model.encode([t], output_value=None)[0] for t in TEXTS]
+    # More than 2 texts run out of memory: each batch of 4 runs in halves.
+    model[0].auto_model.embeddings.register_forward_pre_hook(
+        functools.partial(out_of_memory_above, str(tmp_path), 2), with_kwargs=True)
+    dp = dpmethods.DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+    try:
+        with torch.no_grad():
+            outs = list(dp.map("encode", TEXTS, batch_size=4, output_value=None, trim=True, on_oom="split",
+                               length=lambda text: len(model.tokenizer(text)["input_ids"])))
+    finally:
+        dp.close()
+    assert any(ran_out for _, ran_out in rows_run(tmp_path))
+    for out, want in zip(outs, ref):
         for key in ("input_ids", "attention_mask", "token_type_ids"):
             assert out[key].tolist() == want[key].tolist()
         assert_close_to_reference([out["token_embeddings"], out["sentence_embedding"]],
