@@ -9,7 +9,8 @@ over it and its last when it has more. Numbers, ``None``, bytes and other buffer
 dataclasses, named tuples and the types with a rule (:func:`dpmethods.register_type`,
 torch's pytree) are walked; an object whose class offers a dict form both ways,
 ``to_dict()`` and ``from_dict()`` (a configuration: transformers' ``PretrainedConfig``
-and ``GenerationConfig``), counts by that dict, its keys sorted and whole; an object of any other class counts by its class only, never
+and ``GenerationConfig``), counts by that dict, its keys sorted and whole, less its bookkeeping (private keys
+such as ``_name_or_path``, a library's version); an object of any other class counts by its class only, never
 by its ``repr``, which may hold a memory address that differs on every run, nor by the
 pointers of an array of Python objects. A tensor on an accelerator is sampled there and
 its sample copied to the host.
@@ -132,9 +133,21 @@ def _dict_form(value: Any) -> bytes | None:
         form = value.to_dict()
         if not isinstance(form, Mapping):
             return None
-        return json.dumps(form, sort_keys=True, default=_class_of).encode()
+        return json.dumps(_settings_only(form), sort_keys=True, default=_class_of).encode()
     except Exception:  # keys that do not sort, a cycle, a to_dict that needs arguments
         return None
+
+
+def _settings_only(form: Any) -> Any:
+    """``form`` without its bookkeeping, at any depth: private keys (``_name_or_path``,
+    where a model was loaded from) and the library version that wrote it
+    (``transformers_version``), neither of which changes what the object does."""
+    if isinstance(form, Mapping):
+        return {k: _settings_only(v) for k, v in form.items()
+                if not (isinstance(k, str) and (k.startswith("_") or k.endswith("_version")))}
+    if isinstance(form, (list, tuple)):
+        return [_settings_only(v) for v in form]
+    return form
 
 
 def _class_of(value: Any) -> str:

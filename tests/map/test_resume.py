@@ -714,6 +714,9 @@ def test_a_models_settings_are_known_by_their_dict_form_whoever_holds_them() -> 
     model = tiny_gpt2()
     ident = module_identity(model)
     assert [s.split("=")[0] for s in ident["settings"].split(";")] == ["config", "generation_config"]
+    model.config._name_or_path = "/elsewhere"  # where it was loaded from: bookkeeping, not a setting
+    model.config.transformers_version = "0.0"
+    assert module_identity(model) == ident
     model.config.use_cache = not model.config.use_cache
     changed = module_identity(model)
     assert changed["settings"] != ident["settings"] and changed["values"] == ident["values"]
