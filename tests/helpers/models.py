@@ -100,6 +100,14 @@ def tiny_gpt2(**config: Any) -> Any:
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**base, **config}))
 
 
+def _spread(model: Any) -> Any:
+    """``model`` with every parameter drawn again from N(0, 0.3), in place."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    return model
+
+
 def tiny_qwen3_next() -> Any:
     """A random Qwen3-Next (a linear-attention layer, whose cache keeps conv and recurrent
     states in dicts, then a full-attention one; 64 tokens, pad id 0), in eval mode."""
@@ -115,11 +123,7 @@ def tiny_qwen3_next() -> Any:
         shared_expert_intermediate_size=16, num_experts=2, num_experts_per_tok=1,
         layer_types=["linear_attention", "full_attention"], max_position_embeddings=64,
         pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+    return _spread(transformers.Qwen3NextForCausalLM(config).eval())
 
 
 def tiny_falcon_h1() -> Any:
@@ -135,11 +139,7 @@ def tiny_falcon_h1() -> Any:
         num_key_value_heads=1, head_dim=8, mamba_d_ssm=16, mamba_n_heads=2, mamba_d_head=8,
         mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=4, max_position_embeddings=64,
         pad_token_id=0, bos_token_id=1, eos_token_id=None)
-    model = transformers.FalconH1ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)
-    return model
+    return _spread(transformers.FalconH1ForCausalLM(config).eval())
 
 
 def tiny_qwen2_vl() -> tuple[nn.Module, dict[str, Any]]:

@@ -1097,6 +1097,10 @@ def test_a_method_patched_on_a_class_runs_in_the_workers(
     assert_close_to_reference(outs[-1], want["patched"], terms=_WATCHED_TERMS)  # sent after the patch
 
 
+def _class_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+
+
 @pytest.mark.parametrize("cls,there", [
     (Patched, "but the function tests.helpers.processes.Patched.forward"),
     # PatchedChild inherits forward: the workers' class lacks the one set here.
@@ -1116,7 +1120,7 @@ def test_a_patch_the_workers_cannot_import_is_a_warning(
         warnings.simplefilter("always")
         dp(x)
         dp(x)
-    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    said = _class_warnings(seen)
     assert len(said) == 1, said
     assert said[0].startswith(
         f"DataParallel(workers='processes'): tests.helpers.processes.{cls.__name__}.forward is the function "
@@ -1139,7 +1143,7 @@ def test_a_patch_typed_in_the_main_module_is_a_warning(monkeypatch: pytest.Monke
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         check(sent, Patched())
-    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    said = _class_warnings(seen)
     assert len(said) == 1 and "is the function __main__.fwd (<string>:1)" in said[0], said
 
 
@@ -1157,13 +1161,9 @@ def test_functions_a_library_adds_to_classes_as_it_runs_are_no_false_alarm(holde
         warnings.simplefilter("always")
         dp.module.model(ids)
         out = dp(ids)
-    said = [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
+    said = _class_warnings(seen)
     assert said == []
     assert out.logits.shape[0] == 3
-
-
-def _class_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in seen if "which import the class from its module" in str(w.message)]
 
 
 @pytest.mark.parametrize("workers", WORKERS)
