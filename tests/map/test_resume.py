@@ -759,26 +759,38 @@ def _generation_map(ckpt: str, workers: str, model_tokens: int, kwarg_tokens: in
     return model, batches, (dp, it)
 
 
+# The first runs of the generation maps below (the model's tokens, the argument's): stopped
+# after 2 outputs, in another process.
+_FIRST = {"model": (2, None), "argument": (9, 2)}
+
+
+@pytest.fixture(scope="module")
+def generation_records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The record each first run of ``_FIRST`` leaves, made in one process whose str hashes
+    differ from this one's (``PYTHONHASHSEED``), as a map resumed on another day would be."""
+    folder = tmp_path_factory.mktemp("generation")
+    runs = "\n".join(f"_generation_map({str(folder / where)!r}, 'threads', {m}, {k}, stop=2)"
+                      for where, (m, k) in _FIRST.items())
+    script = f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n" \
+             f"from tests.map.test_resume import _generation_map\n{runs}\n"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200, env=env)
+    assert done.returncode == 0, done.stderr
+    return {where: (folder / where).read_text() for where in _FIRST}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("where", ["argument", "model"])
 def test_a_map_resumed_with_other_generation_settings_is_refused_and_with_the_same_resumes(
-        tmp_path: Path, workers: str, where: str) -> None:
+        tmp_path: Path, workers: str, where: str, generation_records: dict[str, str]) -> None:
     """Settings in an object with a dict form (a GenerationConfig), as an argument or as the
     model's attribute, are part of the map: changed, a resumed map would mix outputs of
     both; unchanged, they digest the same in another process (the map resumes there)."""
     ckpt = tmp_path / "map.json"
-    first = (2, None) if where == "model" else (9, 2)  # the model's tokens, the argument's
-    script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from tests.map.test_resume import _generation_map
-        _generation_map({str(ckpt)!r}, "threads", {first[0]}, {first[1]}, stop=2)
-    """)
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200, env=env)
-    assert done.returncode == 0, done.stderr
-    record = ckpt.read_text()
+    record = generation_records[where]
+    ckpt.write_text(record)
+    first = _FIRST[where]
     other = (6, None) if where == "model" else (9, 6)
     differs = (r"its model's settings differ: generation_config \(another value\)" if where == "model"
                else r"the method's keyword arguments differ: generation_config \(another value\)")
