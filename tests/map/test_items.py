@@ -1082,7 +1082,7 @@ def test_a_batch_past_the_timeout_is_an_error_for_each_of_its_items(dp: Any, wor
     items = token_items(12)
     items[3] = {"input_ids": torch.tensor([4, HANG, 5])}
     with torch.no_grad():
-        outs = list(dp.map("encode", items, batch_size=4, timeout=3.0, retries=0, errors="yield"))
+        outs = list(dp.map("encode", items, batch_size=4, timeout=1.5, retries=0, errors="yield"))
     failed = [i for i, o in enumerate(outs) if isinstance(o, Exception)]
     assert 3 in failed and all(isinstance(outs[i], TimeoutError) for i in failed) and len(failed) <= 4
     fine = [i for i in range(12) if i not in failed]

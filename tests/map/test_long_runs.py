@@ -245,10 +245,10 @@ def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None
         list(dp.map("sleepy", [x]))  # the worker starts (processes) before anything is timed
         [first] = dp.map("pid", [x])
         pid = first.unique().tolist()  # the worker's (the caller's on threads)
-        stopped = dp.map("sleepy", [x, x], seconds=3.0)
+        stopped = dp.map("sleepy", [x, x], seconds=2.0)
         next(stopped)  # the second batch is the worker's now
         stopped.close()
-        outs = list(dp.map("sleepy", [x, 2 * x], timeout=1.5, retries=0))
+        outs = list(dp.map("sleepy", [x, 2 * x], timeout=1.0, retries=0))
         [last] = dp.map("pid", [x])
         assert last.unique().tolist() == pid  # not killed for it
         want = [net.sleepy(x), net.sleepy(2 * x)]

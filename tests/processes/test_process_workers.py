@@ -1314,35 +1314,6 @@ def test_no_worker_is_left_after_close_or_drop() -> None:
             os.kill(pid, 0)  # joined: not even a zombie
 
 
-_EXIT_SCRIPT = """
-import torch, dpmethods
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(256, 256)
-
-    def forward(self, x, *rest):
-        return self.lin(x)
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    dp = dpmethods.DataParallel(Net(), device_ids=["cpu"] * 2, workers="processes")
-    # Each batch has 40 tensors over the inline size: 40 descriptors for a worker to fetch.
-    batches = [tuple(torch.randn(300, 256) for _ in range(40)) for _ in range(4)]
-    with torch.no_grad():
-        list(dp.map("forward", batches))
-    for _ in range(3):
-        try:
-            next(iter(dp.map("forward", batches)))  # fails (requires grad), batches in flight
-        except RuntimeError:
-            dp.close()  # stops the workers while they may still fetch the batches after
-    print("exiting")
-"""
-
-
 def _run_script(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedProcess[str]:
     """``text`` run as a script file of its own (a worker needs a main module it can import)."""
     script = tmp_path / "script.py"
@@ -1354,15 +1325,6 @@ def _run_script(tmp_path: Path, text: str, *flags: str) -> subprocess.CompletedP
                           text=True, timeout=120, cwd=tmp_path, env=env)
 
 
-def test_exit_with_batches_in_flight_leaves_nothing(tmp_path: Path) -> None:
-    # Interpreter exit stops the workers; a worker stopped while it fetched a batch's
-    # shared memory would leave a traceback from multiprocessing's resource sharer.
-    run = _run_script(tmp_path, _EXIT_SCRIPT, "-W", "always")
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "exiting"
-    assert "Traceback" not in run.stderr and "leaked" not in run.stderr, run.stderr
-
-
 _ORPHAN_SCRIPT = """
 import multiprocessing, sys, time, torch, dpmethods
 sys.path.insert(0, {tests!r})
@@ -1370,13 +1332,15 @@ from tests.helpers.long_runs import Faulty
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    dp = dpmethods.DataParallel(Faulty(sys.argv[1]), device_ids=["cpu"] * 2, workers="processes")
+    idle, busy = (dpmethods.DataParallel(Faulty(sys.argv[1]), device_ids=["cpu"] * 2, workers="processes")
+                  for _ in range(2))
     x = torch.randn(3, 6)
     with torch.no_grad():
-        dp.encode(x)
+        idle.encode(x)
+        busy.encode(x)
         print(*[p.pid for p in multiprocessing.active_children() if p.name.startswith("dpmethods-worker-")], flush=True)
-        if sys.argv[2] == "busy":  # batch 0 hangs in one worker; the other goes idle
-            list(dp.map("encode", [{{"x": x, "tag": i}} for i in range(4)], fault="hang", at=0))
+        # batch 0 hangs in one of busy's workers; its other worker and idle's two wait
+        list(busy.map("encode", [{{"x": x, "tag": i}} for i in range(4)], fault="hang", at=0))
         time.sleep(600)
 """
 
@@ -1391,24 +1355,24 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc to tell a zombie from a process")
-@pytest.mark.parametrize("state", ["busy", "idle"])
-def test_workers_leave_when_their_caller_is_killed(tmp_path: Path, state: str) -> None:
-    # SIGKILL leaves the caller no time to stop its workers: they must see it themselves.
+def test_workers_leave_when_their_caller_is_killed(tmp_path: Path) -> None:
+    # SIGKILL leaves the caller no time to stop its workers: they must see it themselves,
+    # busy (one runs a batch that hangs) or idle (the other, and another wrapper's two).
     script = tmp_path / "script.py"
     script.write_text(_ORPHAN_SCRIPT.format(tests=str(Path(__file__).resolve().parents[2])))
     root = str(Path(dpmethods.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path), state], cwd=tmp_path,
+    caller = subprocess.Popen([sys.executable, str(script), str(tmp_path)], cwd=tmp_path,
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     pids: list[int] = []
     try:
         assert caller.stdout is not None
         pids = [int(p) for p in caller.stdout.readline().split()]
-        assert len(pids) == 2, "the caller did not start its workers"
+        assert len(pids) == 4, "the caller did not start its workers"
         end = time.monotonic() + 60
-        while state == "busy" and not (tmp_path / "hang").exists() and time.monotonic() < end:
+        while not (tmp_path / "hang").exists() and time.monotonic() < end:
             time.sleep(0.05)  # until a worker runs the batch that hangs
-        assert all(map(_running, pids))
+        assert (tmp_path / "hang").exists() and all(map(_running, pids))
         caller.kill()
         caller.wait()
         end = time.monotonic() + 60  # generous: they leave within seconds
@@ -1903,10 +1867,19 @@ def test_a_parametrized_module_is_sent_as_its_own_getstate_gives_it() -> None:
         dp.close()
 
 
-_SHM_SCRIPT = """
+_EXIT_SCRIPT = """
 import os, sys, torch, dpmethods
 sys.path.insert(0, {tests!r})
 from tests.helpers.processes import SemaphoreNet
+
+
+class Wide(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(256, 256)
+
+    def forward(self, x, *rest):
+        return self.lin(x)
 
 
 def left(names, pids):
@@ -1925,6 +1898,16 @@ if __name__ == "__main__":
     assert all(os.path.exists("/dev/shm/sem." + n.lstrip("/")) for n in names), names
     dp.close()
     print("after close:", left(names, pids))
+    wide = dpmethods.DataParallel(Wide(), device_ids=["cpu"] * 2, workers="processes")
+    # Each batch has 40 tensors over the inline size: 40 descriptors for a worker to fetch.
+    batches = [tuple(torch.randn(300, 256) for _ in range(40)) for _ in range(4)]
+    with torch.no_grad():
+        list(wide.map("forward", batches))
+    for _ in range(3):
+        try:
+            next(iter(wide.map("forward", batches)))  # fails (requires grad), batches in flight
+        except RuntimeError:
+            wide.close()  # stops the workers while they may still fetch the batches after
     dp = dpmethods.DataParallel(SemaphoreNet(), device_ids=["cpu"] * 2, workers="processes")
     with torch.no_grad():
         made = dp.semaphore(x)
@@ -1932,13 +1915,15 @@ if __name__ == "__main__":
 """
 
 
-def test_nothing_is_left_in_dev_shm_after_close_or_exit(tmp_path: Path) -> None:
+def test_close_and_exit_leave_nothing_behind(tmp_path: Path) -> None:
     # Workers leave through the normal exit path, so the named semaphores their methods
-    # made (as torch.compile and loky make them) are unlinked by multiprocessing.
+    # made (as torch.compile and loky make them) are unlinked by multiprocessing; and a
+    # worker stopped (by close, or by the interpreter's exit) while it fetched a batch's
+    # shared memory leaves no traceback from multiprocessing's resource sharer.
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm on this system")
     tests = str(Path(__file__).resolve().parents[2])
-    run = _run_script(tmp_path, _SHM_SCRIPT.format(tests=tests), "-W", "always")
+    run = _run_script(tmp_path, _EXIT_SCRIPT.format(tests=tests), "-W", "always")
     assert run.returncode == 0, run.stderr
     lines = dict(line.split(": ", 1) for line in run.stdout.splitlines())
     assert lines["after close"] == "[]", run.stdout
