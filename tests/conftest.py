@@ -7,7 +7,11 @@ or ``distinct``); CI runs the suite once in each. The header names the mode.
 
 from __future__ import annotations
 
+import compileall
 import os
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,7 +67,27 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     config.option.tx = ["popen"] * 2
 
 
+def _compile_once(config: pytest.Config) -> None:
+    """Under ``PYTHONDONTWRITEBYTECODE=1`` (set on some CI hosts) no process writes
+    bytecode, so every one of the suite's interpreters (pytest-xdist workers, scripts,
+    worker processes: some 500) would compile this repository's sources again; a worker
+    process that loads a transformers model spends two thirds of its start compiling the
+    integration modules. The session compiles them once, before any of those start, and
+    removes the ``__pycache__`` folders it made when it ends. Installed libraries are
+    compiled by pip when installed."""
+    if not sys.flags.dont_write_bytecode or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    root = Path(__file__).resolve().parents[1]
+    folders = [root / name for name in ("dpmethods", "tests", "examples")]
+    before = {p for folder in folders for p in folder.rglob("__pycache__")}
+    for folder in folders:
+        compileall.compile_dir(folder, quiet=2)  # writes whatever the flag says
+    made = [p for folder in folders for p in folder.rglob("__pycache__") if p not in before]
+    config.add_cleanup(lambda: [shutil.rmtree(p, ignore_errors=True) for p in made])
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _compile_once(config)
     # xdist workers share the cores: torch's intra-op threads of each would outnumber
     # them, and OpenMP threads waiting for a busy core slow every op they split.
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
