@@ -32,7 +32,7 @@ from tests.helpers.processes import build_net, gone
 from tests.helpers.terms import mlp_terms
 
 pytestmark = pytest.mark.timeout(180)
-N, ROWS, TIMEOUT = 8, 3, 2.0  # TIMEOUT: what a hung batch waits out; the others take milliseconds
+N, ROWS, TIMEOUT = 8, 3, 1.0  # TIMEOUT: what a hung batch waits out; the others take milliseconds
 
 
 @pytest.fixture(autouse=True)
@@ -159,9 +159,9 @@ def test_a_hung_process_batch_without_retries_is_a_timeout_error(tmp_path: Path)
     model = Faulty(tmp_path)
     dp = _dp(model, "processes")
     with torch.no_grad(), pytest.raises(TimeoutError) as info:
-        list(dp.map("encode", _batches(), fault="hang", at=2, timeout=2.0, retries=0))
+        list(dp.map("encode", _batches(), fault="hang", at=2, timeout=TIMEOUT, retries=0))
     dp.close()
-    assert re.search(r"batch 2 failed 1 time\(s\) \(retries=0\): it ran longer than timeout=2.0 s on "
+    assert re.search(r"batch 2 failed 1 time\(s\) \(retries=0\): it ran longer than timeout=1.0 s on "
                      r"worker \d \(pid \d+, device cpu\), which was killed", str(info.value)), info.value
 
 
@@ -195,13 +195,13 @@ def test_a_hung_batch_under_errors_yield_is_a_timeout_error_in_its_place_on_both
     dp = _dp(model, workers)
     batches = _batches()
     with torch.no_grad():
-        pairs = list(dp.map("encode", batches, fault="hang", at=2, timeout=2.0, retries=0, errors="yield",
+        pairs = list(dp.map("encode", batches, fault="hang", at=2, timeout=TIMEOUT, retries=0, errors="yield",
                             ordered=False))
     dp.close()
     assert sorted(i for i, _ in pairs) == list(range(N))
     outs = dict(pairs)
     assert isinstance(outs[2], TimeoutError), outs[2]
-    assert re.search(r"DataParallel.map: batch 2 .*(ran|it ran) longer than timeout=2.0 s on "
+    assert re.search(r"DataParallel.map: batch 2 .*(ran|it ran) longer than timeout=1.0 s on "
                      r"(replica|worker) \d", str(outs[2])), outs[2]
     fine = [i for i in range(N) if i != 2]
     ref = _reference(model, "encode", batches)
@@ -245,7 +245,7 @@ def test_the_clock_starts_when_the_worker_starts_the_batch(workers: str) -> None
         list(dp.map("sleepy", [x]))  # the worker starts (processes) before anything is timed
         [first] = dp.map("pid", [x])
         pid = first.unique().tolist()  # the worker's (the caller's on threads)
-        stopped = dp.map("sleepy", [x, x], seconds=2.0)
+        stopped = dp.map("sleepy", [{"x": x}, {"x": x, "seconds": 2.0}])
         next(stopped)  # the second batch is the worker's now
         stopped.close()
         outs = list(dp.map("sleepy", [x, 2 * x], timeout=1.0, retries=0))
