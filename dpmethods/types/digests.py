@@ -19,7 +19,8 @@ its sample copied to the host.
 shapes and dtypes of the parameters and persistent buffers, and a digest of the
 parameters' sampled values; and the settings it holds: a digest of each attribute of it
 or of a submodule that has a dict form (a transformers model's ``config`` and
-``generation_config``), by the attribute's name.
+``generation_config``), by the attribute's name, and the mapping a module is built from
+(a diffusers model's ``config``).
 """
 
 from __future__ import annotations
@@ -273,13 +274,30 @@ def _settings(module: nn.Module) -> str:
     seen: set[int] = set()
     found = []
     for prefix, m in module.named_modules():
-        for name, value in list(vars(m).items()):
-            if name.startswith("_") or isinstance(value, (nn.Module, Tensor)) or id(value) in seen:
-                continue
-            form = _dict_form(value)
-            if form is None:
+        held = [(name, value, _dict_form(value)) for name, value in list(vars(m).items())
+                if not (name.startswith("_") or isinstance(value, (nn.Module, Tensor)))]
+        held.append(("config", *_config_form(m)))
+        for name, value, form in held:
+            if form is None or id(value) in seen:
                 continue
             seen.add(id(value))
             found.append(f"{prefix}.{name}" if prefix else name)
             found[-1] += f"={_crc32(form, _name(type(value), 0)):08x}"
     return ";".join(found)
+
+
+def _config_form(module: nn.Module) -> tuple[Any, bytes | None]:
+    """A module built from a mapping of settings, ``cls.from_config(module.config)`` (a
+    diffusers model: its ``config``, a ``FrozenDict`` it keeps privately, says
+    ``flip_sin_to_cos`` and others that change its output and no parameter's shape):
+    that mapping and its form as :func:`_dict_form` makes it; ``(None, None)`` for any
+    other module."""
+    if not callable(getattr(type(module), "from_config", None)):
+        return None, None
+    try:
+        config = module.config
+        if not isinstance(config, Mapping):
+            return None, None
+        return config, json.dumps(_settings_only(config), sort_keys=True, default=_class_of).encode()
+    except Exception:  # keys that do not sort, a property that raises
+        return None, None

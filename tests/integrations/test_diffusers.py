@@ -149,3 +149,54 @@ def test_an_items_latent_dist_in_item_mode_is_its_encode_alone(workers: str) -> 
 
 def _one(image: torch.Tensor) -> int:
     return 1
+
+
+def _unet(flip_sin_to_cos: bool) -> Any:
+    """A tiny UNet2DModel whose weights do not depend on ``flip_sin_to_cos``, which changes
+    its timestep embedding (its output) and no parameter's shape."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    return diffusers.UNet2DModel(
+        sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
+        norm_num_groups=4, flip_sin_to_cos=flip_sin_to_cos,
+    ).eval()
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_map_resumed_with_another_config_is_refused_and_with_the_same_resumes(tmp_path: Any, workers: str) -> None:
+    """A diffusers model's ``config`` (a FrozenDict it keeps privately) is part of the map a
+    checkpoint records: resumed on a model with the same weights and another config, the
+    map would mix the outputs of both."""
+    g = torch.Generator().manual_seed(2)
+    batches = [{"sample": torch.randn(2, 3, 8, 8, generator=g), "timestep": torch.tensor([3, 700])} for _ in range(4)]
+    ckpt = tmp_path / "map.json"
+
+    def start(flip: bool) -> tuple[Any, Any, Any]:
+        model = _unet(flip)
+        dp = DataParallel(model, device_ids=["cpu"] * 2, workers=workers)
+        with torch.no_grad():
+            return model, dp, dp.map("forward", batches, checkpoint=ckpt)
+
+    model, dp, it = start(True)
+    with torch.no_grad():
+        next(it), next(it)
+    it.close()
+    dp.close()
+    record = ckpt.read_text()
+    other = _unet(False)
+    with torch.no_grad():
+        assert not torch.equal(other(**batches[0]).sample, model(**batches[0]).sample)
+    with pytest.raises(ValueError, match=r"records another map: its model's settings differ: config \(another value\)"):
+        start(False)
+    assert ckpt.read_text() == record
+    model, dp, it = start(True)
+    with torch.no_grad():
+        rest = list(it)
+        alone = [model(**b).sample for b in batches[1:]]
+    dp.close()
+    assert len(rest) == 3  # the first output was taken; the second was asked for, not taken
+    # About 12 3x3 convs of up to 32 input channels (288 terms each: the up blocks take the
+    # skips too) and 8 GroupNorms over 4 channels x 8 x 8, summed in another order in a
+    # worker process with other intra-op threads.
+    assert_close_to_reference([o.sample for o in rest], alone, terms=12 * 288 + 8 * 256)
