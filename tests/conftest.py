@@ -70,8 +70,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
 def _compile_once(config: pytest.Config) -> None:
     """Under ``PYTHONDONTWRITEBYTECODE=1`` (set on some CI hosts) no process writes
     bytecode, so every one of the suite's interpreters (pytest-xdist workers, scripts,
-    worker processes: some 500) would compile this repository's sources again; a worker
-    process that loads a transformers model spends two thirds of its start compiling the
+    worker processes) would compile this repository's sources again; a worker
+    process that loads a transformers model spends more than half its start compiling the
     integration modules. The session compiles them once, before any of those start, and
     removes the ``__pycache__`` folders it made when it ends. Installed libraries are
     compiled by pip when installed."""
