@@ -29,7 +29,7 @@ import ctypes
 import dataclasses
 import json
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -132,10 +132,19 @@ def _dict_form(value: Any) -> bytes | None:
         return None
     try:
         form = value.to_dict()
-        if not isinstance(form, Mapping):
-            return None
+    except Exception:  # a to_dict that needs arguments
+        return None
+    return _settings_json(form)
+
+
+def _settings_json(form: Any) -> bytes | None:
+    """A mapping of settings as JSON with sorted keys, less its bookkeeping; None for
+    anything else, or where the form fails (keys that do not sort, a cycle)."""
+    if not isinstance(form, Mapping):
+        return None
+    try:
         return json.dumps(_settings_only(form), sort_keys=True, default=_class_of).encode()
-    except Exception:  # keys that do not sort, a cycle, a to_dict that needs arguments
+    except Exception:
         return None
 
 
@@ -269,16 +278,23 @@ def module_identity(module: nn.Module) -> dict[str, str]:
 
 def _settings(module: nn.Module) -> str:
     """``name=digest;...`` of the attributes with a dict form of ``module`` and its
-    submodules (an object that several hold, a transformers model's ``config`` held by
-    its layers, counted once, at its first name), in ``named_modules`` order."""
+    submodules, and of the mapping a module is built from (:func:`_config_of`), each
+    object once (a transformers model's ``config``, held by its layers, at its first
+    name), in ``named_modules`` order."""
     seen: set[int] = set()
     found = []
     for prefix, m in module.named_modules():
-        held = [(name, value, _dict_form(value)) for name, value in list(vars(m).items())
-                if not (name.startswith("_") or isinstance(value, (nn.Module, Tensor)))]
-        held.append(("config", *_config_form(m)))
-        for name, value, form in held:
-            if form is None or id(value) in seen:
+        held: list[tuple[str, Any, Callable[[Any], bytes | None]]] = [
+            (name, value, _dict_form) for name, value in list(vars(m).items())
+            if not (name.startswith("_") or isinstance(value, (nn.Module, Tensor)))]
+        config = _config_of(m)
+        if config is not None:
+            held.append(("config", config, _settings_json))
+        for name, value, form_of in held:
+            if id(value) in seen:
+                continue
+            form = form_of(value)
+            if form is None:
                 continue
             seen.add(id(value))
             found.append(f"{prefix}.{name}" if prefix else name)
@@ -286,18 +302,13 @@ def _settings(module: nn.Module) -> str:
     return ";".join(found)
 
 
-def _config_form(module: nn.Module) -> tuple[Any, bytes | None]:
-    """A module built from a mapping of settings, ``cls.from_config(module.config)`` (a
-    diffusers model: its ``config``, a ``FrozenDict`` it keeps privately, says
-    ``flip_sin_to_cos`` and others that change its output and no parameter's shape):
-    that mapping and its form as :func:`_dict_form` makes it; ``(None, None)`` for any
-    other module."""
+def _config_of(module: nn.Module) -> Any:
+    """The settings a module is built from, ``cls.from_config(module.config)`` (a diffusers
+    model's ``config``, a ``FrozenDict`` it keeps privately: ``flip_sin_to_cos`` and others
+    change its output and no parameter's shape); None for a class without ``from_config``."""
     if not callable(getattr(type(module), "from_config", None)):
-        return None, None
+        return None
     try:
-        config = module.config
-        if not isinstance(config, Mapping):
-            return None, None
-        return config, json.dumps(_settings_only(config), sort_keys=True, default=_class_of).encode()
-    except Exception:  # keys that do not sort, a property that raises
-        return None, None
+        return module.config
+    except Exception:  # a property that raises
+        return None
