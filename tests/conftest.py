@@ -97,16 +97,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # What a worker process imports to unpickle the tests' tiny models: transformers'
-# modeling (GPT-2, BERT, CLIP, Qwen2-VL) and sentence-transformers; then the module that
-# freezes what the server imported.
+# modeling (GPT-2, BERT, CLIP, Qwen2-VL), sentence-transformers and diffusers' models
+# (its autoencoders, VQ model and UNet); then the module that freezes what the server
+# imported.
 _PRELOADED = ("transformers.modeling_utils", "transformers.generation.utils", "sentence_transformers",
-              "tests.helpers.fork_server")
+              "diffusers.models.autoencoders.autoencoder_kl", "tests.helpers.fork_server")
 
 
 def _preload_the_model_libraries() -> None:
     """Worker processes fork from the fork server (``dpmethods.processes.pool``), which
     imports torch and dpmethods' worker once. Some 30 workers of the suite then import
-    transformers or sentence-transformers to unpickle a tiny model, seconds of CPU each;
+    transformers, sentence-transformers or diffusers to unpickle a tiny model, up to
+    seconds of CPU each;
     the tests' fork server imports them once instead, in its own process, when the first
     worker starts (or the first gloo run: one server serves both, with the preload of
     whichever starts it), and freezes them (tests/helpers/fork_server.py). A worker

@@ -93,8 +93,8 @@ class WorkerExecutor(cf.Executor):
         name: the process's name.
 
     Example:
-        >>> import multiprocessing
-        >>> executor = WorkerExecutor(multiprocessing.get_context("spawn"), print, ("ready",), "example")
+        >>> from dpmethods.processes.pool import start_method  # the context workers start from
+        >>> executor = WorkerExecutor(start_method(), print, ("ready",), "example")
         >>> executor.submit(bytes, b"x").result()
         b'x'
         >>> executor.shutdown()

@@ -418,7 +418,8 @@ def _assert_passengers_kept(rows: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("devices,batch_format", [(None, "numpy"), (["cpu"] * 2, "numpy"), (["cpu"] * 2, "pandas")])
+# Two replicas on numpy batches are the other pipelines' (generate, sentence-transformers).
+@pytest.mark.parametrize("devices,batch_format", [(None, "numpy"), (["cpu"] * 2, "pandas")])
 def test_a_decorated_method_in_a_pipeline_equals_one_device(ray: Any, devices: Any, batch_format: str) -> None:
     batch = _rows(N)
     items = [{"id": int(i), "pixels": p, **_passengers(int(i))} for i, p in zip(batch["id"], batch["pixels"])]

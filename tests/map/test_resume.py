@@ -660,21 +660,13 @@ def _digest_cases() -> dict[str, Any]:
     }
 
 
-def test_digests_are_the_same_in_another_process_and_differ_where_the_batch_does(tmp_path: Path) -> None:
+def test_digests_are_the_same_in_another_process_and_differ_where_the_batch_does(
+    another_process: dict[str, Any],
+) -> None:
     from dpmethods.types.digests import digest
 
     ours = {k: digest(v) for k, v in _digest_cases().items()}
-    script = textwrap.dedent(f"""
-        import json, sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-        from tests.map.test_resume import _digest_cases
-        from dpmethods.types.digests import digest
-        print(json.dumps({{k: digest(v) for k, v in _digest_cases().items()}}))
-    """)
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100, env=env)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout) == ours
+    assert another_process["digests"] == ours
     assert len(set(ours.values())) == len(ours)
     cases = _digest_cases()
     big = cases["sampled tensor"]
@@ -765,30 +757,34 @@ _FIRST = {"model": (2, None), "argument": (9, 2)}
 
 
 @pytest.fixture(scope="module")
-def generation_records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The record each first run of ``_FIRST`` leaves, made in one process whose str hashes
-    differ from this one's (``PYTHONHASHSEED``), as a map resumed on another day would be."""
+def another_process(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What one process whose str hashes differ from this one's (``PYTHONHASHSEED``), as a
+    map resumed on another day would, makes: the record each first run of ``_FIRST``
+    leaves (``"records"``), then the digest of each of ``_digest_cases()`` (``"digests"``)."""
     folder = tmp_path_factory.mktemp("generation")
     runs = "\n".join(f"_generation_map({str(folder / where)!r}, 'threads', {m}, {k}, stop=2)"
-                      for where, (m, k) in _FIRST.items())
-    script = f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n" \
-             f"from tests.map.test_resume import _generation_map\n{runs}\n"
+                     for where, (m, k) in _FIRST.items())
+    script = (f"import json, sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+              f"from tests.map.test_resume import _digest_cases, _generation_map\n"
+              f"from dpmethods.types.digests import digest\n{runs}\n"
+              f"print(json.dumps({{k: digest(v) for k, v in _digest_cases().items()}}))\n")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}  # str hashes differ from this process's
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=200, env=env)
     assert done.returncode == 0, done.stderr
-    return {where: (folder / where).read_text() for where in _FIRST}
+    return {"records": {where: (folder / where).read_text() for where in _FIRST},
+            "digests": json.loads(done.stdout.strip().splitlines()[-1])}
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("where", ["argument", "model"])
 def test_a_map_resumed_with_other_generation_settings_is_refused_and_with_the_same_resumes(
-        tmp_path: Path, workers: str, where: str, generation_records: dict[str, str]) -> None:
+        tmp_path: Path, workers: str, where: str, another_process: dict[str, Any]) -> None:
     """Settings in an object with a dict form (a GenerationConfig), as an argument or as the
     model's attribute, are part of the map: changed, a resumed map would mix outputs of
     both; unchanged, they digest the same in another process (the map resumes there)."""
     ckpt = tmp_path / "map.json"
-    record = generation_records[where]
+    record = another_process["records"][where]
     ckpt.write_text(record)
     first = _FIRST[where]
     other = (6, None) if where == "model" else (9, 6)

@@ -5,11 +5,6 @@ Each case is compared with the one-device call on random data.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +16,6 @@ from dpmethods.core.gather import gather
 from dpmethods.extending import register_gather_mode
 from dpmethods.testing import assert_close_to_reference as close
 
-_ROOT = Path(__file__).resolve().parents[2]
 TERMS = 5  # _Mixed: Linear(4, 3)
 
 
@@ -166,48 +160,6 @@ def test_a_typo_of_a_built_in_mode_is_refused_when_decorated() -> None:
         parallel_method(gather="extnd")
     with pytest.raises(ValueError, match=r"got 'Mean': did you mean 'mean'\?$"):
         MethodOptions(gather="Mean")
-
-
-def test_the_generate_mode_named_before_transformers_is_imported() -> None:
-    pytest.importorskip("transformers")
-    code = textwrap.dedent('''
-        import sys
-        import torch
-        import dpmethods
-        from torch import nn
-
-        class Chat(nn.Module):
-            def __init__(self, lm):
-                super().__init__()
-                self.lm = lm
-
-            @property
-            def generation_config(self):
-                return self.lm.generation_config
-
-            @dpmethods.parallel_method(gather="generate")
-            def generate(self, input_ids, **kwargs):
-                return self.lm.generate(input_ids, **kwargs)
-
-        assert "transformers" not in sys.modules
-        import transformers
-
-        config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=16, n_layer=1,
-                                         n_head=2, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-        torch.manual_seed(0)
-        chat = Chat(transformers.GPT2LMHeadModel(config).eval())
-        ids = torch.randint(2, 64, (3, 4))
-        with torch.no_grad():
-            got = dpmethods.DataParallel(chat, device_ids=["cpu"] * 2).generate(ids, max_new_tokens=3)
-            want = chat.generate(ids, max_new_tokens=3)
-        assert torch.equal(got, want), (got, want)
-        print("ok")
-    ''')
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=_ROOT, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
 def test_every_builtin_mode_is_one_row_of_the_table() -> None:
