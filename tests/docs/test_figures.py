@@ -90,6 +90,7 @@ def _map_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
     by_hand = t["gil", "by-hand"]
     cost = {(x["faster"], x["slower"]): x["median"] for x in w["batch-cost"]["targets"]}
     per_batch = [cost[f"map-{n}", f"map-processes-{n}"] for n in (2, 200, 2000)]
+    per_batch_ms = w["batch-cost"]["per_batch_ms"]
     standard = {kind: [cost[f"map-processes-{n}", f"{kind}-{n}"] for n in (2, 200, 2000)]
              for kind in ("mp-pool", "executor")}
     return {
@@ -108,6 +109,8 @@ def _map_quotes(saved: dict[str, Any]) -> dict[str, list[str]]:
             f"{speed['encode']['calls']:.2f}x on threads and {speed['encode']['st-pool']:.2f}x for "
             "sentence-transformers' own pool",
             f"two workers took {pool_range} to start",
+            f"a map of one-number batches took {per_batch_ms['map-processes-2']['median']:.2f} ms per batch on "
+            f"processes against {per_batch_ms['map-2']['median']:.3f} ms on threads",
             f"(processes {uniform['median']:.2f}x threads in the run below, its rounds "
             f"{uniform['p10']:.2f}x-{uniform['p90']:.2f}x)",
             f"(at commit {commit}, on a 2-core host, load average {saved['machine']['loadavg_before'][0]:.1f} "
