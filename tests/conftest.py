@@ -108,10 +108,10 @@ def _preload_the_model_libraries() -> None:
     """Worker processes fork from the fork server (``dpmethods.processes.pool``), which
     imports torch and dpmethods' worker once. Some 30 workers of the suite then import
     transformers, sentence-transformers or diffusers to unpickle a tiny model, up to
-    seconds of CPU each;
-    the tests' fork server imports them once instead, in its own process, when the first
-    worker starts (or the first gloo run: one server serves both, with the preload of
-    whichever starts it), and freezes them (tests/helpers/fork_server.py). A worker
+    seconds of CPU each; the tests' fork server imports them once instead, in its own
+    process, when the first worker starts (or the first gloo run: one server serves both,
+    with the preload of whichever starts it), and freezes them
+    (tests/helpers/fork_server.py). A worker
     still registers a library's rules itself, at its first lookup after the library is
     in ``sys.modules`` (``dpmethods.vocab.loading``), as when the import comes with the
     model; and it still collects, then freezes, what its first model's build made."""
