@@ -172,7 +172,7 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
 
     def map(
         self, method: str, batches: Iterable[Any], /, *, ordered: bool = True, progress: bool | str = False,
-        prefetch: int = 2, shard: bool = False, workers: str | None = None, retries: int = 1, timeout: float | None = None,
+        prefetch: int | None = None, shard: bool = False, workers: str | None = None, retries: int = 1, timeout: float | None = None,
         errors: str = "raise", on_oom: str = "raise", checkpoint: str | os.PathLike[str] | None = None,
         batch_size: int | None = None, max_tokens: int | None = None, length: Callable[[Any], int] | None = None,
         collate: Callable[[list[Any]], Any] | None = None, window: int | str | None = "auto", trim: bool = False,
@@ -186,7 +186,8 @@ class DataParallel(MethodWrapper, nn.DataParallel[_T]):
             batches: any iterable; a Mapping batch gives keyword arguments, a tuple positional ones.
             ordered: outputs in input order; if False, ``(index, output)`` as they finish.
             progress: a tqdm bar of batches and items per second; a str is its title.
-            prefetch: batches in flight per replica (memory stays bounded).
+            prefetch: batches in flight per replica (memory stays bounded); None: two, and on
+                worker processes four while the batches run under 1 ms each.
             shard: under torch.distributed, only batch i with ``i % world_size == rank``.
             workers: ``"threads"`` or ``"processes"``; default: the wrapper's.
             retries: runs of a batch again on a fresh worker process after its worker died.

@@ -61,7 +61,7 @@ from collections.abc import Callable
 from multiprocessing import connection as mp_connection
 from typing import Any, ParamSpec, TypeVar
 
-__all__ = ["NotStarted", "WorkerExecutor", "WorkerLeft", "wait_replies"]
+__all__ = ["NotStarted", "WorkerExecutor", "WorkerLeft", "ran", "wait_replies"]
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -183,6 +183,7 @@ class WorkerExecutor(cf.Executor):
             self._break("the caller was interrupted while reading a reply, and killed it")
             raise
         future = self._pending.popleft()
+        began = max(future.sent, self._finished_at)  # see started()
         try:
             ok, value, finished_at = pickle.loads(frame)
         except BaseException as exc:  # the pipe is in step: this job's reply alone is lost
@@ -192,6 +193,7 @@ class WorkerExecutor(cf.Executor):
                 raise
             return
         self._finished_at = min(finished_at, time.monotonic())
+        future.ran = max(0.0, self._finished_at - began)
         if ok:
             future.set_result(value)
         elif isinstance(value, Exception):
@@ -225,6 +227,7 @@ class _Reply(cf.Future):  # type: ignore[type-arg]
         super().__init__()
         self.sent = time.monotonic()  # when it was sent (see WorkerExecutor.started)
         self.executor = executor  # that runs its job (kept alive while it can be waited on)
+        self.ran: float | None = None  # seconds the worker ran its job, once its reply was read
 
     def result(self, timeout: float | None = None) -> Any:
         if not self.done():
@@ -382,6 +385,18 @@ class _Inbox:
             if not executor._broken:
                 executor._read(conn_ready)
         return True
+
+
+def ran(future: cf.Future[Any]) -> float | None:
+    """The seconds the worker ran ``future``'s job (from its start, as
+    :meth:`WorkerExecutor.started` tells it, to its reply), None until its reply was read
+    (or for a Future of another executor).
+
+    Example:
+        >>> ran(cf.Future()) is None
+        True
+    """
+    return future.ran if isinstance(future, _Reply) else None
 
 
 def _left(deadline: float | None) -> float | None:

@@ -119,7 +119,7 @@ def _backend(target: MapTarget, method: str, options: MapOptions, oom: MethodOpt
     out = target.output_device
     out_dev = as_device(out if out is not None else devices[0]) if devices else None
     if target.pool is not None:
-        return ProcessBackend(target.pool, target.module, method, out_dev, oom=oom)
+        return ProcessBackend(target.pool, target.module, method, out_dev, prefetch=options.prefetch, oom=oom)
     module, replicate = target.module, target.replicate
     build = None  # one device: the module itself, no copies
     if len(devices) > 1 and replicate is not None:  # under no_grad from the replica cache; again when the module changed
@@ -174,6 +174,5 @@ def map_batches(
     backend = _backend(target, method, options, oom)
     scheduler = Scheduler(backend, retries=options.retries, timeout=options.timeout,
                           keep_errors=options.errors == "yield")
-    return BatchIterator(scheduler, source, kwargs, ordered=options.ordered, prefetch=options.prefetch,
-                         dim=target.options(method).dim, progress=progress_bar(options.progress, total, "batch", checkpoint),
+    return BatchIterator(scheduler, source, kwargs, ordered=options.ordered, dim=target.options(method).dim, progress=progress_bar(options.progress, total, "batch", checkpoint),
                          checkpoint=checkpoint)

@@ -31,7 +31,7 @@ class MapOptions:
 
     ordered: bool = True  # outputs in input order; else (index, output) as they finish
     progress: bool | str = False  # a tqdm bar; a str is its description
-    prefetch: int = 2  # batches in flight per replica
+    prefetch: int | None = None  # batches in flight per replica; None: the backend's (Backend.prefetch)
     shard: bool = False  # under torch.distributed: batch i on rank i % world_size only
     workers: str | None = None  # "threads" or "processes"; None: the wrapper's
     retries: int = 0  # runs again of a batch whose worker process died running it
@@ -58,9 +58,11 @@ def _check(o: MapOptions) -> None:
             f"{type(o.progress).__name__} {o.progress!r}"
         )
     counts: tuple[tuple[str, Any, int, str], ...] = (
-        ("prefetch", o.prefetch, 1, "batches in flight per replica"),
+        ("prefetch", o.prefetch, 1, "batches in flight per replica, or None"),
         ("retries", o.retries, 0, "runs again after a worker died"))
     for name, count, least, what in counts:
+        if name == "prefetch" and count is None:
+            continue
         if isinstance(count, bool) or not isinstance(count, int) or count < least:
             raise ValueError(f"map: {name}: expected an int >= {least} ({what}), got "
                              f"{type(count).__name__} {count!r}")

@@ -1,8 +1,15 @@
 """The process backend of the map's scheduler: the wrapper's worker processes.
 
 Each slot is a worker of the wrapper's :class:`~dpmethods.processes.pool.ProcessPool`
-(an executor of one process per device entry), holding at most two batches of this map:
-the one it runs and the next, so it never waits for the caller between two. A batch
+(an executor of one process per device entry), holding two batches of this map: the one
+it runs and the next, so it never waits for the caller between two. Not more: a worker
+cannot give back a batch it holds, and one held behind a long batch waits for it while
+another worker may be idle. But while the map's batches are short (their running
+average under :data:`SHORT_S`), a batch costs about what its trip to the worker costs,
+and a worker holds :data:`_DEEP`: a reply is ready whenever the caller looks, and a
+worker runs several batches in a row without being woken for each (with as many
+processes as cores, the caller and a worker otherwise take turns on one core, a batch
+at a time). A ``prefetch`` given to the map is the most a worker holds. A batch
 crosses as a :class:`~dpmethods.processes.messages.Request`; its output comes back
 through :meth:`~dpmethods.processes.pool.Worker.reply` and is moved to
 ``output_device`` in the caller. A worker that hangs past the timeout is killed; a dead
@@ -19,7 +26,7 @@ from torch import nn
 
 from dpmethods.core.parallel_apply import ThreadState, add_note
 from dpmethods.core.seeding import draw_seed, replica_seed
-from dpmethods.processes.executor import wait_replies
+from dpmethods.processes.executor import ran, wait_replies
 from dpmethods.processes.messages import Request, Split
 from dpmethods.processes.pool import (
     ProcessPool,
@@ -29,12 +36,14 @@ from dpmethods.processes.pool import (
     logging_levels,
     received,
 )
-from dpmethods.streaming.scheduler import Batch
+from dpmethods.streaming.scheduler import PREFETCH, Batch
 from dpmethods.vocab.options import MethodOptions
 
-__all__ = ["ProcessBackend"]
+__all__ = ["SHORT_S", "ProcessBackend"]
 
-_ROOM = 2  # batches of one map sent to one worker and not answered yet
+_DEEP = 4  # batches of one map a worker holds while they are short
+SHORT_S = 1e-3  # a batch shorter than this (its run on the worker) is short
+_WEIGHT = 0.25  # of the last batch's run time in the map's running average
 
 
 class ProcessBackend:
@@ -45,21 +54,33 @@ class ProcessBackend:
         module: the model the workers hold (sent again when it changed).
         method: the method's name, or ``"forward"``.
         output_device: where outputs go (None: where they are).
+        prefetch: batches in flight per worker (None: two, or :data:`_DEEP` while short).
         oom: with ``on_oom="split"``, the method's options.
     """
 
-    room = _ROOM  # batches of this map on one worker
     cancels = False  # a job is written to the worker's pipe at once: it runs, wherever it waits
 
     def __init__(self, pool: ProcessPool, module: nn.Module, method: str, output_device: Any, *,
-                 oom: MethodOptions | None) -> None:
+                 prefetch: int | None, oom: MethodOptions | None) -> None:
         self.pool, self.module, self.method, self.output_device = pool, module, method, output_device
         self.width = len(pool.workers)  # slots
+        self.asked = prefetch  # the map's prefetch (None: as the batches' run time says)
+        self.run_s: float | None = None  # the batches' run time on the workers, a running average
         self.state = ThreadState.capture()  # the caller's modes at map(), as on threads
         self.levels = logging_levels()  # and its logging levels
         self.seed = draw_seed()  # batch i is seeded from (seed, i), whichever worker runs it
         # on_oom="split": a memory record per map, as on threads
         self.oom = None if oom is None else Split(self.seed, oom, prepared=False)
+
+    @property
+    def room(self) -> int:
+        """Batches of this map on one worker: two, or :data:`_DEEP` while short (at most ``prefetch``)."""
+        depth = _DEEP if self.run_s is not None and self.run_s < SHORT_S else PREFETCH
+        return depth if self.asked is None else min(depth, self.asked)
+
+    @property
+    def prefetch(self) -> int:
+        return self.room if self.asked is None else self.asked
 
     def start(self) -> float:
         return self.pool.prepare(self.module)
@@ -84,6 +105,9 @@ class ProcessBackend:
             return None
 
     def output(self, slot: int, future: cf.Future[Any], batch: Batch) -> Any:
+        took = ran(future)
+        if took is not None:
+            self.run_s = took if self.run_s is None else self.run_s + _WEIGHT * (took - self.run_s)
         out = self.pool.workers[slot].reply(
             future, f"DataParallel.map: raised in batch {batch.index}", f"batch {batch.index} of DataParallel.map")
         return received(out, self.output_device)

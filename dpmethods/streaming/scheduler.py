@@ -56,8 +56,9 @@ from dpmethods.streaming.iterator import MapIterator
 from dpmethods.streaming.resume import Checkpoint
 from dpmethods.types import tree as _tree
 
-__all__ = ["Backend", "Batch", "BatchIterator", "Scheduler", "batch_error"]
+__all__ = ["PREFETCH", "Backend", "Batch", "BatchIterator", "Scheduler", "batch_error"]
 
+PREFETCH = 2  # batches of a map per slot, by default: the one it runs and the next
 _REORDER = 2  # in order, outputs wait for at most this many windows of in-flight batches
 _POLL_S = 0.5  # how often a waiting caller looks at the deadlines and the slots
 
@@ -76,8 +77,15 @@ class Backend(Protocol):
     """How batches run on a map's slots (replicas or worker processes)."""
 
     width: int  # slots
-    room: int  # batches of this map submitted to one slot and not taken, at most
     cancels: bool  # whether a batch submitted and not started yet can be cancelled
+
+    @property
+    def prefetch(self) -> int:
+        """Batches of this map pulled per slot and not taken, at most (read before each pull)."""
+
+    @property
+    def room(self) -> int:
+        """Batches of this map submitted to one slot and not taken, at most (read before each submit)."""
 
     def start(self) -> float:
         """Start the slots; the seconds spent starting workers."""
@@ -376,13 +384,10 @@ class BatchIterator(MapIterator):
 
     def __init__(
         self, scheduler: Scheduler, source: Iterator[tuple[int, Any]], kwargs: dict[str, Any], *,
-        ordered: bool, prefetch: int, dim: int, progress: Callable[[], Any] | None,
-        checkpoint: Checkpoint | None,
+        ordered: bool, dim: int, progress: Callable[[], Any] | None, checkpoint: Checkpoint | None,
     ) -> None:
         self._scheduler, self._source, self._kwargs = scheduler, source, kwargs
         self._dim, self._progress = dim, progress
-        self._max_inflight = prefetch * scheduler.backend.width  # pulled and not taken, at most
-        self._window = _REORDER * self._max_inflight  # pulled and not yielded, at most (ordered)
         self._seq = self._yielded = self._inflight = self._items = 0
         self._exhausted = self._started = False
         self._failed: Exception | None = None  # the source's error, raised after the batches before it
@@ -428,13 +433,14 @@ class BatchIterator(MapIterator):
             self._buffer[batch.seq] = (batch.index, out)
 
     def _fill(self) -> None:
-        """Pull batches while the in-flight and reorder bounds allow."""
+        """Pull batches while the in-flight bound (the backend's prefetch per slot) and
+        the reorder bound (:data:`_REORDER` times that) allow."""
         scheduler = self._scheduler
-        while (
-            not self._exhausted
-            and self._inflight < self._max_inflight
-            and self._seq - self._yielded < self._window
-        ):
+        backend = scheduler.backend
+        while not self._exhausted:
+            inflight = backend.prefetch * backend.width  # pulled and not taken, at most
+            if self._inflight >= inflight or self._seq - self._yielded >= _REORDER * inflight:
+                return
             try:
                 index, batch = next(self._source)
             except StopIteration:

@@ -37,7 +37,7 @@ from dpmethods.core.replica_cache import CachedReplicas
 from dpmethods.core.replicate import fingerprint
 from dpmethods.core.seeding import cuda_distinct, draw_seed, seed_cuda
 from dpmethods.processes.state import Watch
-from dpmethods.streaming.scheduler import Batch, batch_error
+from dpmethods.streaming.scheduler import PREFETCH, Batch, batch_error
 from dpmethods.types import tree as _tree
 from dpmethods.types.tree import move
 from dpmethods.vocab.options import MethodOptions
@@ -123,7 +123,7 @@ class ThreadBackend:
         devices: the replicas' devices (None: no device, the module as it is).
         method: the method's name, or ``"forward"``.
         output_device: where outputs go (None: where they are).
-        prefetch: batches in flight per replica.
+        prefetch: batches in flight per replica (None: :data:`~dpmethods.streaming.scheduler.PREFETCH`).
         timeout: seconds a batch may run, or None.
         oom: with ``on_oom="split"``, the method's options.
     """
@@ -131,7 +131,7 @@ class ThreadBackend:
     def __init__(
         self, module: nn.Module, replicate: Callable[[], list[nn.Module]] | None,
         devices: list[torch.device | None], method: str, output_device: torch.device | None, *,
-        prefetch: int, timeout: float | None, oom: MethodOptions | None,
+        prefetch: int | None, timeout: float | None, oom: MethodOptions | None,
     ) -> None:
         self.module, self.replicate, self.devices, self.method = module, replicate, devices, method
         self.output_device, self.oom = output_device, oom
@@ -152,7 +152,8 @@ class ThreadBackend:
         # for the caller's thread (on CUDA its copy overlaps the compute too); one held
         # behind a long batch moves to a replica that falls idle (Scheduler). With a
         # timeout none are held, so a hung replica holds no batch but its own.
-        self.room = prefetch if timeout is None else 1
+        self.prefetch = PREFETCH if prefetch is None else prefetch
+        self.room = self.prefetch if timeout is None else 1
         self.cancels = True  # a batch queued behind another is cancelled there, and moves
         self.timeout = timeout
         # Distinct GPUs have a generator each: batch i is seeded from (seed, i) on

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import dpmethods
+from dpmethods.streaming.scheduler import PREFETCH
 from dpmethods.testing import assert_close_to_reference as close
 from tests.helpers import WORKERS
 from tests.helpers.processes import (
@@ -193,15 +194,15 @@ def _counting(pulled: list[int]) -> Iterator[torch.Tensor]:
 
 
 @pytest.mark.parametrize("ordered", [True, False])
-@pytest.mark.parametrize("prefetch", [1, 3])
+@pytest.mark.parametrize("prefetch", [1, 3, None])
 def test_endless_iterable_is_pulled_a_bounded_way_ahead(
-    net: Net, ordered: bool, prefetch: int
+    net: Net, ordered: bool, prefetch: int | None
 ) -> None:
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2)
     pulled: list[int] = []
     # docs/map.md: prefetch x replicas in flight, and in order no batch more than
     # 2 x prefetch x replicas ahead of the last one yielded.
-    window = prefetch * 2 * (2 if ordered else 1)
+    window = (PREFETCH if prefetch is None else prefetch) * 2 * (2 if ordered else 1)
     it = dp.map("encode", _counting(pulled), ordered=ordered, prefetch=prefetch)
     with torch.no_grad():
         for taken in range(1, 40):

@@ -12,6 +12,7 @@ import contextlib
 import copy
 import gc
 import logging
+import math
 import multiprocessing
 import os
 import random
@@ -38,6 +39,7 @@ from dpmethods.processes import pool as pool_module
 from dpmethods.processes import state
 from dpmethods.processes.classes import check, class_state, classes_of
 from dpmethods.processes.state import Watch
+from dpmethods.streaming import processes as process_backend
 from dpmethods.testing import assert_close_to_reference
 from tests.helpers import WORKERS
 from tests.helpers.models import random_sentences, tiny_sentence_transformer
@@ -249,6 +251,43 @@ def test_break_and_close_stop_the_map_and_keep_the_pool(dp: Any, net: Net) -> No
         ref = [net.encode(b) for b in _batches()]
     for a, b in zip(outs, ref):
         _same(a, b)
+
+
+def _counting(pulled: list[int]) -> Iterator[torch.Tensor]:
+    while True:  # endless
+        pulled.append(len(pulled))
+        yield torch.randn(2, 4)
+
+
+def _most_ahead(dp: Any, taken: int, **options: Any) -> int:
+    """How many batches an unordered map of ``sleepy`` was ever pulled ahead of the outputs taken."""
+    pulled: list[int] = []
+    most = 0
+    with torch.no_grad():
+        it = dp.map("sleepy", _counting(pulled), ordered=False, **options)
+        for k in range(1, taken + 1):
+            next(it)
+            most = max(most, len(pulled) - k)
+    it.close()
+    return most
+
+
+@pytest.mark.parametrize(("short", "prefetch", "held"), [(True, None, 4), (False, None, 2), (True, 3, 3), (True, 1, 1)])
+def test_a_worker_holds_four_short_batches_two_long_ones_or_the_prefetch_asked(
+    dp: Any, monkeypatch: pytest.MonkeyPatch, short: bool, prefetch: int | None, held: int,
+) -> None:
+    # docs/map.md: with prefetch=None a worker process holds two batches of a map, four
+    # while they run shorter than SHORT_S; here the threshold alone decides.
+    monkeypatch.setattr(process_backend, "SHORT_S", math.inf if short else 0.0)
+    # Once an output is taken, every batch in flight but it: ``held`` per worker, less one.
+    assert _most_ahead(dp, 30, prefetch=prefetch) == held * len(dp.device_ids) - 1
+
+
+def test_batches_longer_than_the_threshold_are_held_two_per_worker(dp: Any) -> None:
+    # Each runs at least 5 ms, over SHORT_S: a worker never holds more than the one it
+    # runs and the next (four would leave batches waiting behind it while another idles).
+    assert process_backend.SHORT_S < 0.005
+    assert _most_ahead(dp, 12, seconds=0.005) == 2 * len(dp.device_ids) - 1
 
 
 def test_maps_and_calls_share_the_workers(dp: Any, net: Net) -> None:
@@ -615,6 +654,22 @@ def test_a_jobs_clock_starts_when_the_job_before_it_finished_not_when_its_reply_
     flag.touch()
     assert second.result(timeout=60) is True
     assert executor.started(second) is None
+
+
+def test_a_jobs_run_time_starts_when_the_job_before_it_finished(executor: Any, tmp_path: Path) -> None:
+    # A map keeps more batches at a worker while they run short (streaming/processes.py):
+    # a job's time waiting behind another must not count as its own.
+    flag = tmp_path / "go"
+    waiting = executor.submit(wait_for, str(flag), 30.0)
+    quick = executor.submit(bytes, b"b")
+    assert executor_module.ran(waiting) is None  # not answered yet
+    time.sleep(0.2)
+    flag.touch()  # the first finishes at least 0.2 s after both were sent
+    assert waiting.result(timeout=60) is True and quick.result(timeout=60) == b"b"
+    ran = executor_module.ran(waiting), executor_module.ran(quick)
+    assert ran[0] is not None and ran[0] >= 0.2
+    # From the first one's end: at most what has passed since then; from its own send, 0.2 s more.
+    assert ran[1] is not None and ran[1] <= time.monotonic() - (waiting.sent + 0.2)
 
 
 class _Interrupted:
