@@ -20,7 +20,8 @@ in it. Each job sets the caller's logging levels first (:func:`_set_levels`), so
 the worker makes the records the caller's loggers would show.
 An output holding a tensor that requires grad, inside any object, is an error (autograd
 cannot cross processes): never detached silently. Workers ignore SIGINT (the caller's
-Ctrl-C is the caller's), and leave through the normal exit path, on the executor's
+Ctrl-C is the caller's); on a CPU device they run under ``SCHED_BATCH`` where there is
+one (:func:`_run_as_batch`), and leave through the normal exit path, on the executor's
 shutdown and on SIGTERM alike, so what their methods made (named semaphores) is freed.
 A SIGTERM during a job (``kill <pid>`` of a stuck worker) ends the job with
 :class:`Terminated`: the worker replies with it and leaves, and the caller sees a worker
@@ -149,6 +150,28 @@ def init(device: str, threads: int, environ: dict[str, str] | None = None) -> No
     _device = torch.device(device)
     if _device.type == "cuda":
         torch.cuda.set_device(_device)
+    else:
+        _run_as_batch()
+
+
+def _run_as_batch() -> None:
+    """Run this CPU worker under ``SCHED_BATCH`` where there is one (Linux).
+
+    A worker on the CPU computes what the caller's thread feeds it. Under the default
+    policy, a worker woken by a batch on the core where the caller runs takes the core
+    from the caller at once; with as many processes as cores, the two then take turns
+    there, a batch at a time, while the other core idles. ``SCHED_BATCH`` changes only
+    that: a woken worker waits for its turn, or for an idle core, and never takes the
+    core from the thread that feeds it. Its share of the CPU is unchanged. Where the
+    policy cannot be set (another OS, a sandbox that forbids it), the worker runs as it is.
+    """
+    batch = getattr(os, "SCHED_BATCH", None)
+    if batch is None:
+        return
+    try:
+        os.sched_setscheduler(0, batch, os.sched_param(0))
+    except OSError:
+        pass
 
 
 def _build(msg: Load) -> nn.Module:

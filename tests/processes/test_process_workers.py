@@ -656,6 +656,14 @@ def test_a_jobs_clock_starts_when_the_job_before_it_finished_not_when_its_reply_
     assert executor.started(second) is None
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_cpu_workers_never_take_the_core_from_the_caller(dp: Any) -> None:
+    # worker.py: a worker woken by a batch waits for its turn (SCHED_BATCH) rather than
+    # preempt the caller's thread that feeds it; the caller's own policy is left as it is.
+    assert {os.sched_getscheduler(pid) for pid in _pids(dp)} == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER
+
+
 def test_a_jobs_run_time_starts_when_the_job_before_it_finished(executor: Any, tmp_path: Path) -> None:
     # A map keeps more batches at a worker while they run short (streaming/processes.py):
     # a job's time waiting behind another must not count as its own.
