@@ -174,5 +174,5 @@ def map_batches(
     backend = _backend(target, method, options, oom)
     scheduler = Scheduler(backend, retries=options.retries, timeout=options.timeout,
                           keep_errors=options.errors == "yield")
-    return BatchIterator(scheduler, source, kwargs, ordered=options.ordered, dim=target.options(method).dim, progress=progress_bar(options.progress, total, "batch", checkpoint),
-                         checkpoint=checkpoint)
+    return BatchIterator(scheduler, source, kwargs, ordered=options.ordered, dim=target.options(method).dim,
+                         progress=progress_bar(options.progress, total, "batch", checkpoint), checkpoint=checkpoint)
