@@ -353,6 +353,12 @@ def _untouched(log: Path, ckpt: Path, record: bytes) -> None:
     assert _lines(log) == [] and ckpt.read_bytes() == record
 
 
+# A shorter input than the 40 batches of a map stopped after 10 outputs, yet longer than
+# what that map read: 10 taken and, in order, at most a reorder window more (twice the
+# batches in flight: 2 x 4 per worker process while its batches are short).
+_SHORTER = 30
+
+
 def _generator(batches: list[torch.Tensor]) -> Iterator[torch.Tensor]:
     yield from batches  # no len()
 
@@ -364,9 +370,10 @@ def test_a_shorter_input_with_a_len_is_refused_before_any_batch_runs(dp: Any, se
     batches = [torch.full((2, 5), float(i)) for i in range(40)]
     with torch.no_grad():
         taken, record = _stopped(dp, batches, ckpt, log, 10)
+        # Longer than what the stopped map read (_SHORTER): its length alone differs.
         with pytest.raises(ValueError, match=rf"'{ckpt}' records another map: its input had 40 "
-                           r"batches, this input has 24\. It is not this map's record"):
-            dp.map("encode", batches[:24], checkpoint=ckpt)  # refused at the call
+                           rf"batches, this input has {_SHORTER}\. It is not this map's record"):
+            dp.map("encode", batches[:_SHORTER], checkpoint=ckpt)  # refused at the call
         _untouched(log, ckpt, record)
         rest = list(dp.map("encode", batches, checkpoint=ckpt))  # the right job goes on
         ref = [model.lin(b) for b in batches]
@@ -417,14 +424,14 @@ def test_a_shorter_input_without_a_len_is_refused_and_leaves_the_record_as_it_wa
         taken, record = _stopped(dp, batches, ckpt, log, 10)
         refused = []
         with pytest.raises(ValueError, match=rf"'{ckpt}' records an input of 40 batches, but this "
-                           r"input ended after 24"):
-            for out in dp.map("encode", _generator(batches[:24]), checkpoint=ckpt):
+                           rf"input ended after {_SHORTER}"):
+            for out in dp.map("encode", _generator(batches[:_SHORTER]), checkpoint=ckpt):
                 refused.append(out)
         _settle(dp)
         if lookahead is None:  # read to its end before any batch ran
             assert refused == [] and _lines(log) == []
         else:
-            assert len(refused) > 0 and _ran(log) == list(range(9, 24))
+            assert len(refused) > 0 and _ran(log) == list(range(9, _SHORTER))
         assert ckpt.read_bytes() == record  # none of it reached the record
         log.unlink(missing_ok=True)
         rest = list(dp.map("encode", _generator(batches), checkpoint=ckpt))
