@@ -1147,15 +1147,17 @@ def test_a_method_patched_on_a_class_runs_in_the_workers(
             got["patched"] = dp(x)
             monkeypatch.setattr(Patched, "forward", original)
             got["plain"] = dp(x)
-            batches = list(dp.map("forward", [x] * 12))  # 12 > what the workers hold at once
-            it = dp.map("forward", [x] * 12)
+            # 24: more than a map pulls ahead of its first output in order (the reorder
+            # window, twice what the workers hold: 16 while each holds four short batches).
+            batches = list(dp.map("forward", [x] * 24))
+            it = dp.map("forward", [x] * 24)
             outs = [next(it)]
             monkeypatch.setattr(Patched, "forward", patched_forward)  # between two batches
             outs += list(it)
     assert not _close(want["plain"], want["patched"])  # the patch changes every row clearly
     for k in want:
         assert_close_to_reference(got[k], want[k], terms=_WATCHED_TERMS)
-    assert_close_to_reference(batches, [want["plain"]] * 12, terms=_WATCHED_TERMS)
+    assert_close_to_reference(batches, [want["plain"]] * 24, terms=_WATCHED_TERMS)
     assert_close_to_reference(outs[0], want["plain"], terms=_WATCHED_TERMS)
     assert_close_to_reference(outs[-1], want["patched"], terms=_WATCHED_TERMS)  # sent after the patch
 
