@@ -151,7 +151,11 @@ class WorkerExecutor(cf.Executor):
             first = self._pending[0]
         except IndexError:
             return None
-        return max(first.sent, self._finished_at) if first is future else None
+        return self._began(first) if first is future else None
+
+    def _began(self, first: _Reply) -> float:
+        """When the worker started ``first``, the oldest job not answered."""
+        return max(first.sent, self._finished_at)
 
     @property
     def broken(self) -> bool:
@@ -183,7 +187,7 @@ class WorkerExecutor(cf.Executor):
             self._break("the caller was interrupted while reading a reply, and killed it")
             raise
         future = self._pending.popleft()
-        began = max(future.sent, self._finished_at)  # see started()
+        began = self._began(future)
         try:
             ok, value, finished_at = pickle.loads(frame)
         except BaseException as exc:  # the pipe is in step: this job's reply alone is lost

@@ -23,7 +23,7 @@ from torch import nn
 import dpmethods
 from dpmethods.streaming.scheduler import PREFETCH
 from dpmethods.testing import assert_close_to_reference as close
-from tests.helpers import WORKERS
+from tests.helpers import WORKERS, counting
 from tests.helpers.processes import (
     SHARD_BATCHES,
     build_net,
@@ -185,14 +185,6 @@ def test_batch_kinds_mapping_tuple_single(net: Net) -> None:
         list(dp.map("encode", [{0: x}]))
 
 
-def _counting(pulled: list[int]) -> Iterator[torch.Tensor]:
-    i = 0
-    while True:  # endless
-        pulled.append(i)
-        i += 1
-        yield torch.randn(2, 4)
-
-
 @pytest.mark.parametrize("ordered", [True, False])
 @pytest.mark.parametrize("prefetch", [1, 3, None])
 def test_endless_iterable_is_pulled_a_bounded_way_ahead(
@@ -203,7 +195,7 @@ def test_endless_iterable_is_pulled_a_bounded_way_ahead(
     # docs/map.md: prefetch x replicas in flight, and in order no batch more than
     # 2 x prefetch x replicas ahead of the last one yielded.
     window = (PREFETCH if prefetch is None else prefetch) * 2 * (2 if ordered else 1)
-    it = dp.map("encode", _counting(pulled), ordered=ordered, prefetch=prefetch)
+    it = dp.map("encode", counting(pulled), ordered=ordered, prefetch=prefetch)
     with torch.no_grad():
         for taken in range(1, 40):
             next(it)
@@ -238,21 +230,21 @@ def test_close_and_break_stop_the_workers(net: Net) -> None:
     dp = dpmethods.DataParallel(net, device_ids=["cpu"] * 2, cache_replicas=True)
     pulled: list[int] = []
     with torch.no_grad():
-        it = dp.map("encode", _counting(pulled))
+        it = dp.map("encode", counting(pulled))
         next(it)
         assert len(_map_threads()) == 2
         it.close()
         assert _map_threads() == []
         with pytest.raises(StopIteration):
             next(it)
-        for _ in dp.map("encode", _counting(pulled)):
+        for _ in dp.map("encode", counting(pulled)):
             break
         gc.collect()
         assert _map_threads() == []
-        with dp.map("encode", _counting(pulled)) as outs:
+        with dp.map("encode", counting(pulled)) as outs:
             next(outs)
         assert _map_threads() == []
-        it = dp.map("encode", _counting(pulled))
+        it = dp.map("encode", counting(pulled))
         next(it)
         del it  # abandoned: the garbage collector's finalizer stops the workers
         gc.collect()

@@ -41,7 +41,7 @@ from dpmethods.processes.classes import check, class_state, classes_of
 from dpmethods.processes.state import Watch
 from dpmethods.streaming import processes as process_backend
 from dpmethods.testing import assert_close_to_reference
-from tests.helpers import WORKERS
+from tests.helpers import WORKERS, counting
 from tests.helpers.models import random_sentences, tiny_sentence_transformer
 from tests.helpers.processes import (
     NOTED,
@@ -253,18 +253,12 @@ def test_break_and_close_stop_the_map_and_keep_the_pool(dp: Any, net: Net) -> No
         _same(a, b)
 
 
-def _counting(pulled: list[int]) -> Iterator[torch.Tensor]:
-    while True:  # endless
-        pulled.append(len(pulled))
-        yield torch.randn(2, 4)
-
-
 def _most_ahead(dp: Any, taken: int, **options: Any) -> int:
     """How many batches an unordered map of ``sleepy`` was ever pulled ahead of the outputs taken."""
     pulled: list[int] = []
     most = 0
     with torch.no_grad():
-        it = dp.map("sleepy", _counting(pulled), ordered=False, **options)
+        it = dp.map("sleepy", counting(pulled), ordered=False, **options)
         for k in range(1, taken + 1):
             next(it)
             most = max(most, len(pulled) - k)
